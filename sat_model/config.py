@@ -1,0 +1,332 @@
+"""Typed, frozen parameters: one model per ``params.yaml`` section.
+
+Every section rejects unknown keys and wrong types; errors name the dotted key
+(``train.soft.lr: Input should be a valid number``). Overrides use the dotted syntax of
+``dvc exp run -S`` (``train.soft.lr=2e-4``), parsed as YAML scalars.
+
+Only factories read these models; leaf modules take explicit arguments.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "CocoConfig",
+    "DataConfig",
+    "EncoderConfig",
+    "EvalConfig",
+    "Flickr8kConfig",
+    "HardTrainConfig",
+    "KarpathyConfig",
+    "MlflowConfig",
+    "ModelParams",
+    "Params",
+    "ParamsError",
+    "RayConfig",
+    "SoftTrainConfig",
+    "SyntheticConfig",
+    "TrainConfig",
+    "TuneConfig",
+    "VocabConfig",
+    "apply_overrides",
+    "load_params",
+    "read_yaml",
+]
+
+Split = Literal["train", "val", "test"]
+
+
+class ParamsError(ValueError):
+    """Raised when params.yaml (or an override) is invalid; the message names every bad key."""
+
+
+class _Section(BaseModel):
+    # strict: "3" is not an int, 1 is not a bool; frozen: params never change after loading.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+# ----------------------------------------------------------------------------- data
+class SyntheticConfig(_Section):
+    seed: int = 0
+    train_images: int = Field(4000, ge=1)
+    val_images: int = Field(500, ge=1)
+    test_images: int = Field(500, ge=1)
+    image_size: int = Field(224, ge=64)
+    captions_per_image: int = Field(5, ge=1)
+    min_objects: int = Field(1, ge=1)
+    max_objects: int = Field(4, ge=1, le=4)
+
+    @model_validator(mode="after")
+    def _objects_range(self) -> SyntheticConfig:
+        if self.min_objects > self.max_objects:
+            raise ValueError("min_objects must not exceed max_objects")
+        return self
+
+
+class Flickr8kConfig(_Section):
+    # paths relative to data.root, as in the original distribution
+    images_dir: str = "Flickr8k_Dataset"
+    token_file: str = "Flickr8k_text/Flickr8k.token.txt"
+    train_list: str = "Flickr8k_text/Flickr_8k.trainImages.txt"
+    val_list: str = "Flickr8k_text/Flickr_8k.devImages.txt"
+    test_list: str = "Flickr8k_text/Flickr_8k.testImages.txt"
+
+
+class KarpathyConfig(_Section):
+    json_file: str = "dataset_flickr8k.json"
+    images_dir: str = "Flickr8k_Dataset"
+    # Karpathy's "restval" images (COCO) are usually trained on; False drops them with a reason.
+    restval_to_train: bool = True
+
+
+class CocoConfig(_Section):
+    annotation_files: tuple[str, ...] = (
+        "annotations/captions_train2014.json",
+        "annotations/captions_val2014.json",
+    )
+    # one folder per annotation file, same order
+    images_dirs: tuple[str, ...] = ("train2014", "val2014")
+    # split policy: the first file trains; val/test are drawn from the others (paper: 5000/5000)
+    val_images: int = Field(5000, ge=0)
+    test_images: int = Field(5000, ge=0)
+    seed: int = 0
+    max_captions_per_image: int = Field(5, ge=1)  # paper truncates COCO to 5 references
+
+
+class VocabConfig(_Section):
+    min_count: int = Field(5, ge=1)
+    max_size: int = Field(10_000, ge=5)  # paper: 10,000 words
+    max_caption_length: int = Field(20, ge=1)  # tokens, without <start>/<end>; longer are skipped
+
+
+class DataConfig(_Section):
+    source: Literal["synthetic", "flickr8k", "karpathy", "coco"] = "synthetic"
+    # dataset folder for real sources; relative paths resolve against the project root
+    root: str | None = None
+    prepared_dir: str = "data/prepared"
+    # splits that must hold at least one valid image (the Flickr8k sample has no test split)
+    required_splits: tuple[Split, ...] = ("train", "val", "test")
+    # fail when more than this share of images or captions had to be skipped
+    max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0)
+    # decode every image while preparing (catches truncated files before extract does)
+    verify_images: bool = True
+    synthetic: SyntheticConfig = SyntheticConfig()
+    flickr8k: Flickr8kConfig = Flickr8kConfig()
+    karpathy: KarpathyConfig = KarpathyConfig()
+    coco: CocoConfig = CocoConfig()
+    vocab: VocabConfig = VocabConfig()
+
+    @model_validator(mode="after")
+    def _root_for_real_sources(self) -> DataConfig:
+        if self.source != "synthetic" and not self.root:
+            raise ValueError(f"data.root is required for source {self.source!r}")
+        return self
+
+
+# -------------------------------------------------------------------------- encoder
+class EncoderConfig(_Section):
+    name: Literal["efficientnet_lite0", "vgg16", "vgg19", "resnet101", "random"] = (
+        "efficientnet_lite0"
+    )
+    # feature layer: encoder-specific name (see sat_model.encoders); None picks the encoder default
+    layer: str | None = None
+    # weights file for torchvision encoders; None looks in the torch hub cache (never downloads)
+    weights: str | None = None
+    resize: int = Field(256, ge=32)  # shorter side, paper: 256
+    crop: int = Field(224, ge=32)  # centre crop, paper: 224
+    batch_size: int = Field(32, ge=1)
+    num_workers: int = Field(2, ge=0)  # DataLoader decoding workers
+    engine: Literal["local", "ray"] = "local"
+    features_dir: str = "data/features"
+    max_image_pixels: int = Field(50_000_000, ge=1)  # decompression-bomb guard
+
+
+# ---------------------------------------------------------------------------- model
+class ModelParams(_Section):
+    embed_dim: int = Field(256, ge=1)  # m
+    hidden_dim: int = Field(512, ge=1)  # n
+    attention_dim: int = Field(256, ge=1)
+    dropout: float = Field(0.5, ge=0.0, lt=1.0)
+    # gating scalar β_t = σ(f_β(h_{t-1})), Sec. 4.2.1
+    gate: bool = True
+
+
+# ---------------------------------------------------------------------------- train
+class _OptimFields(_Section):
+    optimizer: Literal["adam", "rmsprop"] = "adam"
+    lr: float = Field(4e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "step"] = "constant"
+    lr_decay: float = Field(0.8, gt=0, le=1)  # factor per epoch for "step"
+    max_epochs: int = Field(10, ge=1)
+    batch_size: int = Field(64, ge=1)
+    grad_clip: float = Field(5.0, gt=0)
+    patience: int = Field(3, ge=1)  # epochs without a better val BLEU-4 before stopping
+
+
+class SoftTrainConfig(_OptimFields):
+    doubly_stochastic: float = Field(1.0, ge=0)  # λ, Eq. 14
+
+
+class HardTrainConfig(_OptimFields):
+    lambda_r: float = Field(0.1, ge=0)  # REINFORCE weight (authors' code)
+    lambda_e: float = Field(0.002, ge=0)  # entropy weight (authors' code)
+    baseline_decay: float = Field(0.9, ge=0, lt=1)  # b_k = 0.9 b_{k-1} + 0.1 r, Sec. 4.1
+    semi_sampling_p: float = Field(0.5, ge=0, le=1)  # chance of using α instead of s̃
+    semi_sampling_per: Literal["image", "batch"] = "image"  # paper text: image; code: batch
+
+
+class TrainConfig(_Section):
+    seed: int = 0
+    # validation BLEU-4 from free-running greedy decoding on this many val images (0 = all)
+    val_images: int = Field(250, ge=0)
+    val_max_length: int = Field(20, ge=1)
+    models_dir: str = "models"
+    soft: SoftTrainConfig = SoftTrainConfig()
+    hard: HardTrainConfig = HardTrainConfig()
+
+
+# ----------------------------------------------------------------------------- eval
+class EvalConfig(_Section):
+    split: Split = "test"
+    beam_size: int = Field(3, ge=1)
+    max_length: int = Field(20, ge=1)
+    length_normalization: bool = False
+    # hard attention at test time: expected α (authors' default), a sample, or the argmax
+    hard_decode: Literal["expected", "sample", "argmax"] = "expected"
+    batch_size: int = Field(64, ge=1)
+    meteor_timeout_s: float = Field(600.0, gt=0)
+    gallery_images: int = Field(8, ge=0)
+    reports_dir: str = "reports"
+
+
+# ----------------------------------------------------------------------------- tune
+class TuneConfig(_Section):
+    attention: Literal["soft", "hard"] = "soft"
+    num_samples: int = Field(8, ge=1)
+    max_concurrent: int = Field(2, ge=1)
+    search_alg: Literal["random", "hyperopt", "optuna"] = "random"
+    max_epochs: int = Field(4, ge=1)
+    grace_period: int = Field(1, ge=1)  # ASHA
+    lr: tuple[float, float] = (1e-4, 2e-3)  # log-uniform bounds
+    doubly_stochastic: tuple[float, float] = (0.0, 2.0)
+    lambda_r: tuple[float, float] = (0.01, 1.0)
+    lambda_e: tuple[float, float] = (0.0, 0.01)
+    semi_sampling_p: tuple[float, float] = (0.0, 1.0)
+    output_dir: str = "reports/tune"
+
+
+# --------------------------------------------------------------------------- mlflow
+class MlflowConfig(_Section):
+    # None: MLFLOW_TRACKING_URI, else sqlite:///<absolute project root>/mlflow.db
+    tracking_uri: str | None = None
+    artifact_root: str = "mlartifacts"
+    experiment: str = "sat"
+    model_name: str = "sat-captioner"
+    champion_metric: str = "bleu_4"
+    retries: int = Field(3, ge=0)
+
+
+# ------------------------------------------------------------------------------ ray
+class RayConfig(_Section):
+    # None: RAY_ADDRESS, else a local ray.init with num_cpus
+    address: str | None = None
+    num_cpus: int = Field(2, ge=1)
+    num_workers: int = Field(1, ge=1)
+    cpus_per_worker: int = Field(2, ge=1)
+    use_gpu: Literal["auto", "true", "false"] = "auto"
+    max_failures: int = Field(2, ge=0)
+    storage_path: str = "ray_results"  # relative paths resolve against the project root
+
+
+class Params(_Section):
+    data: DataConfig = DataConfig()
+    encoder: EncoderConfig = EncoderConfig()
+    model: ModelParams = ModelParams()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    tune: TuneConfig = TuneConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+    ray: RayConfig = RayConfig()
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """SafeLoader that reads ``2e-4`` as a float, as YAML 1.2 (and DVC's writer) does."""
+
+
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML text with YAML 1.2 floats (``1e-3`` is a number, not a string)."""
+    return yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader subclass: no object construction
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"{key}: {e['msg']}")
+    return "invalid params:\n  " + "\n  ".join(lines)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of ``raw`` with ``a.b.c=value`` overrides applied (values parsed as YAML)."""
+    out = read_yaml(yaml.safe_dump(raw)) or {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ParamsError(f"override {item!r} is not of the form key.path=value")
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ParamsError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[leaf] = read_yaml(value)
+    return out
+
+
+def _tuples_from_lists(value: Any) -> Any:
+    # YAML has no tuples; strict pydantic wants them for the frozen tuple fields.
+    if isinstance(value, dict):
+        return {k: _tuples_from_lists(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(_tuples_from_lists(v) for v in value)
+    return value
+
+
+def load_params(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Params:
+    """Load and validate ``params.yaml``; raise :class:`ParamsError` naming every bad key."""
+    path = Path(path)
+    try:
+        raw = read_yaml(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError as e:
+        raise ParamsError(f"params file not found: {path}") from e
+    except yaml.YAMLError as e:
+        raise ParamsError(f"params file {path} is not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ParamsError(f"params file {path} must hold a mapping of sections")
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        return Params.model_validate(_tuples_from_lists(raw))
+    except ValidationError as e:
+        raise ParamsError(_format_error(e)) from None

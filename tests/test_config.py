@@ -1,0 +1,66 @@
+from pathlib import Path
+
+import pytest
+
+from sat_model.config import Params, ParamsError, load_params
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_project_params_load_and_match_defaults_where_unset() -> None:
+    params = load_params(ROOT / "params.yaml")
+    assert params.data.source == "synthetic"
+    assert params.data.vocab.max_size == 10_000  # the paper's vocabulary size
+
+
+def test_unknown_key_is_rejected_with_its_dotted_path(tmp_path: Path) -> None:
+    path = write(tmp_path, "train:\n  soft:\n    learning_rate: 0.1\n")
+    with pytest.raises(ParamsError, match=r"train\.soft\.learning_rate"):
+        load_params(path)
+
+
+def test_wrong_type_is_rejected_with_its_dotted_path(tmp_path: Path) -> None:
+    path = write(tmp_path, "encoder:\n  batch_size: '32'\n")
+    with pytest.raises(ParamsError, match=r"encoder\.batch_size"):
+        load_params(path)
+
+
+def test_every_bad_key_is_listed_at_once(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  dropout: high\nray:\n  num_cpus: 1.5\n")
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    assert "model.dropout" in str(err.value) and "ray.num_cpus" in str(err.value)
+
+
+def test_unknown_section_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ParamsError, match="optimiser"):
+        load_params(write(tmp_path, "optimiser: {}\n"))
+
+
+def test_dotted_override_uses_dvc_exp_syntax_and_yaml12_floats(tmp_path: Path) -> None:
+    path = write(tmp_path, "train:\n  soft:\n    lr: 1.0e-3\n")
+    params = load_params(path, overrides=["train.soft.lr=2e-4", "train.hard.lambda_r=0.5"])
+    assert params.train.soft.lr == pytest.approx(2e-4)
+    assert params.train.hard.lambda_r == pytest.approx(0.5)
+
+
+def test_bad_override_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ParamsError, match=r"train\.hard\.semi_sampling_per"):
+        load_params(write(tmp_path, ""), overrides=["train.hard.semi_sampling_per=word"])
+
+
+def test_real_source_requires_a_root(tmp_path: Path) -> None:
+    with pytest.raises(ParamsError, match=r"data\.root"):
+        load_params(write(tmp_path, "data:\n  source: flickr8k\n"))
+
+
+def test_params_are_frozen() -> None:
+    params = Params()
+    with pytest.raises(ValueError):
+        params.train.seed = 3  # type: ignore[misc]
