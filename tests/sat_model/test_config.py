@@ -4,7 +4,7 @@ import pytest
 
 from sat_model.config import Params, ParamsError, load_params
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path: Path, text: str) -> Path:
