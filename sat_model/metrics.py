@@ -1,0 +1,220 @@
+"""Caption metrics: the coco-caption scorers of pycocoevalcap, called directly.
+
+``COCOEvalCap.evaluate()`` is not used: it also builds SPICE, which downloads Stanford models
+and fails offline. The numbers are pycocoevalcap's own: PTB tokenisation (Java), ``Bleu(4)``,
+``Meteor()`` (Java), ``Rouge()`` (ROUGE-L) and ``Cider()`` (CIDEr-D). Validation during training
+calls the same :func:`score_captions` with ``metrics=("bleu",)``, so the early-stopping score
+and the reported score can never disagree about tokenisation or BLEU variant (PAPER.md,
+"Known pitfalls": nltk BLEU reported as if it were coco-caption's).
+
+METEOR runs a Java subprocess spoken to over pipes; a stuck JVM would hang the caller for ever,
+so the scoring runs in a thread and the process is killed after ``meteor_timeout_s``
+(:class:`MetricTimeoutError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+__all__ = [
+    "DEFAULT_METRICS",
+    "METRIC_KEYS",
+    "MetricError",
+    "MetricTimeoutError",
+    "default_meteor_command",
+    "score_captions",
+]
+
+DEFAULT_METRICS: tuple[str, ...] = ("bleu", "meteor", "rouge", "cider")
+# flat, stable keys per metric family (STYLE.md 10)
+METRIC_KEYS: dict[str, tuple[str, ...]] = {
+    "bleu": ("bleu_1", "bleu_2", "bleu_3", "bleu_4"),
+    "meteor": ("meteor",),
+    "rouge": ("rouge_l",),
+    "cider": ("cider",),
+}
+# seconds to wait for a killed METEOR thread to notice its closed pipes
+_KILL_GRACE_S = 10.0
+
+
+class MetricError(RuntimeError):
+    """A scorer could not run (no Java, a crashed METEOR process, inputs it cannot score)."""
+
+
+class MetricTimeoutError(MetricError):
+    """METEOR did not answer within its timeout; its Java process has been killed."""
+
+
+def default_meteor_command() -> list[str]:
+    """pycocoevalcap's own METEOR command line (run in the folder holding the jar)."""
+    from pycocoevalcap.meteor.meteor import METEOR_JAR
+
+    return ["java", "-jar", "-Xmx2G", METEOR_JAR, "-", "-", "-stdio", "-l", "en", "-norm"]
+
+
+def score_captions(
+    hypotheses: Mapping[str, str],
+    references: Mapping[str, Sequence[str]],
+    metrics: Sequence[str] = DEFAULT_METRICS,
+    meteor_timeout_s: float = 600.0,
+    *,
+    meteor_command: Sequence[str] | None = None,
+) -> dict[str, float]:
+    """Corpus scores of one hypothesis per image against that image's references.
+
+    Both mappings are keyed by image id and must hold the same ids. Returns flat keys
+    (``bleu_1``..``bleu_4``, ``meteor``, ``rouge_l``, ``cider``) for the requested families.
+    ``meteor_command`` replaces the ``java -jar meteor-1.5.jar ...`` command line (run in
+    pycocoevalcap's meteor folder); tests use it to simulate a stuck process.
+    """
+    _check_inputs(hypotheses, references, metrics)
+    gts, res = _ptb_tokenize(hypotheses, references)
+    scores: dict[str, float] = {}
+    if "bleu" in metrics:
+        scores.update(_bleu(gts, res))
+    if "meteor" in metrics:
+        command = list(meteor_command or default_meteor_command())
+        scores["meteor"] = _meteor(gts, res, command, meteor_timeout_s)
+    if "rouge" in metrics:
+        from pycocoevalcap.rouge.rouge import Rouge
+
+        scores["rouge_l"] = float(Rouge().compute_score(gts, res)[0])
+    if "cider" in metrics:
+        from pycocoevalcap.cider.cider import Cider
+
+        scores["cider"] = float(Cider().compute_score(gts, res)[0])
+    return scores
+
+
+def _check_inputs(
+    hypotheses: Mapping[str, str],
+    references: Mapping[str, Sequence[str]],
+    metrics: Sequence[str],
+) -> None:
+    unknown = sorted(set(metrics) - set(METRIC_KEYS))
+    if unknown:
+        raise ValueError(f"unknown metric(s) {unknown}; known: {sorted(METRIC_KEYS)}")
+    if not metrics:
+        raise ValueError("no metric requested")
+    if not hypotheses:
+        raise ValueError("no hypotheses to score")
+    missing = sorted(set(hypotheses) - set(references))
+    extra = sorted(set(references) - set(hypotheses))
+    if missing or extra:
+        raise ValueError(
+            f"hypotheses and references must cover the same images: "
+            f"{len(missing)} without references (e.g. {missing[:3]}), "
+            f"{len(extra)} without a hypothesis (e.g. {extra[:3]})"
+        )
+    empty = sorted(k for k, refs in references.items() if len(refs) == 0)
+    if empty:
+        raise ValueError(f"{len(empty)} image(s) have no reference caption (e.g. {empty[:3]})")
+    bad = sorted(k for k, h in hypotheses.items() if not isinstance(h, str))
+    if bad:
+        raise ValueError(f"hypotheses must be one string per image; not a string: {bad[:3]}")
+
+
+def _ptb_tokenize(
+    hypotheses: Mapping[str, str], references: Mapping[str, Sequence[str]]
+) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    tokenizer = PTBTokenizer()
+    try:
+        gts = tokenizer.tokenize({k: [{"caption": c} for c in v] for k, v in references.items()})
+        res = tokenizer.tokenize({k: [{"caption": h}] for k, h in hypotheses.items()})
+    except FileNotFoundError as e:
+        raise MetricError(f"the PTB tokenizer needs Java on PATH: {e}") from e
+    # the tokenizer drops images whose output lines are missing (a crashed JVM): say so
+    if gts.keys() != references.keys() or res.keys() != hypotheses.keys():
+        raise MetricError("the PTB tokenizer returned fewer captions than it was given")
+    return gts, res
+
+
+def _bleu(gts: dict[str, list[str]], res: dict[str, list[str]]) -> dict[str, float]:
+    from pycocoevalcap.bleu.bleu import Bleu
+
+    score, _ = Bleu(4).compute_score(gts, res, verbose=0)
+    return {key: float(s) for key, s in zip(METRIC_KEYS["bleu"], score, strict=True)}
+
+
+def _meteor_class() -> type:
+    from pycocoevalcap.meteor.meteor import Meteor
+
+    class _KillableMeteor(Meteor):
+        """pycocoevalcap's Meteor with a given command line and a close that never blocks.
+
+        Meteor's own ``__del__`` takes the lock that ``compute_score`` holds while it waits on
+        the pipe, so after a timeout it would deadlock; ``close`` kills without the lock.
+        """
+
+        def __init__(self, command: list[str], cwd: str, stderr: IO[bytes]) -> None:
+            self.meteor_cmd = command
+            self.lock = threading.Lock()
+            self.meteor_p = subprocess.Popen(
+                command, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr
+            )
+
+        def close(self) -> None:
+            if self.meteor_p.poll() is None:
+                self.meteor_p.kill()
+            self.meteor_p.wait()
+            for stream in (self.meteor_p.stdin, self.meteor_p.stdout):
+                # a pipe already broken by the kill has nothing left to flush
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+        def __del__(self) -> None:
+            if hasattr(self, "meteor_p"):
+                self.close()
+
+    return _KillableMeteor
+
+
+def _meteor(
+    gts: dict[str, list[str]], res: dict[str, list[str]], command: list[str], timeout_s: float
+) -> float:
+    from pycocoevalcap.meteor import meteor as meteor_module
+
+    cwd = os.path.dirname(os.path.abspath(meteor_module.__file__))
+    with tempfile.TemporaryFile() as stderr:
+        try:
+            scorer = _meteor_class()(command, cwd, stderr)
+        except FileNotFoundError as e:
+            raise MetricError(f"cannot start METEOR ({command[0]!r} not found): {e}") from e
+        outcome: dict[str, Any] = {}
+        worker = threading.Thread(
+            target=_run_meteor, args=(scorer, gts, res, outcome), name="meteor", daemon=True
+        )
+        worker.start()
+        worker.join(timeout_s)
+        timed_out = worker.is_alive()
+        scorer.close()  # on timeout this breaks the worker's pipe read, so the thread ends
+        worker.join(_KILL_GRACE_S)
+        if timed_out:
+            raise MetricTimeoutError(
+                f"METEOR timed out after {timeout_s:g} s (command {' '.join(command)!r}); "
+                f"its process was killed. Raise eval.meteor_timeout_s if the corpus is large."
+            )
+        if "error" in outcome:
+            stderr.seek(0)
+            tail = stderr.read()[-2000:].decode(errors="replace")
+            raise MetricError(f"METEOR failed: {outcome['error']!r}; stderr: {tail}") from outcome[
+                "error"
+            ]
+    if "score" not in outcome:
+        raise MetricError("METEOR ended without a score")
+    return float(outcome["score"])
+
+
+def _run_meteor(scorer: Any, gts: dict, res: dict, outcome: dict[str, Any]) -> None:
+    try:
+        outcome["score"] = scorer.compute_score(gts, res)[0]
+    except (OSError, ValueError) as e:  # a closed/broken pipe or a non-numeric answer
+        outcome["error"] = e
