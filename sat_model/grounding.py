@@ -1,0 +1,153 @@
+"""Pointing accuracy: does the peak of α_t land on the object the word names?
+
+Dimensions: ``L = grid_h × grid_w`` annotation locations (row-major, as the encoder's feature
+map is flattened); ``len`` words of one generated caption.
+
+α is defined over the feature grid of the *centre-cropped* image (extract resized the shorter side
+to ``resize``, then cropped ``crop × crop`` from the centre, Sec. 4.3 / PAPER.md). Boxes are in
+the original image's pixels, so they are first mapped into the crop's frame, and a word counts as
+a hit when the centre of its peak cell lies inside (any of) the box(es) the word names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "Box",
+    "GroundingSample",
+    "PointingResult",
+    "box_to_crop",
+    "cell_centre",
+    "crop_geometry",
+    "peak_hits_box",
+    "pointing_accuracy",
+]
+
+
+@dataclass(frozen=True)
+class Box:
+    """An axis-aligned box in pixels, ``x0 <= x1``, ``y0 <= y1``; ``label`` names the object."""
+
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+    label: str = ""
+
+    def contains(self, x: float, y: float) -> bool:
+        return self.x0 <= x <= self.x1 and self.y0 <= y <= self.y1
+
+
+@dataclass(frozen=True)
+class CropGeometry:
+    """Scale then offset that maps original pixels into the centre crop: ``x' = x*scale - left``."""
+
+    scale_x: float
+    scale_y: float
+    left: int
+    top: int
+    crop: int
+
+
+@dataclass(frozen=True)
+class GroundingSample:
+    """One generated caption: its words, their α (len, L) and the image's boxes."""
+
+    words: Sequence[str]
+    alphas: np.ndarray
+    boxes: Sequence[Box]
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class PointingResult:
+    hits: int
+    total: int
+
+    @property
+    def accuracy(self) -> float:
+        # no grounded word at all is "not measured", not 0 and not 1
+        return self.hits / self.total if self.total else float("nan")
+
+
+def crop_geometry(width: int, height: int, resize: int, crop: int) -> CropGeometry:
+    """The resize-shorter-side-then-centre-crop transform, computed as torchvision does it.
+
+    ``Resize(resize)`` sets the short side to ``resize`` and the long side to
+    ``int(resize * long / short)`` (truncated); ``CenterCrop(crop)`` offsets by
+    ``int(round((size - crop) / 2))``.
+    """
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
+    if crop > resize:
+        raise ValueError(f"crop {crop} is larger than the resized short side {resize}")
+    if width <= height:
+        new_w, new_h = resize, int(resize * height / width)
+    else:
+        new_w, new_h = int(resize * width / height), resize
+    left = round((new_w - crop) / 2.0)
+    top = round((new_h - crop) / 2.0)
+    return CropGeometry(new_w / width, new_h / height, int(left), int(top), crop)
+
+
+def box_to_crop(box: Box, geometry: CropGeometry) -> Box:
+    """Map ``box`` from original pixels into the crop's frame (may extend past the crop)."""
+    g = geometry
+    return Box(
+        box.x0 * g.scale_x - g.left,
+        box.y0 * g.scale_y - g.top,
+        box.x1 * g.scale_x - g.left,
+        box.y1 * g.scale_y - g.top,
+        box.label,
+    )
+
+
+def cell_centre(index: int, grid_h: int, grid_w: int, crop: int) -> tuple[float, float]:
+    """Centre ``(x, y)`` in crop pixels of flattened cell ``index`` (row-major over h×w)."""
+    if not 0 <= index < grid_h * grid_w:
+        raise ValueError(f"cell index {index} outside a {grid_h}x{grid_w} grid")
+    row, col = divmod(index, grid_w)
+    return (col + 0.5) * crop / grid_w, (row + 0.5) * crop / grid_h
+
+
+def peak_hits_box(
+    alpha: np.ndarray, boxes_in_crop: Sequence[Box], grid_h: int, grid_w: int, crop: int
+) -> bool:
+    """True when the centre of α's peak cell lies inside any of ``boxes_in_crop``."""
+    if alpha.shape != (grid_h * grid_w,):
+        raise ValueError(f"alpha has shape {alpha.shape}, expected ({grid_h * grid_w},)")
+    x, y = cell_centre(int(np.argmax(alpha)), grid_h, grid_w, crop)
+    return any(b.contains(x, y) for b in boxes_in_crop)
+
+
+def pointing_accuracy(
+    samples: Iterable[GroundingSample],
+    named_boxes: Callable[[str, Sequence[Box]], Sequence[Box]],
+    *,
+    grid_h: int,
+    grid_w: int,
+    resize: int,
+    crop: int,
+) -> PointingResult:
+    """Share of object-naming words whose α peak lies on the named object.
+
+    ``named_boxes(word, boxes)`` returns the boxes ``word`` refers to (empty: the word names no
+    object and is not counted). A word naming several objects (two "circle"s) hits when the peak
+    falls on any of them, since the caption alone cannot say which was meant.
+    """
+    hits = total = 0
+    for sample in samples:
+        geometry = crop_geometry(sample.width, sample.height, resize, crop)
+        for t, word in enumerate(sample.words):
+            targets = named_boxes(word, sample.boxes)
+            if not targets:
+                continue
+            in_crop = [box_to_crop(b, geometry) for b in targets]
+            total += 1
+            hits += peak_hits_box(sample.alphas[t], in_crop, grid_h, grid_w, crop)
+    return PointingResult(hits=hits, total=total)
