@@ -1,0 +1,232 @@
+"""Caption minibatches over a feature store, grouped by caption length and shardable.
+
+Dimensions (PAPER.md): ``B`` batch, ``T`` caption steps (``T+1`` tokens with ``<start>``),
+``L`` annotation locations, ``D`` annotation size.
+
+The paper trains on homogeneous minibatches: "we build a dictionary mapping the length of a
+sentence to the corresponding subset of captions ... and randomly sample a length and retrieve
+a minibatch of size 64 of that length" (Sec. 4.3), so no compute is spent on padding. Here every
+epoch is a full pass: captions are shuffled within each length, cut into batches of one length,
+and the batch list is shuffled, all from ``(seed, epoch)`` so every rank computes the same
+global list without talking. Rank ``r`` of ``R`` takes every ``R``-th batch; when the batch
+count is not a multiple of ``R`` the largest batches are halved until it is, so shards stay
+disjoint, complete and equal in count (DDP needs the same number of steps on every rank).
+
+Annotations are read from the memory-mapped store one batch at a time; nothing copies the
+whole store into RAM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from sat_model.vocab import Vocab
+
+__all__ = [
+    "Batch",
+    "BatchingError",
+    "CaptionDataset",
+    "FeatureSource",
+    "LengthGroupedBatchSampler",
+    "SkippedCaption",
+    "load_caption_dataset",
+    "load_references",
+]
+
+
+class BatchingError(ValueError):
+    """No usable caption is left, or batching arguments are invalid; names the bad value."""
+
+
+class FeatureSource(Protocol):
+    """What batching needs of ``sat_model.features.FeatureStore`` (ARCHITECTURE.md)."""
+
+    @property
+    def ids(self) -> Sequence[str]: ...
+
+    def get_batch(self, indices: Sequence[int]) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class SkippedCaption:
+    """A caption left out of a dataset, with the reason (DESIGN.md: never silently dropped)."""
+
+    image_id: str
+    caption_index: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One minibatch in the model's caption layout (ARCHITECTURE.md, "Model contracts")."""
+
+    annotations: torch.Tensor  # (B, L, D) float32
+    captions: torch.Tensor  # (B, T+1) long: <start> w_1 .. w_k <end> <pad>..
+    lengths: torch.Tensor  # (B,) long, k+2
+    image_indices: torch.Tensor  # (B,) long, rows of the feature store
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(
+            self.annotations.to(device, non_blocking=True),
+            self.captions.to(device, non_blocking=True),
+            self.lengths.to(device, non_blocking=True),
+            self.image_indices.to(device, non_blocking=True),
+        )
+
+
+class CaptionDataset:
+    """(feature-store row, caption ids) pairs of one split; ``collate`` builds a :class:`Batch`."""
+
+    def __init__(
+        self,
+        store: FeatureSource,
+        image_indices: Sequence[int],
+        captions: Sequence[Sequence[int]],
+        pad_id: int = 0,
+    ) -> None:
+        if len(image_indices) != len(captions):
+            raise BatchingError(f"{len(image_indices)} image indices but {len(captions)} captions")
+        if not captions:
+            raise BatchingError("a caption dataset needs at least one caption")
+        self.store = store
+        self.image_indices = np.asarray(image_indices, dtype=np.int64)  # (N,)
+        self.captions = [tuple(int(t) for t in c) for c in captions]
+        self.lengths = np.array([len(c) for c in self.captions], dtype=np.int64)  # (N,)
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return len(self.captions)
+
+    def collate(self, indices: Sequence[int]) -> Batch:
+        """Annotations and padded captions of dataset items ``indices``."""
+        rows = self.image_indices[np.asarray(indices, dtype=np.int64)]  # (B,)
+        feats = self.store.get_batch(rows.tolist())  # (B, L, D) float16 from the mapping
+        annotations = torch.from_numpy(np.asarray(feats, dtype=np.float32))  # (B, L, D)
+        lengths = torch.as_tensor(self.lengths[np.asarray(indices, dtype=np.int64)])  # (B,)
+        captions = torch.full((len(indices), int(lengths.max())), self.pad_id, dtype=torch.long)
+        for row, i in enumerate(indices):
+            tokens = self.captions[i]
+            captions[row, : len(tokens)] = torch.as_tensor(tokens)  # (B, T+1)
+        return Batch(annotations, captions, lengths, torch.from_numpy(rows))
+
+
+def load_caption_dataset(
+    captions_path: str | Path, split: str, store: FeatureSource, vocab: Vocab
+) -> tuple[CaptionDataset, list[SkippedCaption]]:
+    """The ``split`` captions of ``captions.parquet`` whose image is in ``store``.
+
+    Captions whose image has no features (the extract stage skipped it) are returned as
+    :class:`SkippedCaption`; :class:`BatchingError` only when none is left.
+    """
+    table = pq.read_table(captions_path, columns=["image_id", "split", "caption_index", "tokens"])
+    rows = table.filter(pc.equal(table["split"], split)).to_pydict()
+    row_of = {image_id: i for i, image_id in enumerate(store.ids)}
+    indices, captions, skipped = [], [], []
+    for image_id, cap_idx, tokens in zip(
+        rows["image_id"], rows["caption_index"], rows["tokens"], strict=True
+    ):
+        if image_id not in row_of:
+            skipped.append(SkippedCaption(image_id, cap_idx, "image has no features"))
+            continue
+        indices.append(row_of[image_id])
+        captions.append(vocab.encode_caption(tokens))
+    if not captions:
+        raise BatchingError(
+            f"no usable {split!r} caption in {captions_path}: "
+            f"{len(skipped)} skipped (e.g. {[s.image_id for s in skipped[:3]]})"
+        )
+    return CaptionDataset(store, indices, captions, vocab.pad_id), skipped
+
+
+def load_references(captions_path: str | Path, split: str) -> dict[str, list[str]]:
+    """Raw reference captions per image id of ``split``, in caption order (for scoring)."""
+    table = pq.read_table(captions_path, columns=["image_id", "split", "caption_index", "raw"])
+    rows = table.filter(pc.equal(table["split"], split)).to_pydict()
+    order = sorted(zip(rows["image_id"], rows["caption_index"], rows["raw"], strict=True))
+    refs: dict[str, list[str]] = {}
+    for image_id, _, raw in order:
+        refs.setdefault(image_id, []).append(raw)
+    return refs
+
+
+class LengthGroupedBatchSampler:
+    """Per-epoch batches of equal-length captions, sharded over ``num_replicas`` ranks.
+
+    ``batches(epoch)`` is this rank's list; ``global_batches(epoch)`` the list all ranks share.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        if batch_size < 1:
+            raise BatchingError(f"batch_size must be >= 1, got {batch_size}")
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise BatchingError(f"rank {rank} is not in [0, num_replicas={num_replicas})")
+        self.lengths = np.asarray(lengths, dtype=np.int64)  # (N,)
+        if self.lengths.size == 0:
+            raise BatchingError("no caption to batch")
+        self.batch_size = batch_size
+        self.seed = seed
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch ``iter``/``len`` use (as torch's DistributedSampler)."""
+        self.epoch = epoch
+
+    def global_batches(self, epoch: int) -> list[list[int]]:
+        """Every rank's batches, interleaved: rank r owns positions r, r+R, r+2R, ..."""
+        rng = np.random.default_rng([self.seed, epoch])
+        batches: list[list[int]] = []
+        for length in np.unique(self.lengths):  # sorted, so the rng draws in a fixed order
+            members = rng.permutation(np.flatnonzero(self.lengths == length))
+            batches += [
+                members[i : i + self.batch_size].tolist()
+                for i in range(0, members.size, self.batch_size)
+            ]
+        batches = _split_to_multiple(batches, self.num_replicas)
+        order = rng.permutation(len(batches))
+        return [batches[i] for i in order]
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        return self.global_batches(epoch)[self.rank :: self.num_replicas]
+
+    def __len__(self) -> int:
+        return len(self.batches(self.epoch))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches(self.epoch))
+
+
+def _split_to_multiple(batches: list[list[int]], multiple: int) -> list[list[int]]:
+    """Halve the largest batches until the count is a multiple of ``multiple``.
+
+    Halving keeps a batch homogeneous in length and every caption in exactly one batch. Only
+    when there are fewer captions than the next multiple (a toy dataset) are whole batches
+    repeated, as torch's DistributedSampler pads, so that every rank still steps equally.
+    """
+    batches = list(batches)
+    while len(batches) % multiple:
+        largest = max(range(len(batches)), key=lambda i: (len(batches[i]), -i))
+        big = batches[largest]
+        if len(big) < 2:
+            need = multiple - len(batches) % multiple
+            return batches + [batches[i % len(batches)] for i in range(need)]
+        half = (len(big) + 1) // 2
+        batches[largest : largest + 1] = [big[:half], big[half:]]
+    return batches

@@ -1,0 +1,187 @@
+"""Length-grouped, shardable caption batches over a feature store (paper Sec. 4.3)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from sat_model.batching import (
+    BatchingError,
+    CaptionDataset,
+    LengthGroupedBatchSampler,
+    load_caption_dataset,
+    load_references,
+)
+from sat_model.vocab import build_vocab
+
+L, D = 6, 4
+
+
+def _lengths(n: int = 103, seed: int = 3) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, 9, size=n)
+
+
+def write_feature_store(path: Path, ids: list[str], feats: np.ndarray) -> None:
+    """A feature store per ARCHITECTURE.md: image_id + fixed_size_list<float16>[L*D]."""
+    flat = pa.array(feats.reshape(-1).astype(np.float16), type=pa.float16())  # (N*L*D,)
+    column = pa.FixedSizeListArray.from_arrays(flat, L * D)  # (N,) of L*D
+    meta = {
+        "encoder": "random",
+        "layer": "none",
+        "input_size": "32",
+        "L": str(L),
+        "D": str(D),
+        "grid_h": "2",
+        "grid_w": "3",
+        "weights_sha256": "0" * 64,
+        "format_version": "1",
+    }
+    schema = pa.schema([("image_id", pa.string()), ("features", column.type)], metadata=meta)
+    table = pa.table({"image_id": ids, "features": column}, schema=schema)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        writer.write_table(table)
+
+
+def write_captions(path: Path, rows: list[tuple[str, str, int, str]]) -> None:
+    """captions.parquet rows (image_id, split, caption_index, raw); tokens = raw.split()."""
+    pq.write_table(
+        pa.table(
+            {
+                "image_id": [r[0] for r in rows],
+                "split": [r[1] for r in rows],
+                "file": [f"{r[0]}.png" for r in rows],
+                "caption_index": pa.array([r[2] for r in rows], pa.int32()),
+                "raw": [r[3] for r in rows],
+                "tokens": [r[3].split() for r in rows],
+            }
+        ),
+        path,
+    )
+
+
+def _open_store(path: Path):
+    features = pytest.importorskip("sat_model.features", reason="sat_model.features not landed")
+    return features.FeatureStore(path)
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2, 3, 4])
+def test_every_batch_holds_captions_of_one_length(num_replicas: int) -> None:
+    lengths = _lengths()
+    for rank in range(num_replicas):
+        sampler = LengthGroupedBatchSampler(
+            lengths, 8, seed=1, num_replicas=num_replicas, rank=rank
+        )
+        for batch in sampler.batches(epoch=2):
+            assert len(set(lengths[batch].tolist())) == 1
+            assert 1 <= len(batch) <= 8
+
+
+@pytest.mark.parametrize("num_replicas", [2, 3, 4, 7])
+def test_shards_are_disjoint_complete_and_equal_in_count(num_replicas: int) -> None:
+    lengths = _lengths()
+    shards = [
+        LengthGroupedBatchSampler(lengths, 8, seed=5, num_replicas=num_replicas, rank=r).batches(1)
+        for r in range(num_replicas)
+    ]
+    assert len({len(s) for s in shards}) == 1
+    seen = Counter(i for shard in shards for batch in shard for i in batch)
+    assert sorted(seen) == list(range(len(lengths)))  # complete
+    assert set(seen.values()) == {1}  # disjoint
+    global_list = LengthGroupedBatchSampler(
+        lengths, 8, seed=5, num_replicas=num_replicas
+    ).global_batches(1)
+    assert sorted(map(tuple, global_list)) == sorted(tuple(b) for s in shards for b in s)
+
+
+def test_shards_step_equally_even_when_captions_are_fewer_than_ranks() -> None:
+    lengths = np.array([5, 6, 7])  # three single-caption lengths over four ranks
+    shards = [
+        LengthGroupedBatchSampler(lengths, 4, num_replicas=4, rank=r).batches(0) for r in range(4)
+    ]
+    assert [len(s) for s in shards] == [1, 1, 1, 1]
+    assert {i for s in shards for b in s for i in b} == {0, 1, 2}
+
+
+def test_batch_order_is_deterministic_per_epoch_and_changes_between_epochs() -> None:
+    lengths = _lengths()
+    a = LengthGroupedBatchSampler(lengths, 8, seed=11)
+    b = LengthGroupedBatchSampler(lengths, 8, seed=11)
+    assert a.batches(3) == b.batches(3)
+    assert a.batches(3) != a.batches(4)
+    assert a.batches(3) != LengthGroupedBatchSampler(lengths, 8, seed=12).batches(3)
+
+
+def test_single_rank_batch_count_is_sum_of_per_length_ceilings() -> None:
+    lengths = np.array([3] * 17 + [4] * 8 + [5] * 1)
+    # ceil(17/8) + ceil(8/8) + ceil(1/8) = 3 + 1 + 1
+    assert len(LengthGroupedBatchSampler(lengths, 8).batches(0)) == 5
+
+
+def test_rank_outside_replicas_is_refused() -> None:
+    with pytest.raises(BatchingError, match="rank 2"):
+        LengthGroupedBatchSampler([3, 4], 2, num_replicas=2, rank=2)
+
+
+def test_collate_gives_float32_annotations_and_padded_long_captions(tmp_path: Path) -> None:
+    feats = np.random.default_rng(0).standard_normal((3, L, D)).astype(np.float16)
+    write_feature_store(tmp_path / "train.arrow", ["a", "b", "c"], feats)
+    store = _open_store(tmp_path / "train.arrow")
+    ds = CaptionDataset(store, [2, 0], [[1, 7, 8, 2], [1, 9, 2]])
+    batch = ds.collate([0, 1])
+    assert batch.annotations.dtype == torch.float32
+    assert batch.annotations.shape == (2, L, D)
+    np.testing.assert_array_equal(batch.annotations.numpy(), feats[[2, 0]].astype(np.float32))
+    assert batch.captions.dtype == torch.long
+    assert batch.captions.tolist() == [[1, 7, 8, 2], [1, 9, 2, 0]]
+    assert batch.lengths.tolist() == [4, 3]
+
+
+def test_dataset_skips_captions_without_features_and_keeps_the_rest(tmp_path: Path) -> None:
+    feats = np.zeros((2, L, D), dtype=np.float16)
+    write_feature_store(tmp_path / "train.arrow", ["a", "b"], feats)
+    write_captions(
+        tmp_path / "captions.parquet",
+        [
+            ("a", "train", 0, "a red circle"),
+            ("b", "train", 0, "a blue square"),
+            ("gone", "train", 0, "a green circle"),
+            ("v", "val", 0, "a red square"),
+        ],
+    )
+    vocab = build_vocab([["a", "red", "circle", "blue", "square"]], 1, 100, 20)
+    ds, skipped = load_caption_dataset(
+        tmp_path / "captions.parquet", "train", _open_store(tmp_path / "train.arrow"), vocab
+    )
+    assert len(ds) == 2
+    assert [(s.image_id, s.reason) for s in skipped] == [("gone", "image has no features")]
+    assert ds.captions[0] == tuple(vocab.encode_caption(["a", "red", "circle"]))
+
+
+def test_dataset_with_no_usable_caption_fails_loudly(tmp_path: Path) -> None:
+    write_feature_store(tmp_path / "train.arrow", ["a"], np.zeros((1, L, D), np.float16))
+    write_captions(tmp_path / "captions.parquet", [("z", "train", 0, "a cat")])
+    vocab = build_vocab([["a", "cat"]], 1, 100, 20)
+    with pytest.raises(BatchingError, match="no usable 'train' caption"):
+        load_caption_dataset(
+            tmp_path / "captions.parquet", "train", _open_store(tmp_path / "train.arrow"), vocab
+        )
+
+
+def test_references_are_grouped_per_image_in_caption_order(tmp_path: Path) -> None:
+    write_captions(
+        tmp_path / "captions.parquet",
+        [
+            ("b", "val", 1, "second of b"),
+            ("a", "val", 0, "only a"),
+            ("b", "val", 0, "first of b"),
+            ("t", "train", 0, "not val"),
+        ],
+    )
+    refs = load_references(tmp_path / "captions.parquet", "val")
+    assert refs == {"a": ["only a"], "b": ["first of b", "second of b"]}
