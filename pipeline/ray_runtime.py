@@ -1,0 +1,112 @@
+"""Where Ray runs: a local ``ray.init`` by default, an existing cluster when an address is given.
+
+The address comes from, in order: an explicit argument (``sat tune --address``), ``RAY_ADDRESS``,
+``ray.address`` in params; with none of them Ray starts locally with ``ray.num_cpus`` CPUs. The
+dashboard and usage statistics are off and logs are quiet unless the user asks otherwise.
+
+A single-machine Ray must stay on loopback: Ray rewrites ``127.0.0.1`` to the machine's network
+address unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set, so :func:`loopback_env` sets it
+(for this process before Ray is imported, and for ``ray start`` subprocesses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from sat_model.config import RayConfig
+
+__all__ = [
+    "RaySession",
+    "loopback_env",
+    "ray_session",
+    "resolve_address",
+    "resolve_storage_path",
+    "resolve_use_gpu",
+]
+
+# Defaults a user may still override in the environment (setdefault, never overwrite).
+_QUIET_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # keep 127.0.0.1 as given (see module docstring)
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # Train's print patch spams the driver's terminal
+}
+
+
+def loopback_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Return ``base`` (default ``os.environ``) plus the loopback/quiet Ray defaults it lacks."""
+    env = dict(os.environ if base is None else base)
+    for key, value in _QUIET_ENV.items():
+        env.setdefault(key, value)
+    return env
+
+
+def _apply_loopback_env() -> None:
+    for key, value in _QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def resolve_address(cfg: RayConfig, address: str | None = None) -> str | None:
+    """The cluster to connect to, or None for a local ``ray.init``."""
+    return address or os.environ.get("RAY_ADDRESS") or cfg.address or None
+
+
+def resolve_use_gpu(setting: str) -> bool:
+    """``ray.use_gpu``: "auto" is true exactly when this process sees CUDA."""
+    if setting == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    if setting in ("true", "false"):
+        return setting == "true"
+    raise ValueError(f"ray.use_gpu must be auto, true or false, got {setting!r}")
+
+
+def resolve_storage_path(cfg: RayConfig, project_root: Path) -> Path:
+    """Absolute storage path for Ray Train/Tune results (workers change their cwd)."""
+    path = Path(cfg.storage_path).expanduser()
+    return path if path.is_absolute() else (project_root / path).resolve()
+
+
+@dataclass(frozen=True)
+class RaySession:
+    """What :func:`ray_session` connected to."""
+
+    address: str | None  # None: a local cluster this process started
+    started_here: bool  # False when an already-initialised Ray was reused
+
+
+@contextlib.contextmanager
+def ray_session(
+    cfg: RayConfig, *, address: str | None = None, quiet: bool = True
+) -> Iterator[RaySession]:
+    """Connect to (or start) Ray for the duration of the block.
+
+    An already-initialised Ray in this process (a test session's shared cluster, a Tune trial)
+    is reused and left running; a cluster started here is shut down on exit.
+    """
+    _apply_loopback_env()
+    import ray
+
+    target = resolve_address(cfg, address)
+    if ray.is_initialized():
+        yield RaySession(address=target, started_here=False)
+        return
+    level = logging.WARNING if quiet else logging.INFO
+    if target:
+        ray.init(address=target, logging_level=level, log_to_driver=not quiet)
+    else:
+        ray.init(
+            num_cpus=cfg.num_cpus,
+            include_dashboard=False,
+            logging_level=level,
+            log_to_driver=not quiet,
+        )
+    try:
+        yield RaySession(address=target, started_here=True)
+    finally:
+        ray.shutdown()

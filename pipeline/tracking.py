@@ -1,0 +1,270 @@
+"""MLflow tracking: where runs go, which run a training resumes, and what each epoch logs.
+
+The tracking URI comes from ``MLFLOW_TRACKING_URI``, else ``mlflow.tracking_uri`` in params, else
+``sqlite:////<absolute project root>/mlflow.db``; artifacts of a newly created experiment go to
+``<project root>/<mlflow.artifact_root>``. The driver creates (or finds, by its deterministic
+name) a run and hands its id to the Ray workers; rank 0 alone logs params and per-epoch metrics
+through :class:`EpochLogger`, which skips epochs the run already holds so a restarted worker
+never logs an epoch twice.
+
+Every call to the tracking store goes through :func:`with_retries`: SQLite under concurrent
+writers and a restarting tracking server both fail transiently.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import yaml
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
+
+from sat_model.config import MlflowConfig
+
+__all__ = [
+    "EpochLogger",
+    "Tracking",
+    "artifact_location",
+    "connect",
+    "find_or_create_run",
+    "flatten",
+    "lineage_tags",
+    "log_params",
+    "resolve_tracking_uri",
+    "with_retries",
+]
+
+T = TypeVar("T")
+
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests child runs under it
+# Error codes of failures that another attempt may not meet (locked SQLite, server restarting).
+_TRANSIENT_CODES = frozenset(
+    {
+        "INTERNAL_ERROR",
+        "TEMPORARILY_UNAVAILABLE",
+        "DEADLINE_EXCEEDED",
+        "COULD_NOT_ACQUIRE_LOCK",
+        "ABORTED",
+        "IO_ERROR",
+        "REQUEST_LIMIT_EXCEEDED",
+    }
+)
+
+
+def resolve_tracking_uri(cfg: MlflowConfig, project_root: Path) -> str:
+    """``MLFLOW_TRACKING_URI``, else params, else an absolute SQLite file in the project."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
+    if uri:
+        return uri
+    # four slashes: sqlite:/// + an absolute path; workers run elsewhere, never relative
+    return f"sqlite:///{(project_root / 'mlflow.db').resolve()}"
+
+
+def artifact_location(cfg: MlflowConfig, project_root: Path) -> str:
+    """Absolute artifact location (a URI) for experiments this project creates."""
+    if "://" in cfg.artifact_root:
+        return cfg.artifact_root
+    root = Path(cfg.artifact_root).expanduser()
+    root = root if root.is_absolute() else project_root / root
+    return root.resolve().as_uri()
+
+
+def _is_transient(err: BaseException) -> bool:
+    if isinstance(err, MlflowException):
+        return err.error_code in _TRANSIENT_CODES
+    return isinstance(err, OSError)  # ConnectionError and socket timeouts are OSErrors
+
+
+def with_retries(fn: Callable[[], T], *, retries: int, what: str, delay_s: float = 0.5) -> T:
+    """Call ``fn``; retry transient tracking failures ``retries`` times with doubling delays."""
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except (MlflowException, OSError) as err:
+            if attempt == retries or not _is_transient(err):
+                err.add_note(f"tracking: {what} failed after {attempt + 1} attempt(s)")
+                raise
+            time.sleep(delay_s * 2**attempt)
+    raise AssertionError("unreachable: the loop returns or raises")
+
+
+@dataclass(frozen=True)
+class Tracking:
+    """A resolved tracking store and experiment, cheap to pass to Ray workers (plain fields)."""
+
+    tracking_uri: str
+    experiment_id: str
+    experiment_name: str
+    retries: int
+
+    def client(self) -> MlflowClient:
+        return MlflowClient(tracking_uri=self.tracking_uri)
+
+    def call(self, fn: Callable[[MlflowClient], T], what: str) -> T:
+        client = self.client()
+        return with_retries(lambda: fn(client), retries=self.retries, what=what)
+
+
+def connect(cfg: MlflowConfig, project_root: Path, experiment: str | None = None) -> Tracking:
+    """Resolve the store and get or create the experiment (artifacts under the project)."""
+    uri = resolve_tracking_uri(cfg, project_root)
+    name = experiment or cfg.experiment
+    client = MlflowClient(tracking_uri=uri)
+
+    def get_or_create() -> str:
+        found = client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return client.create_experiment(name, artifact_location(cfg, project_root))
+        except MlflowException as err:  # another process created it between the two calls
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return client.get_experiment_by_name(name).experiment_id
+
+    exp_id = with_retries(get_or_create, retries=cfg.retries, what=f"experiment {name!r}")
+    return Tracking(uri, exp_id, name, cfg.retries)
+
+
+def find_or_create_run(
+    tracking: Tracking,
+    run_name: str,
+    *,
+    tags: Mapping[str, str] | None = None,
+    parent_run_id: str | None = None,
+) -> str:
+    """Id of the newest run called ``run_name`` (so a re-run resumes it), else of a new one."""
+    tags = dict(tags or {})
+    if parent_run_id:
+        tags[PARENT_TAG] = parent_run_id
+    query = f"attributes.run_name = '{run_name}'"
+    if parent_run_id:
+        query += f" and tags.`{PARENT_TAG}` = '{parent_run_id}'"
+
+    def find_or_create(client: MlflowClient) -> str:
+        runs = client.search_runs(
+            [tracking.experiment_id], query, max_results=1, order_by=["start_time DESC"]
+        )
+        if runs:
+            for key, value in tags.items():
+                client.set_tag(runs[0].info.run_id, key, value)
+            return runs[0].info.run_id
+        run = client.create_run(tracking.experiment_id, tags=tags, run_name=run_name)
+        return run.info.run_id
+
+    return tracking.call(find_or_create, f"run {run_name!r}")
+
+
+def flatten(tree: Mapping[str, object], prefix: str = "") -> dict[str, str]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": "1"}``: MLflow params are flat strings."""
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = str(value)
+    return out
+
+
+def log_params(tracking: Tracking, run_id: str, params: Mapping[str, str]) -> None:
+    """Log params the run does not hold yet (MLflow refuses to change a logged param)."""
+
+    def log(client: MlflowClient) -> None:
+        held = client.get_run(run_id).data.params
+        new = [Param(k, v) for k, v in params.items() if k not in held]
+        for i in range(0, len(new), 100):  # log_batch takes at most 100 params per call
+            client.log_batch(run_id, params=new[i : i + 100])
+
+    tracking.call(log, f"params of run {run_id}")
+
+
+class EpochLogger:
+    """Per-epoch metrics (``step=epoch``), each (key, epoch) at most once, across restarts."""
+
+    def __init__(self, tracking: Tracking, run_id: str) -> None:
+        self.tracking = tracking
+        self.run_id = run_id
+        self._logged: dict[str, set[int]] = {}
+
+    def _steps(self, client: MlflowClient, key: str) -> set[int]:
+        # read the run's history once per key: a resumed worker learns what an earlier one logged
+        if key not in self._logged:
+            history = client.get_metric_history(self.run_id, key)
+            self._logged[key] = {m.step for m in history}
+        return self._logged[key]
+
+    def log_epoch(self, epoch: int, metrics: Mapping[str, float]) -> dict[str, float]:
+        """Log what this epoch has not logged yet; return what was logged now."""
+
+        def log(client: MlflowClient) -> dict[str, float]:
+            now = int(time.time() * 1000)
+            fresh = {k: float(v) for k, v in metrics.items() if epoch not in self._steps(client, k)}
+            batch = [Metric(k, v, now, epoch) for k, v in fresh.items()]
+            if batch:
+                client.log_batch(self.run_id, metrics=batch)
+            for key in fresh:
+                self._logged[key].add(epoch)
+            return fresh
+
+        return self.tracking.call(log, f"epoch {epoch} metrics of run {self.run_id}")
+
+
+def _git_commit(project_root: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=project_root,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None  # not a git checkout (an exported tree): the tag is left out, not faked
+    return out.stdout.strip() or None
+
+
+def _dvc_out_hashes(project_root: Path) -> dict[str, str]:
+    """``{out path: md5}`` of every stage output recorded in ``dvc.lock`` (empty if none)."""
+    lock = project_root / "dvc.lock"
+    if not lock.exists():
+        return {}
+    data = yaml.safe_load(lock.read_text(encoding="utf-8")) or {}
+    hashes: dict[str, str] = {}
+    for stage in (data.get("stages") or {}).values():
+        for out in stage.get("outs") or []:
+            digest = out.get("md5") or out.get("etag") or out.get("checksum")
+            if out.get("path") and digest:
+                hashes[str(out["path"]).rstrip("/")] = str(digest)
+    return hashes
+
+
+def lineage_tags(
+    project_root: Path,
+    *,
+    prepared_dir: str = "data/prepared",
+    features_dir: str = "data/features",
+) -> dict[str, str]:
+    """Tags naming what a model was built from: git commit and the dvc.lock data hashes.
+
+    Keys: ``lineage.git_commit``, ``lineage.prepared_md5``, ``lineage.features_md5``; a key is
+    absent when its source is (no git, no dvc.lock, stage not locked yet).
+    """
+    tags: dict[str, str] = {}
+    commit = _git_commit(project_root)
+    if commit:
+        tags["lineage.git_commit"] = commit
+    hashes = _dvc_out_hashes(project_root)
+    for key, path in (("prepared", prepared_dir), ("features", features_dir)):
+        digest = hashes.get(Path(path).as_posix().rstrip("/"))
+        if digest:
+            tags[f"lineage.{key}_md5"] = digest
+    return tags
