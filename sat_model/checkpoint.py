@@ -1,0 +1,254 @@
+"""Self-describing checkpoints: ``model.pt`` + ``config.json`` + ``vocab.json`` in one folder.
+
+``model.pt`` is a ``torch.save`` of plain containers and tensors only: ``format_version``,
+``model_state``, ``criterion_state`` (the hard-attention baseline buffer lives there),
+``optimizer_state``, ``scheduler_state``, ``epoch``, ``best_score``, ``best_epoch``, ``config``
+(the JSON-able dict of ``config.json``) and ``itos`` (the vocabulary). It is always read with
+``torch.load(weights_only=True)``, so a file that carries pickled code (a whole ``nn.Module``,
+a custom class) is refused, never run. ``config.json`` and ``vocab.json`` are readable copies for
+people and other tools; they must agree with ``model.pt``.
+
+Every file is written atomically, ``model.pt`` last: it is the commit point, and a folder whose
+JSON files disagree with it (a crash between writes, files copied from elsewhere) is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import pickle
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sat_model.atomic import write_bytes_atomic, write_text_atomic
+from sat_model.model import ModelConfig, ShowAttendTell
+from sat_model.vocab import Vocab, VocabError, load_vocab, save_vocab
+
+__all__ = [
+    "CONFIG_FILE",
+    "FORMAT_VERSION",
+    "MODEL_FILE",
+    "VOCAB_FILE",
+    "Checkpoint",
+    "CheckpointError",
+    "load_checkpoint",
+    "load_model",
+    "save_checkpoint",
+    "state_of",
+]
+
+FORMAT_VERSION = 1
+MODEL_FILE, CONFIG_FILE, VOCAB_FILE = "model.pt", "config.json", "vocab.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, corrupted, from another vocabulary, or carries pickled code."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Everything in a checkpoint folder, loaded and cross-checked."""
+
+    model_config: ModelConfig
+    vocab: Vocab
+    model_state: dict[str, torch.Tensor]
+    criterion_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any] | None
+    scheduler_state: dict[str, Any] | None
+    epoch: int  # epochs completed when saved
+    best_score: float | None  # best validation score so far (BLEU-4)
+    best_epoch: int | None
+    config: dict[str, Any]  # the whole config.json: model, encoder, train, ...
+    format_version: int = FORMAT_VERSION
+
+
+def save_checkpoint(
+    directory: str | Path,
+    *,
+    model_config: ModelConfig,
+    vocab: Vocab,
+    model_state: Mapping[str, torch.Tensor],
+    criterion_state: Mapping[str, torch.Tensor] | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
+    scheduler_state: Mapping[str, Any] | None = None,
+    epoch: int = 0,
+    best_score: float | None = None,
+    best_epoch: int | None = None,
+    extra_config: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``model.pt``, ``config.json`` and ``vocab.json`` under ``directory``; return it.
+
+    ``extra_config`` adds JSON-able sections to ``config.json`` beside ``model`` (the encoder
+    description from the feature store, the train params).
+    """
+    if model_config.vocab_size != len(vocab):
+        raise CheckpointError(
+            f"model vocab_size {model_config.vocab_size} != vocabulary size {len(vocab)}"
+        )
+    directory = Path(directory)
+    config = {"format_version": FORMAT_VERSION, "model": dataclasses.asdict(model_config)}
+    config.update(dict(extra_config or {}))
+    payload = {
+        "format_version": FORMAT_VERSION,
+        "model_state": _cpu(model_state),
+        "criterion_state": _cpu(criterion_state or {}),
+        "optimizer_state": _cpu(optimizer_state) if optimizer_state is not None else None,
+        "scheduler_state": dict(scheduler_state) if scheduler_state is not None else None,
+        "epoch": int(epoch),
+        "best_score": None if best_score is None else float(best_score),
+        "best_epoch": None if best_epoch is None else int(best_epoch),
+        "config": json.loads(json.dumps(config)),  # plain containers only (weights_only)
+        "itos": list(vocab.itos),
+    }
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    write_text_atomic(directory / CONFIG_FILE, json.dumps(config, indent=1) + "\n")
+    save_vocab(vocab, directory / VOCAB_FILE)
+    write_bytes_atomic(directory / MODEL_FILE, buffer.getvalue())  # last: the commit point
+    return directory
+
+
+def load_checkpoint(
+    directory: str | Path, vocab: Vocab | None = None, map_location: str = "cpu"
+) -> Checkpoint:
+    """Read and cross-check a checkpoint folder; :class:`CheckpointError` says what is wrong.
+
+    ``vocab``, when given, must be the checkpoint's vocabulary (e.g. the prepared data's).
+    """
+    directory = Path(directory)
+    payload = _load_payload(directory / MODEL_FILE, map_location)
+    if payload.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{directory / MODEL_FILE}: format_version {payload.get('format_version')!r}, "
+            f"this code reads {FORMAT_VERSION}"
+        )
+    model_config = _model_config(payload["config"].get("model"), directory)
+    file_vocab = _check_vocab(directory, payload["itos"], model_config, vocab)
+    _check_config_json(directory, payload["config"])
+    return Checkpoint(
+        model_config=model_config,
+        vocab=file_vocab,
+        model_state=payload["model_state"],
+        criterion_state=payload["criterion_state"],
+        optimizer_state=payload["optimizer_state"],
+        scheduler_state=payload["scheduler_state"],
+        epoch=payload["epoch"],
+        best_score=payload["best_score"],
+        best_epoch=payload["best_epoch"],
+        config=payload["config"],
+    )
+
+
+def load_model(
+    directory: str | Path, device: str | torch.device = "cpu"
+) -> tuple[ShowAttendTell, Vocab, ModelConfig]:
+    """Rebuild the model from the folder alone, in eval mode, on ``device``."""
+    ckpt = load_checkpoint(directory)
+    model = ShowAttendTell(ckpt.model_config)
+    try:
+        model.load_state_dict(ckpt.model_state)
+    except RuntimeError as e:  # missing/unexpected keys or shape mismatches
+        raise CheckpointError(f"{directory}: weights do not fit the saved model config: {e}") from e
+    return model.to(device).eval(), ckpt.vocab, ckpt.model_config
+
+
+def _cpu(state: Mapping[str, Any]) -> dict[str, Any]:
+    # checkpoints must load on a machine without the GPU they were trained on
+    def move(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.detach().cpu()
+        if isinstance(value, Mapping):
+            return {k: move(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(move(v) for v in value)
+        return value
+
+    return move(state)
+
+
+def _load_payload(path: Path, map_location: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    if not zipfile.is_zipfile(path):  # torch.save always writes a zip archive
+        raise CheckpointError(f"{path} is corrupted: not a torch zip archive")
+    _check_crcs(path)
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "Unsupported global" in str(e):
+            raise CheckpointError(
+                f"refusing to unpickle code from {path}: it holds objects other than tensors "
+                f"and plain containers (e.g. a pickled nn.Module or custom class); "
+                f"only state_dict checkpoints are loaded"
+            ) from None
+        raise CheckpointError(f"{path} is corrupted: {e}") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is corrupted: {e}") from None
+    if not isinstance(payload, dict) or "model_state" not in payload:
+        raise CheckpointError(f"{path} is not a sat checkpoint (no model_state)")
+    return payload
+
+
+def _check_crcs(path: Path) -> None:
+    # torch.load does not verify the archive's CRCs: a flipped byte inside a tensor would load
+    # silently as a different weight, so every member is checked first
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{path} is corrupted: {e}") from None
+    if bad is not None:
+        raise CheckpointError(f"{path} is corrupted: checksum mismatch in {bad}")
+
+
+def _model_config(raw: Any, directory: Path) -> ModelConfig:
+    try:
+        return ModelConfig(**raw)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{directory}: invalid model config {raw!r}: {e}") from e
+
+
+def _check_vocab(
+    directory: Path, itos: list[str], config: ModelConfig, given: Vocab | None
+) -> Vocab:
+    try:
+        on_disk = load_vocab(directory / VOCAB_FILE)
+    except VocabError as e:
+        raise CheckpointError(f"{directory}: {e}") from e
+    if list(on_disk.itos) != list(itos):
+        raise CheckpointError(
+            f"{directory / VOCAB_FILE} ({len(on_disk)} words) is not the vocabulary "
+            f"{MODEL_FILE} was trained with ({len(itos)} words)"
+        )
+    if config.vocab_size != len(itos):
+        raise CheckpointError(
+            f"{directory}: model vocab_size {config.vocab_size} != vocabulary size {len(itos)}"
+        )
+    if given is not None and list(given.itos) != list(itos):
+        raise CheckpointError(
+            f"{directory} was trained with another vocabulary: {len(itos)} words in the "
+            f"checkpoint, {len(given)} in the one given"
+            + ("" if len(given) != len(itos) else " (same size, different words)")
+        )
+    return on_disk
+
+
+def _check_config_json(directory: Path, config: dict[str, Any]) -> None:
+    try:
+        on_disk = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {directory / CONFIG_FILE}: {e}") from e
+    if on_disk != config:
+        raise CheckpointError(f"{directory / CONFIG_FILE} does not match {MODEL_FILE}")
+
+
+def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of ``module.state_dict()`` (kept as the best model while training)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
