@@ -1,0 +1,226 @@
+"""Caption arbitrary images end to end: image → encoder → annotations → beam search → words + α.
+
+Dimensions: ``B`` images per batch, ``S`` crop size, ``L = grid_h × grid_w`` locations, ``D``
+annotation size.
+
+Used by ``sat caption`` and by the MLflow pyfunc model. A model folder (``models/soft``) holds
+everything needed: ``model.pt``, ``vocab.json`` and ``config.json``, whose ``encoder`` section
+describes the frozen encoder the features came from (``EncoderDescription`` fields plus
+``resize``). The encoder is rebuilt from that description with
+:func:`sat_model.encoders.build_encoder` (its weights come from installed packages, never from
+the model folder), and its weights checksum must match the one recorded, so a caption is never
+computed on features from a different network than the one the decoder was trained on.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from sat_model.checkpoint import load_checkpoint, load_model
+from sat_model.decoding import beam_search
+from sat_model.encoders import Encoder, EncoderError, build_encoder
+from sat_model.images import ImageError, load_image, preprocess
+from sat_model.model import ShowAttendTell
+from sat_model.visualize import centre_crop
+from sat_model.vocab import Vocab
+
+__all__ = [
+    "Captioner",
+    "EncoderSpec",
+    "ImageCaption",
+    "decode_image_input",
+]
+
+# the paper's preprocessing (resize 256, crop 224) when a model folder does not record resize
+_DEFAULT_RESIZE_RATIO = 256 / 224
+
+
+@dataclass(frozen=True)
+class ImageCaption:
+    """One captioned image: the words, α per word (len, L), and the crop α refers to."""
+
+    words: tuple[str, ...]
+    alphas: np.ndarray
+    score: float
+    crop: Image.Image
+    grid_h: int
+    grid_w: int
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.words)
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """The encoder a model folder was trained on, as read from ``config.json``."""
+
+    name: str
+    layer: str
+    input_size: int
+    resize: int
+    weights_sha256: str
+    grid_h: int
+    grid_w: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], source: str | Path) -> EncoderSpec:
+        enc = config.get("encoder")
+        if not isinstance(enc, dict):
+            raise EncoderError(f"{source}: config.json has no 'encoder' section")
+        try:
+            size = int(enc["input_size"])
+            return cls(
+                name=str(enc["name"]),
+                layer=str(enc["layer"]),
+                input_size=size,
+                resize=int(enc.get("resize") or round(size * _DEFAULT_RESIZE_RATIO)),
+                weights_sha256=str(enc["weights_sha256"]),
+                grid_h=int(enc["grid_h"]),
+                grid_w=int(enc["grid_w"]),
+            )
+        except KeyError as e:
+            raise EncoderError(f"{source}: config.json 'encoder' lacks {e.args[0]!r}") from e
+
+    def build(self, weights: str | Path | None = None) -> Encoder:
+        seed = 0
+        if self.name == "random":  # recorded as "random-seed-N"
+            seed = int(self.weights_sha256.rsplit("-", 1)[-1])
+        encoder = build_encoder(
+            self.name, self.layer, weights=weights, input_size=self.input_size, seed=seed
+        )
+        if encoder.description.weights_sha256 != self.weights_sha256:
+            raise EncoderError(
+                f"encoder {self.name!r} weights {encoder.description.weights_sha256[:12]}… are "
+                f"not the ones the model was trained on ({self.weights_sha256[:12]}…)"
+            )
+        return encoder
+
+
+def decode_image_input(value: str | bytes | Path, max_pixels: int = 50_000_000) -> Image.Image:
+    """An image given as a file path, raw bytes, or base64 text (as JSON requests carry it).
+
+    Raises :class:`ImageError` naming the input when it is not a decodable image.
+    """
+    if isinstance(value, bytes | bytearray):
+        return load_image(io.BytesIO(bytes(value)), max_pixels=max_pixels)
+    if isinstance(value, Path) or Path(str(value)).is_file():
+        return load_image(value, max_pixels=max_pixels)
+    text = str(value).strip()
+    if text.startswith("data:") and "," in text:  # a data URL: data:image/png;base64,....
+        text = text.split(",", 1)[1]
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        label = text if len(text) <= 80 else text[:77] + "..."
+        raise ImageError(label, "neither an existing file nor base64 image data") from None
+    try:
+        return load_image(io.BytesIO(data), max_pixels=max_pixels)
+    except ImageError as e:
+        raise ImageError("<base64 image>", e.reason) from None
+
+
+class Captioner:
+    """A trained decoder with its encoder: ``caption(images) -> list[ImageCaption]``."""
+
+    def __init__(
+        self,
+        model: ShowAttendTell,
+        vocab: Vocab,
+        encoder: Encoder,
+        *,
+        resize: int,
+        beam_size: int = 3,
+        max_length: int = 20,
+        mode: str = "expected",
+        batch_size: int = 16,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.model = model.to(device).eval()
+        self.vocab = vocab
+        self.encoder = encoder.to(device).eval()
+        self.resize = resize
+        self.beam_size = beam_size
+        self.max_length = max_length
+        self.mode = mode
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+
+    @classmethod
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        *,
+        encoder_weights: str | Path | None = None,
+        device: str | torch.device = "cpu",
+        **options: Any,
+    ) -> Captioner:
+        """Load ``model_dir`` and rebuild its encoder; ``options`` as for the constructor."""
+        config = load_checkpoint(model_dir).config
+        spec = EncoderSpec.from_config(config, model_dir)
+        model, vocab, _ = load_model(model_dir, device=device)
+        encoder = spec.build(encoder_weights)
+        if encoder.description.num_locations != model.config.num_locations:
+            raise EncoderError(
+                f"{model_dir}: encoder gives L={encoder.description.num_locations} locations, "
+                f"the model expects {model.config.num_locations}"
+            )
+        return cls(model, vocab, encoder, resize=spec.resize, device=device, **options)
+
+    @property
+    def crop_size(self) -> int:
+        return self.encoder.description.input_size
+
+    def caption(
+        self, images: Sequence[Image.Image], beam_size: int | None = None
+    ) -> list[ImageCaption]:
+        """Caption each RGB image (any size); batches of ``batch_size`` share one beam search."""
+        out: list[ImageCaption] = []
+        for start in range(0, len(images), self.batch_size):
+            out += self._caption_batch(images[start : start + self.batch_size], beam_size)
+        return out
+
+    def _caption_batch(
+        self, images: Sequence[Image.Image], beam_size: int | None
+    ) -> list[ImageCaption]:
+        d = self.encoder.description
+        pixels = torch.stack(
+            [
+                preprocess(im.convert("RGB"), self.resize, d.input_size, d.mean, d.std)
+                for im in images
+            ]
+        ).to(self.device)  # (B, 3, S, S)
+        with torch.inference_mode():
+            annotations = self.encoder(pixels)  # (B, L, D)
+        captions = beam_search(
+            self.model,
+            annotations,
+            beam_size=beam_size or self.beam_size,
+            max_length=self.max_length,
+            mode=self.mode,
+        )
+        out = []
+        for image, caption in zip(images, captions, strict=True):
+            words, alphas = _words_and_alphas(caption.tokens, caption.alphas, self.vocab)
+            crop = centre_crop(image, self.resize, d.input_size)
+            out.append(ImageCaption(words, alphas, float(caption.score), crop, d.grid_h, d.grid_w))
+        return out
+
+
+def _words_and_alphas(
+    tokens: Sequence[int], alphas: np.ndarray, vocab: Vocab
+) -> tuple[tuple[str, ...], np.ndarray]:
+    """Words with their α rows, dropping ``<pad>``/``<start>`` (an untrained model emits them)."""
+    keep = [i for i, t in enumerate(tokens) if t not in (vocab.pad_id, vocab.start_id)]
+    words = tuple(vocab.itos[tokens[i]] for i in keep)
+    return words, np.asarray(alphas, dtype=np.float32)[keep]  # (len, L)

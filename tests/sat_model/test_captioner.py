@@ -1,0 +1,159 @@
+"""Captioning image files end to end with a tiny saved model and the seeded `random` encoder."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sat_model.captioner import Captioner, EncoderSpec, decode_image_input
+from sat_model.checkpoint import save_checkpoint
+from sat_model.config import ModelParams
+from sat_model.encoders import EncoderError, build_encoder
+from sat_model.images import ImageError
+from sat_model.model import build_model
+from sat_model.vocab import Vocab
+
+WORDS = ["a", "red", "blue", "circle", "square", "left", "of"]
+
+
+def _save_tiny_model(directory, encoder_section=None, seed=0):
+    torch.manual_seed(seed)
+    vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", *WORDS), 1, 100, 20)
+    encoder = build_encoder("random", input_size=64)  # 4x4 grid, D = 32
+    d = encoder.description
+    model = build_model(
+        ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
+        vocab_size=len(vocab),
+        annotation_dim=d.annotation_dim,
+        num_locations=d.num_locations,
+        attention="soft",
+    )
+    section = encoder_section or {**d.to_dict(), "resize": 72}
+    save_checkpoint(
+        directory,
+        model_config=model.config,
+        vocab=vocab,
+        model_state=model.state_dict(),
+        extra_config={"encoder": section},
+    )
+    return directory
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return _save_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+def _photos(n, seed=0):
+    rng = np.random.default_rng(seed)
+    sizes = [(80, 60), (64, 64), (50, 90), (120, 70)]
+    return [
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for w, h in (sizes[i % 4] for i in range(n))
+    ]
+
+
+def test_one_caption_per_image_with_one_attention_map_per_word(model_dir):
+    captioner = Captioner.from_dir(model_dir, beam_size=2, max_length=6)
+    results = captioner.caption(_photos(3))
+    assert len(results) == 3
+    for r in results:
+        assert 0 <= len(r.words) <= 6
+        assert set(r.words) <= set(WORDS) | {"<unk>"}
+        assert r.alphas.shape == (len(r.words), 16)
+        np.testing.assert_allclose(r.alphas.sum(-1), 1.0, atol=1e-5)
+        assert (r.grid_h, r.grid_w) == (4, 4)
+        assert r.crop.size == (64, 64)  # α is drawn over the crop the encoder saw
+        assert r.text == " ".join(r.words)
+
+
+def test_batching_does_not_change_captions(model_dir):
+    photos = _photos(5, seed=3)
+    together = Captioner.from_dir(model_dir, batch_size=5).caption(photos)
+    one_by_one = Captioner.from_dir(model_dir, batch_size=1).caption(photos)
+    assert [r.words for r in together] == [r.words for r in one_by_one]
+    for a, b in zip(together, one_by_one, strict=True):
+        np.testing.assert_allclose(a.alphas, b.alphas, atol=1e-5)
+
+
+def test_missing_encoder_section_is_named(tmp_path):
+    with pytest.raises(EncoderError, match="no 'encoder' section"):
+        EncoderSpec.from_config({"model": {}}, tmp_path)
+
+
+def test_encoder_section_missing_a_field_is_named(tmp_path):
+    with pytest.raises(EncoderError, match="'grid_h'"):
+        EncoderSpec.from_config(
+            {
+                "encoder": {
+                    "name": "random",
+                    "layer": "conv2",
+                    "input_size": 64,
+                    "weights_sha256": "",
+                }
+            },
+            tmp_path,
+        )
+
+
+def test_resize_defaults_to_the_papers_ratio_when_not_recorded():
+    section = build_encoder("random", input_size=224).description.to_dict()
+    assert EncoderSpec.from_config({"encoder": section}, "x").resize == 256
+
+
+def test_encoder_with_other_weights_is_refused(tmp_path):
+    d = build_encoder("random", input_size=64).description.to_dict()
+    spec = EncoderSpec.from_config({"encoder": {**d, "weights_sha256": "0" * 64}}, tmp_path)
+    spec = EncoderSpec(**{**spec.__dict__, "name": "random", "weights_sha256": "random-seed-7"})
+    # seed 7 rebuilds a network whose recorded checksum is "random-seed-7": that one matches
+    assert spec.build().description.weights_sha256 == "random-seed-7"
+    with pytest.raises(EncoderError, match="not the ones the model was trained on"):
+        EncoderSpec(**{**spec.__dict__, "name": "efficientnet_lite0", "layer": "blocks.4"}).build()
+
+
+def _png_bytes(colour=(10, 200, 30)):
+    buffer = io.BytesIO()
+    Image.new("RGB", (20, 10), colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_image_inputs_as_path_bytes_base64_and_data_url_agree(tmp_path):
+    data = _png_bytes()
+    path = tmp_path / "x.png"
+    path.write_bytes(data)
+    text = base64.b64encode(data).decode()
+    images = [
+        decode_image_input(path),
+        decode_image_input(str(path)),
+        decode_image_input(data),
+        decode_image_input(text),
+        decode_image_input("data:image/png;base64," + text),
+    ]
+    for image in images:
+        assert image.size == (20, 10)
+        assert image.getpixel((3, 3)) == (10, 200, 30)
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("no/such/file.png", "neither an existing file nor base64"),
+        (base64.b64encode(b"plain text, not a picture").decode(), "cannot decode"),
+        (b"\x00\x01 not an image", "cannot decode"),
+    ],
+)
+def test_non_images_raise_an_image_error_with_a_reason(value, reason):
+    with pytest.raises(ImageError, match=reason):
+        decode_image_input(value)
+
+
+def test_config_json_encoder_section_round_trips(model_dir):
+    config = json.loads((model_dir / "config.json").read_text())
+    spec = EncoderSpec.from_config(config, model_dir)
+    assert (spec.name, spec.input_size, spec.resize, spec.grid_h) == ("random", 64, 72, 4)
