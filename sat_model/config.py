@@ -97,6 +97,8 @@ class CocoConfig(_Section):
     test_images: int = Field(5000, ge=0)
     seed: int = 0
     max_captions_per_image: int = Field(5, ge=1)  # paper truncates COCO to 5 references
+    # held-out images beyond val/test train (as Karpathy's restval); False leaves them out
+    restval_to_train: bool = True
 
 
 class VocabConfig(_Section):
@@ -116,6 +118,8 @@ class DataConfig(_Section):
     max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0)
     # decode every image while preparing (catches truncated files before extract does)
     verify_images: bool = True
+    # decompression-bomb guard while checking images: larger ones are skipped with a reason
+    max_image_pixels: int = Field(50_000_000, ge=1)
     synthetic: SyntheticConfig = SyntheticConfig()
     flickr8k: Flickr8kConfig = Flickr8kConfig()
     karpathy: KarpathyConfig = KarpathyConfig()
