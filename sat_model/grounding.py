@@ -11,7 +11,7 @@ a hit when the centre of its peak cell lies inside (any of) the box(es) the word
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,11 +55,12 @@ class CropGeometry:
 
 @dataclass(frozen=True)
 class GroundingSample:
-    """One generated caption: its words, their α (len, L) and the image's boxes."""
+    """One generated caption: α per word (len, L), the image's boxes (original pixels), and
+    for each word the indices of the boxes it names (empty: the word names no object)."""
 
-    words: Sequence[str]
     alphas: np.ndarray
     boxes: Sequence[Box]
+    targets: Sequence[tuple[int, ...]]
     width: int
     height: int
 
@@ -127,7 +128,6 @@ def peak_hits_box(
 
 def pointing_accuracy(
     samples: Iterable[GroundingSample],
-    named_boxes: Callable[[str, Sequence[Box]], Sequence[Box]],
     *,
     grid_h: int,
     grid_w: int,
@@ -136,18 +136,18 @@ def pointing_accuracy(
 ) -> PointingResult:
     """Share of object-naming words whose α peak lies on the named object.
 
-    ``named_boxes(word, boxes)`` returns the boxes ``word`` refers to (empty: the word names no
-    object and is not counted). A word naming several objects (two "circle"s) hits when the peak
-    falls on any of them, since the caption alone cannot say which was meant.
+    Words with no target are not counted. A word naming several objects (two "circle"s) hits
+    when the peak falls on any of them, since the caption alone cannot say which was meant.
     """
     hits = total = 0
     for sample in samples:
+        if len(sample.targets) != len(sample.alphas):
+            raise ValueError(f"{len(sample.targets)} word targets but {len(sample.alphas)} α rows")
         geometry = crop_geometry(sample.width, sample.height, resize, crop)
-        for t, word in enumerate(sample.words):
-            targets = named_boxes(word, sample.boxes)
-            if not targets:
+        for t, target in enumerate(sample.targets):
+            if not target:
                 continue
-            in_crop = [box_to_crop(b, geometry) for b in targets]
+            in_crop = [box_to_crop(sample.boxes[i], geometry) for i in target]
             total += 1
             hits += peak_hits_box(sample.alphas[t], in_crop, grid_h, grid_w, crop)
     return PointingResult(hits=hits, total=total)

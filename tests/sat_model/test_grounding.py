@@ -90,8 +90,12 @@ def test_alpha_of_the_wrong_length_is_rejected():
         peak_hits_box(np.ones(5) / 5, [Box(0, 0, 1, 1)], 2, 2, 100)
 
 
-def _by_label(word, boxes):
-    return [b for b in boxes if b.label == word]
+def _by_label(words, boxes):
+    return [tuple(i for i, b in enumerate(boxes) if b.label == w) for w in words]
+
+
+def _sample(words, alphas, boxes, width, height):
+    return GroundingSample(alphas, boxes, _by_label(words, boxes), width, height)
 
 
 def test_pointing_accuracy_counts_only_words_that_name_objects():
@@ -99,16 +103,16 @@ def test_pointing_accuracy_counts_only_words_that_name_objects():
     words = ["a", "circle", "and", "a", "square"]
     # 'circle' looks top-left (cell 0, hit); 'square' looks top-right (cell 1, miss)
     alphas = np.stack([_one_hot(3), _one_hot(0), _one_hot(2), _one_hot(2), _one_hot(1)])
-    sample = GroundingSample(words, alphas, boxes, width=100, height=100)
-    result = pointing_accuracy([sample], _by_label, grid_h=2, grid_w=2, resize=100, crop=100)
+    sample = _sample(words, alphas, boxes, width=100, height=100)
+    result = pointing_accuracy([sample], grid_h=2, grid_w=2, resize=100, crop=100)
     assert (result.hits, result.total) == (1, 2)
     assert result.accuracy == 0.5
 
 
 def test_word_naming_two_objects_hits_either():
     boxes = [Box(0, 0, 50, 50, "circle"), Box(50, 50, 100, 100, "circle")]
-    sample = GroundingSample(["circle"], _one_hot(3)[None], boxes, width=100, height=100)
-    result = pointing_accuracy([sample], _by_label, grid_h=2, grid_w=2, resize=100, crop=100)
+    sample = _sample(["circle"], _one_hot(3)[None], boxes, width=100, height=100)
+    result = pointing_accuracy([sample], grid_h=2, grid_w=2, resize=100, crop=100)
     assert result.accuracy == 1.0
 
 
@@ -116,17 +120,23 @@ def test_boxes_are_moved_into_the_crop_before_the_test():
     # 200x100 landscape, resize 100 keeps it, crop 100 cuts x in [50, 150): a box at original
     # x in [50, 100] becomes [0, 50] in the crop: the top-left cell (centre 25, 25) hits
     boxes = [Box(50, 0, 100, 50, "circle")]
-    sample = GroundingSample(["circle"], _one_hot(0)[None], boxes, width=200, height=100)
-    result = pointing_accuracy([sample], _by_label, grid_h=2, grid_w=2, resize=100, crop=100)
+    sample = _sample(["circle"], _one_hot(0)[None], boxes, width=200, height=100)
+    result = pointing_accuracy([sample], grid_h=2, grid_w=2, resize=100, crop=100)
     assert result.accuracy == 1.0
     # without the offset the same box would have covered cell 1 (centre 75, 25), not cell 0
-    sample = GroundingSample(["circle"], _one_hot(1)[None], boxes, width=200, height=100)
-    result = pointing_accuracy([sample], _by_label, grid_h=2, grid_w=2, resize=100, crop=100)
+    sample = _sample(["circle"], _one_hot(1)[None], boxes, width=200, height=100)
+    result = pointing_accuracy([sample], grid_h=2, grid_w=2, resize=100, crop=100)
     assert result.accuracy == 0.0
 
 
 def test_no_grounded_word_gives_nan_not_a_score():
-    sample = GroundingSample(["a", "b"], np.stack([_one_hot(0)] * 2), [], width=10, height=10)
-    result = pointing_accuracy([sample], _by_label, grid_h=2, grid_w=2, resize=10, crop=10)
+    sample = _sample(["a", "b"], np.stack([_one_hot(0)] * 2), [], width=10, height=10)
+    result = pointing_accuracy([sample], grid_h=2, grid_w=2, resize=10, crop=10)
     assert result.total == 0
     assert math.isnan(result.accuracy)
+
+
+def test_targets_must_align_with_the_attention_rows():
+    sample = GroundingSample(np.stack([_one_hot(0)] * 2), [], [()], width=10, height=10)
+    with pytest.raises(ValueError, match="1 word targets but 2"):
+        pointing_accuracy([sample], grid_h=2, grid_w=2, resize=10, crop=10)
