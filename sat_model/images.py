@@ -1,0 +1,156 @@
+"""Image decoding and preprocessing shared by feature extraction, ``sat caption`` and serving.
+
+``load_image`` turns a file into an upright RGB ``PIL.Image`` or raises :class:`ImageError` with a
+reason fit for a skip report; ``preprocess`` turns that image into the encoder's input tensor
+``(3, crop, crop)``: shorter side resized to ``resize``, centre crop, per-channel normalisation
+(paper, Sec. 3.1.1 and 5: 256 then 224, ImageNet mean/std).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+from torchvision.transforms import functional as TF
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "ImageError",
+    "load_image",
+    "preprocess",
+    "to_rgb",
+]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# Alpha is composited on white: captioning datasets photograph objects, and a transparent
+# background of a cut-out is almost always meant as "paper", not as black.
+_BACKGROUND = (255, 255, 255)
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; ``reason`` is a short phrase for a skip report."""
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = str(path)
+        self.reason = reason
+
+
+def _composite_on_white(image: Image.Image) -> Image.Image:
+    rgba = image.convert("RGBA")
+    background = Image.new("RGBA", rgba.size, (*_BACKGROUND, 255))
+    return Image.alpha_composite(background, rgba).convert("RGB")
+
+
+def _high_bit_depth_to_l(image: Image.Image) -> Image.Image:
+    """Map a 16-bit, 32-bit integer or float grey image onto 8 bits by scaling, not clipping.
+
+    ``I;16*`` and ``I`` are read as 16-bit samples (the only common files Pillow opens as ``I`` are
+    16-bit PNG/TIFF): 0..65535 → 0..255, i.e. x / 257. ``F`` is taken as [0, 1] when its maximum
+    is at most 1, else as [0, 255]; values outside the range saturate.
+    """
+    values = np.asarray(image, dtype=np.float64)
+    if image.mode == "F":
+        scale = 255.0 if np.nanmax(values, initial=0.0) <= 1.0 else 1.0
+        scaled = np.nan_to_num(values) * scale
+    else:
+        scaled = values / 257.0
+    return Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8))  # mode L
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Convert any Pillow mode to RGB (alpha composited on white; high bit depths scaled)."""
+    mode = image.mode
+    if mode == "RGB":
+        return image
+    if mode.startswith("I") or mode == "F":
+        return _high_bit_depth_to_l(image).convert("RGB")
+    if mode == "P":
+        has_alpha = "transparency" in image.info or image.palette.mode == "RGBA"
+        return _composite_on_white(image) if has_alpha else image.convert("RGB")
+    if "A" in mode or "a" in mode:  # LA, La, RGBA, RGBa, PA
+        return _composite_on_white(image)
+    return image.convert("RGB")  # 1, L, CMYK, YCbCr, LAB, HSV, RGBX
+
+
+def _check_size(image: Image.Image, path: str | Path, max_pixels: int) -> None:
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ImageError(
+            path,
+            f"decompression bomb guard: {width}x{height} = {width * height} pixels "
+            f"exceeds encoder.max_image_pixels = {max_pixels}",
+        )
+    if width == 0 or height == 0:
+        raise ImageError(path, f"empty image ({width}x{height})")
+
+
+def _draft_for_resize(image: Image.Image, min_side: int) -> None:
+    # JPEG only: let libjpeg decode at 1/2, 1/4 or 1/8 scale while the shorter side stays at least
+    # min_side; the resize that follows is then much cheaper (output changes slightly).
+    width, height = image.size
+    scale = min(width, height) / min_side
+    if image.format == "JPEG" and scale >= 2:
+        image.draft("RGB", (math.ceil(width / scale), math.ceil(height / scale)))
+
+
+def load_image(
+    path: str | Path, max_pixels: int = 50_000_000, min_side: int | None = None
+) -> Image.Image:
+    """Decode ``path`` into an upright RGB image.
+
+    Args:
+        path: image file.
+        max_pixels: decompression-bomb limit on width × height, checked from the header before
+            any pixel is decoded.
+        min_side: when given, JPEGs may be decoded at a reduced scale whose shorter side is still
+            at least ``min_side`` (use the preprocessing ``resize``).
+
+    Raises:
+        ImageError: unreadable, truncated, empty or oversized image (the reason says which).
+    """
+    with warnings.catch_warnings():
+        # the explicit max_pixels check below replaces Pillow's process-wide warning
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with Image.open(path) as image:
+                _check_size(image, path, max_pixels)
+                if min_side is not None:
+                    _draft_for_resize(image, min_side)
+                image.load()
+                upright = ImageOps.exif_transpose(image)
+                return to_rgb(upright)
+        except ImageError:
+            raise
+        except Image.DecompressionBombError as e:
+            raise ImageError(path, f"decompression bomb guard (Pillow): {e}") from e
+        except FileNotFoundError as e:
+            raise ImageError(path, "file not found") from e
+        except (OSError, SyntaxError, ValueError) as e:
+            # PIL raises UnidentifiedImageError (OSError) for unknown formats, OSError for
+            # truncated data, SyntaxError/ValueError from some malformed headers.
+            raise ImageError(path, f"cannot decode: {type(e).__name__}: {e}") from e
+
+
+def preprocess(
+    image: Image.Image,
+    resize: int = 256,
+    crop: int = 224,
+    mean: tuple[float, float, float] = IMAGENET_MEAN,
+    std: tuple[float, float, float] = IMAGENET_STD,
+) -> torch.Tensor:
+    """Resize the shorter side to ``resize``, centre-crop ``crop``, normalise: (3, crop, crop)."""
+    if crop > resize:
+        raise ValueError(f"crop {crop} is larger than resize {resize}")
+    if image.mode != "RGB":
+        raise ValueError(f"preprocess expects an RGB image, got mode {image.mode!r}")
+    resized = TF.resize(image, resize, interpolation=TF.InterpolationMode.BILINEAR)
+    cropped = TF.center_crop(resized, [crop, crop])
+    return TF.normalize(TF.pil_to_tensor(cropped).float().div_(255.0), mean, std)  # (3, S, S)

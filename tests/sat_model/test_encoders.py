@@ -1,0 +1,161 @@
+"""Encoders: real weights (ImageNet classes), layer geometry, loud failures, no downloads."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from sat_model.encoders import (
+    EncoderError,
+    WeightsMismatchError,
+    WeightsNotFoundError,
+    build_encoder,
+    efficientnet_lite0_classifier,
+    efficientnet_lite0_weights_path,
+    file_sha256,
+    map_state_dict_by_order,
+)
+from sat_model.images import preprocess
+
+skimage_data = pytest.importorskip("skimage.data")
+
+CAT_CLASSES = set(range(281, 286))  # tabby, tiger cat, Persian, Siamese, Egyptian cat
+COFFEE_CLASSES = {967, 968}  # espresso, cup
+
+
+@pytest.fixture(scope="module")
+def lite0_classifier() -> torch.nn.Module:
+    return efficientnet_lite0_classifier()
+
+
+def _top1(model: torch.nn.Module, pixels) -> int:
+    # the encoder's own normalisation: the classifier test vouches for what extraction uses
+    d = build_encoder("efficientnet_lite0", "blocks.2", input_size=64).description
+    x = preprocess(Image.fromarray(pixels), 256, 224, d.mean, d.std)  # (3, 224, 224)
+    with torch.inference_mode():
+        return int(model(x[None]).argmax(-1))
+
+
+def test_lite0_weights_classify_chelsea_as_a_cat(lite0_classifier: torch.nn.Module) -> None:
+    assert _top1(lite0_classifier, skimage_data.chelsea()) in CAT_CLASSES
+
+
+def test_lite0_weights_classify_coffee_as_espresso_or_cup(
+    lite0_classifier: torch.nn.Module,
+) -> None:
+    assert _top1(lite0_classifier, skimage_data.coffee()) in COFFEE_CLASSES
+
+
+@pytest.mark.parametrize(
+    ("layer", "grid", "dim"),
+    [("blocks.2", 28, 40), ("blocks.4", 14, 112), ("blocks.6", 7, 320), ("head", 7, 1280)],
+)
+def test_lite0_layers_give_the_documented_grids_at_224(layer: str, grid: int, dim: int) -> None:
+    encoder = build_encoder("efficientnet_lite0", layer)
+    d = encoder.description
+    assert (d.grid_h, d.grid_w, d.annotation_dim, d.num_locations) == (grid, grid, dim, grid**2)
+    out = encoder(torch.zeros(2, 3, 224, 224))
+    assert out.shape == (2, grid * grid, dim)
+
+
+def test_lite0_description_records_the_weights_file_checksum() -> None:
+    d = build_encoder("efficientnet_lite0", "blocks.2", input_size=64).description
+    assert d.weights_sha256 == file_sha256(efficientnet_lite0_weights_path())
+    assert len(d.weights_sha256) == 64 and d.name == "efficientnet_lite0"
+
+
+def test_encoder_features_are_the_classifier_trunk_features(lite0_classifier) -> None:
+    # the "head" layer is timm's forward_features: same weights, same numbers
+    encoder = build_encoder("efficientnet_lite0", "head", input_size=96)
+    x = torch.randn(1, 3, 96, 96, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = lite0_classifier.forward_features(x).flatten(2).transpose(1, 2)  # (1, L, D)
+        assert torch.allclose(encoder(x), expected, atol=1e-5)
+
+
+def test_map_by_order_renames_every_tensor() -> None:
+    target = OrderedDict(a=torch.zeros(2, 3), b=torch.zeros(4))
+    source = OrderedDict(x=torch.ones(2, 3), y=torch.full((4,), 2.0))
+    mapped = map_state_dict_by_order(target, source)
+    assert list(mapped) == ["a", "b"]
+    assert torch.equal(mapped["b"], source["y"])
+
+
+def test_map_by_order_refuses_a_shape_mismatch_naming_both_keys() -> None:
+    target = OrderedDict(a=torch.zeros(2, 3), b=torch.zeros(4))
+    source = OrderedDict(x=torch.ones(2, 3), y=torch.ones(5))
+    with pytest.raises(WeightsMismatchError, match=r"'y' \(5,\) vs network 'b' \(4,\)"):
+        map_state_dict_by_order(target, source)
+
+
+def test_map_by_order_refuses_a_count_mismatch() -> None:
+    with pytest.raises(WeightsMismatchError, match="hold 1 tensors, the network expects 2"):
+        map_state_dict_by_order(
+            OrderedDict(a=torch.zeros(1), b=torch.zeros(1)), OrderedDict(x=torch.zeros(1))
+        )
+
+
+def test_lite0_with_a_foreign_weights_file_fails_loudly(tmp_path: Path) -> None:
+    path = tmp_path / "other.pth"
+    torch.save(OrderedDict(w=torch.zeros(3)), path)
+    with pytest.raises(WeightsMismatchError):
+        build_encoder("efficientnet_lite0", weights=path)
+
+
+@pytest.mark.parametrize("name", ["vgg16", "vgg19", "resnet101"])
+def test_missing_torchvision_weights_name_the_exact_cache_path(tmp_path: Path, name: str) -> None:
+    old = torch.hub.get_dir()
+    torch.hub.set_dir(str(tmp_path / "hub"))
+    try:
+        with pytest.raises(WeightsNotFoundError) as info:
+            build_encoder(name)
+    finally:
+        torch.hub.set_dir(old)
+    expected = {"vgg16": "vgg16-397923af.pth", "vgg19": "vgg19-dcbb9e9d.pth",
+                "resnet101": "resnet101-63fe2227.pth"}[name]  # fmt: skip
+    assert str(tmp_path / "hub" / "checkpoints" / expected) in str(info.value)
+
+
+def test_missing_weights_path_from_params_is_named(tmp_path: Path) -> None:
+    with pytest.raises(WeightsNotFoundError, match=str(tmp_path / "nowhere.pth")):
+        build_encoder("vgg16", weights=tmp_path / "nowhere.pth")
+
+
+@pytest.mark.slow
+def test_resnet101_tutorial_layer_pools_layer4_to_14x14(tmp_path: Path) -> None:
+    import torchvision
+
+    path = tmp_path / "resnet101.pth"
+    torch.save(torchvision.models.resnet101(weights=None).state_dict(), path)
+    encoder = build_encoder("resnet101", "layer4_pool14", weights=path, input_size=224)
+    d = encoder.description
+    assert (d.grid_h, d.grid_w, d.annotation_dim) == (14, 14, 2048)
+    native = build_encoder("resnet101", "layer4", weights=path, input_size=224).description
+    assert (native.grid_h, native.annotation_dim) == (7, 2048)  # stride 32
+    assert d.weights_sha256 == file_sha256(path)
+
+
+def test_unknown_encoder_and_layer_fail_naming_the_value() -> None:
+    with pytest.raises(EncoderError, match="unknown encoder 'alexnet'"):
+        build_encoder("alexnet")
+    with pytest.raises(EncoderError, match="unknown layer 'fc7' for encoder 'random'"):
+        build_encoder("random", "fc7")
+
+
+def test_random_encoder_is_seeded_and_gives_a_14x14_grid() -> None:
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    a, b, c = (build_encoder("random", seed=s) for s in (0, 0, 1))
+    assert a.description.weights_sha256 == "random-seed-0"
+    assert a(x).shape == (2, 196, 32)
+    assert torch.equal(a(x), b(x)) and not torch.equal(a(x), c(x))
+
+
+def test_encoder_is_frozen_and_stays_in_eval_mode() -> None:
+    encoder = build_encoder("efficientnet_lite0", "blocks.2", input_size=64)
+    encoder.train()
+    assert not encoder.training and not any(m.training for m in encoder.modules())
+    assert not any(p.requires_grad for p in encoder.parameters())
