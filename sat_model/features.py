@@ -1,0 +1,191 @@
+"""The feature store: one Arrow IPC file per split, memory-mapped on read.
+
+Dimensions: ``N`` images in the file, ``B`` batch, ``L`` locations, ``D`` annotation size.
+
+Columns ``image_id: string`` and ``features: fixed_size_list<float16>[L*D]`` (row-major L×D);
+schema metadata ``encoder``, ``layer``, ``input_size``, ``L``, ``D``, ``grid_h``, ``grid_w``,
+``weights_sha256``, ``format_version`` (docs/ARCHITECTURE.md). :class:`FeatureWriter` appends
+record batches to a hidden temporary file and renames it on success, so an interrupted run never
+leaves a file that looks complete. :class:`FeatureStore` reads through ``pa.memory_map``: rows are
+numpy views into the mapping and the process never copies the whole file into RAM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+import pyarrow as pa
+
+__all__ = [
+    "FEATURES_FORMAT_VERSION",
+    "FeatureMeta",
+    "FeatureStore",
+    "FeatureStoreError",
+    "FeatureWriter",
+]
+
+FEATURES_FORMAT_VERSION = 1
+
+
+class FeatureStoreError(RuntimeError):
+    """A feature file that is missing, truncated, corrupt or not a feature store."""
+
+
+@dataclass(frozen=True)
+class FeatureMeta:
+    """The schema metadata of a feature store (what produced the features, and their shape)."""
+
+    encoder: str
+    layer: str
+    input_size: int
+    L: int
+    D: int
+    grid_h: int
+    grid_w: int
+    weights_sha256: str
+    format_version: int = FEATURES_FORMAT_VERSION
+
+    def to_metadata(self) -> dict[bytes, bytes]:
+        return {k.encode(): str(v).encode() for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[bytes, bytes] | None, path: str | Path) -> FeatureMeta:
+        raw = {k.decode(): v.decode() for k, v in (metadata or {}).items()}
+        missing = [f for f in cls.__dataclass_fields__ if f not in raw]
+        if missing:
+            raise FeatureStoreError(f"{path}: not a feature store (metadata lacks {missing})")
+        ints = ("input_size", "L", "D", "grid_h", "grid_w", "format_version")
+        try:
+            values = {f: int(raw[f]) if f in ints else raw[f] for f in cls.__dataclass_fields__}
+        except ValueError as e:
+            raise FeatureStoreError(f"{path}: bad feature store metadata: {e}") from e
+        return cls(**values)
+
+    def schema(self) -> pa.Schema:
+        return pa.schema(
+            [
+                ("image_id", pa.string()),
+                ("features", pa.list_(pa.float16(), self.L * self.D)),
+            ],
+            metadata=self.to_metadata(),
+        )
+
+
+class FeatureWriter:
+    """Write a feature store batch by batch; the file appears only when :meth:`close` succeeds.
+
+    Use as a context manager: an exception inside the block deletes the temporary file.
+    """
+
+    def __init__(self, path: str | Path, meta: FeatureMeta) -> None:
+        self.path = Path(path)
+        self.meta = meta
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # hidden, same folder (rename is atomic only within one file system)
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
+        self._schema = meta.schema()
+        self._sink = pa.OSFile(str(self._tmp), "wb")
+        self._writer = pa.ipc.new_file(self._sink, self._schema)
+        self.rows = 0
+
+    def write(self, image_ids: list[str], features: np.ndarray) -> None:
+        """Append ``features`` (B, L, D) for ``image_ids`` (B); stored as float16."""
+        expected = (len(image_ids), self.meta.L, self.meta.D)
+        if features.shape != expected:
+            raise ValueError(f"features shape {features.shape} != expected {expected}")
+        flat = np.ascontiguousarray(features, dtype=np.float16).reshape(-1)  # (B·L·D,)
+        column = pa.FixedSizeListArray.from_arrays(pa.array(flat), self.meta.L * self.meta.D)
+        batch = pa.record_batch([pa.array(image_ids, pa.string()), column], schema=self._schema)
+        self._writer.write_batch(batch)
+        self.rows += len(image_ids)
+
+    def close(self) -> Path:
+        self._writer.close()
+        self._sink.close()
+        os.replace(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        try:
+            self._writer.close()
+        finally:
+            self._sink.close()
+            self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> FeatureWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class FeatureStore:
+    """Read-only, memory-mapped access to one split's features."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FeatureStoreError(f"feature file not found: {self.path}")
+        try:
+            self._source = pa.memory_map(str(self.path), "r")
+            reader = pa.ipc.open_file(self._source)
+            self.meta = FeatureMeta.from_metadata(reader.schema.metadata, self.path)
+            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
+            raise FeatureStoreError(
+                f"feature file {self.path} is truncated or corrupt ({type(e).__name__}: {e}); "
+                "run the extract stage again"
+            ) from e
+        self._blocks = [self._block_view(b) for b in batches]  # views, (n_b, L, D) each
+        sizes = [len(b) for b in batches]
+        self._starts = np.cumsum([0, *sizes])  # (num_batches + 1,)
+        self.ids: list[str] = [i for b in batches for i in b.column(0).to_pylist()]
+        self._index = {image_id: i for i, image_id in enumerate(self.ids)}
+
+    def _block_view(self, batch: pa.RecordBatch) -> np.ndarray:
+        column = batch.column(1)
+        if column.null_count:
+            raise FeatureStoreError(f"{self.path}: features column holds nulls")
+        values = column.flatten().to_numpy(zero_copy_only=True)  # (n_b·L·D,) float16 view
+        return values.reshape(len(batch), self.meta.L, self.meta.D)  # (n_b, L, D)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def index_of(self, image_id: str) -> int:
+        try:
+            return self._index[image_id]
+        except KeyError:
+            raise KeyError(f"image id {image_id!r} not in {self.path}") from None
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Features of row ``i``: (L, D) float16, a read-only view into the mapping."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} out of range for {n} rows in {self.path}")
+        i = i % n
+        block = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self._blocks[block][i - self._starts[block]]
+
+    def get_batch(self, indices: np.ndarray | list[int]) -> np.ndarray:
+        """Rows ``indices`` gathered into a new (B, L, D) float16 array."""
+        out = np.empty((len(indices), self.meta.L, self.meta.D), dtype=np.float16)
+        for j, i in enumerate(indices):
+            out[j] = self[int(i)]
+        return out
+
+    def close(self) -> None:
+        self._blocks = []
+        self._source.close()
