@@ -1,0 +1,407 @@
+"""The Show, Attend and Tell decoder (Xu et al. 2015, PAPER.md).
+
+Attention MLP ``f_att`` (Eq. 4-5), soft (Sec. 4.2) and hard (Sec. 4.1, Eq. 8-9) context vectors,
+the gating scalar β (Sec. 4.2.1), the LSTM (Eq. 1-3) and the deep output layer (Eq. 7).
+
+Dimensions, named once (PAPER.md): ``B`` batch, ``T`` caption steps, ``L`` annotation locations,
+``D`` annotation size, ``m`` embedding size, ``n`` LSTM size, ``A`` attention-MLP size, ``K``
+vocabulary size.
+
+Step modes: ``"train"`` (hard attention samples s̃ ~ Multinoulli(α), with semi-sampling; soft
+attention takes the expectation), ``"expected"`` (ẑ = β Σ α a, the authors' test-time default),
+``"sample"`` (one sampled location, no semi-sampling) and ``"argmax"`` (the most attended
+location).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from sat_model.config import ModelParams
+
+__all__ = [
+    "ATTENTION_KINDS",
+    "END_ID",
+    "MODES",
+    "PAD_ID",
+    "SEMI_SAMPLING_PER",
+    "START_ID",
+    "AttentionOutput",
+    "DecoderState",
+    "ForwardOutput",
+    "HardAttention",
+    "ModelConfig",
+    "ShowAttendTell",
+    "SoftAttention",
+    "StepOutput",
+    "build_model",
+]
+
+# special token ids fixed by the vocab.json contract (docs/ARCHITECTURE.md)
+PAD_ID, START_ID, END_ID = 0, 1, 2
+ATTENTION_KINDS = ("soft", "hard")
+MODES = ("train", "expected", "sample", "argmax")
+SEMI_SAMPLING_PER = ("image", "batch")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything needed to rebuild the model; saved in checkpoints as JSON (``asdict``)."""
+
+    vocab_size: int  # K, special tokens included
+    annotation_dim: int  # D, fixed by the encoder's feature layer
+    num_locations: int  # L, the encoder's grid (14 x 14 = 196 in the paper)
+    embed_dim: int  # m
+    hidden_dim: int  # n
+    attention_dim: int  # A, hidden size of the attention MLP f_att (Eq. 4)
+    dropout: float  # before L_o, as in the authors' code
+    gate: bool  # gating scalar β_t (Sec. 4.2.1); False fixes β_t = 1
+    attention: str  # "soft" (Sec. 4.2) or "hard" (Sec. 4.1)
+    # hard attention only: chance of using α instead of s̃ while training (Sec. 4.1), drawn per
+    # image (paper text) or once per minibatch (authors' code)
+    semi_sampling_p: float = 0.5
+    semi_sampling_per: str = "image"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "annotation_dim", "num_locations", "embed_dim", "hidden_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.attention_dim < 1:
+            raise ValueError(f"ModelConfig.attention_dim must be >= 1, got {self.attention_dim}")
+        if self.vocab_size <= END_ID:
+            raise ValueError(f"vocab_size {self.vocab_size} leaves no room for <pad>/<start>/<end>")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"unknown attention {self.attention!r}; expected {ATTENTION_KINDS}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not 0.0 <= self.semi_sampling_p <= 1.0:
+            raise ValueError(f"semi_sampling_p must be in [0, 1], got {self.semi_sampling_p}")
+        if self.semi_sampling_per not in SEMI_SAMPLING_PER:
+            raise ValueError(
+                f"unknown semi_sampling_per {self.semi_sampling_per!r}; "
+                f"expected {SEMI_SAMPLING_PER}"
+            )
+
+
+@dataclass(frozen=True)
+class AttentionOutput:
+    alpha: Tensor  # (B, L), Eq. 5
+    context: Tensor  # (B, D), φ before the gate β
+    location_log_prob: Tensor | None = None  # (B,) log p(s̃_t | a), hard attention only
+    entropy: Tensor | None = None  # (B,) H[α_t], hard attention only
+
+
+@dataclass(frozen=True)
+class DecoderState:
+    """LSTM state plus the per-image tensors that do not change over the caption."""
+
+    h: Tensor  # (B, n)
+    c: Tensor  # (B, n)
+    annotations: Tensor  # (B, L, D)
+    projected: Tensor  # (B, L, A), W_a a_i + b, computed once per image (Eq. 4)
+
+    def reorder(self, index: Tensor) -> DecoderState:
+        """Select rows of the LSTM state; beam search only moves beams within an image, whose
+        annotations are identical, so those are left in place rather than copied every step."""
+        return dataclasses.replace(self, h=self.h[index], c=self.c[index])
+
+    def repeat(self, k: int) -> DecoderState:
+        """Each image's state ``k`` times in a row: (B, …) -> (B*k, …), for beam search."""
+        return DecoderState(*(t.repeat_interleave(k, dim=0) for t in dataclasses.astuple(self)))
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    logits: Tensor  # (B, K), Eq. 7 before the softmax
+    alpha: Tensor  # (B, L)
+    state: DecoderState
+    beta: Tensor | None = None  # (B,)
+    location_log_prob: Tensor | None = None  # (B,)
+    entropy: Tensor | None = None  # (B,)
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: Tensor  # (B, T, K)
+    alphas: Tensor  # (B, T, L)
+    betas: Tensor  # (B, T)
+    location_log_probs: Tensor | None = None  # (B, T), hard attention in train/sample mode
+    entropy: Tensor | None = None  # (B, T), hard attention
+    # (B,) bool, True where s̃ was sampled; False where semi-sampling used α (no REINFORCE term)
+    sampled: Tensor | None = None
+
+
+class SoftAttention(nn.Module):
+    """``f_att`` (Eq. 4-5) and the expected context Σ_i α_i a_i (Sec. 4.2)."""
+
+    def __init__(self, annotation_dim: int, hidden_dim: int, attention_dim: int) -> None:
+        super().__init__()
+        self.annotation_proj = nn.Linear(annotation_dim, attention_dim)  # W_a, b
+        self.hidden_proj = nn.Linear(hidden_dim, attention_dim, bias=False)  # W_h
+        # a bias on w_att would cancel in the softmax (Eq. 5)
+        self.score = nn.Linear(attention_dim, 1, bias=False)  # w_att
+
+    def project(self, annotations: Tensor) -> Tensor:
+        """W_a a_i + b for every location: (B, L, D) -> (B, L, A), once per image."""
+        return self.annotation_proj(annotations)
+
+    def scores(self, projected: Tensor, hidden: Tensor) -> Tensor:
+        """e_ti (Eq. 4): (B, L)."""
+        pre = torch.tanh(projected + self.hidden_proj(hidden).unsqueeze(1))  # (B, L, A)
+        return self.score(pre).squeeze(-1)  # (B, L)
+
+    def forward(
+        self, annotations: Tensor, projected: Tensor, hidden: Tensor, mode: str = "expected"
+    ) -> AttentionOutput:
+        alpha = torch.softmax(self.scores(projected, hidden), dim=-1)  # (B, L), Eq. 5
+        if mode in ("train", "expected"):
+            return AttentionOutput(alpha=alpha, context=_expected_context(annotations, alpha))
+        location = _pick_location(alpha, mode)
+        return AttentionOutput(alpha=alpha, context=_gather_location(annotations, location))
+
+
+class HardAttention(SoftAttention):
+    """Stochastic attention (Sec. 4.1): ẑ_t = a at s̃_t ~ Multinoulli(α_t) (Eq. 8-9)."""
+
+    def forward(  # type: ignore[override]
+        self,
+        annotations: Tensor,
+        projected: Tensor,
+        hidden: Tensor,
+        mode: str = "expected",
+        use_expected: Tensor | None = None,
+        location: Tensor | None = None,
+    ) -> AttentionOutput:
+        """``use_expected`` (B,) bool: semi-sampling, α instead of s̃ for those images.
+        ``location`` (B,) long forces s̃_t (exact enumeration of Eq. 10)."""
+        log_alpha = torch.log_softmax(self.scores(projected, hidden), dim=-1)  # (B, L)
+        alpha = log_alpha.exp()
+        entropy = -(alpha * log_alpha).sum(-1)  # (B,) H[α_t], the entropy term of Sec. 4.1
+        if mode == "expected" and location is None:
+            context = _expected_context(annotations, alpha)
+            return AttentionOutput(alpha=alpha, context=context, entropy=entropy)
+        if location is None:
+            location = _pick_location(alpha, mode)
+        context = _gather_location(annotations, location)  # (B, D), Eq. 9
+        if use_expected is not None:
+            expected = _expected_context(annotations, alpha)
+            context = torch.where(use_expected.unsqueeze(1), expected, context)
+        log_prob = log_alpha.gather(1, location.unsqueeze(1)).squeeze(1)  # (B,) log α_{t,s̃}
+        return AttentionOutput(alpha, context, location_log_prob=log_prob, entropy=entropy)
+
+
+def _expected_context(annotations: Tensor, alpha: Tensor) -> Tensor:
+    """Σ_i α_i a_i (Sec. 4.2): (B, L, D), (B, L) -> (B, D)."""
+    return torch.bmm(alpha.unsqueeze(1), annotations).squeeze(1)
+
+
+def _pick_location(alpha: Tensor, mode: str) -> Tensor:
+    """s̃_t as an index (B,): a sample of Multinoulli(α) (Eq. 8), or the argmax."""
+    if mode == "argmax":
+        return alpha.argmax(-1)
+    if mode in ("train", "sample"):
+        return torch.multinomial(alpha.detach(), 1).squeeze(1)
+    raise ValueError(f"unknown attention mode {mode!r}; expected one of {MODES}")
+
+
+def _gather_location(annotations: Tensor, location: Tensor) -> Tensor:
+    """a_{s̃}: (B, L, D), (B,) -> (B, D); the one-hot sum of Eq. 9 without the multiply."""
+    index = location.view(-1, 1, 1).expand(-1, 1, annotations.size(2))  # (B, 1, D)
+    return annotations.gather(1, index).squeeze(1)
+
+
+@dataclass(frozen=True)
+class _Advance:
+    """One recurrence step before the output layer."""
+
+    state: DecoderState
+    context: Tensor  # (B, D), ẑ_t = β_t φ(...)
+    attention: AttentionOutput
+    beta: Tensor  # (B,)
+
+
+class ShowAttendTell(nn.Module):
+    """The decoder of Sec. 3.1.2 with soft or hard attention, over precomputed annotations."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        D, m, n, K = config.annotation_dim, config.embed_dim, config.hidden_dim, config.vocab_size
+        self.embedding = nn.Embedding(K, m)  # E
+        attention_cls = HardAttention if config.attention == "hard" else SoftAttention
+        self.attention = attention_cls(D, n, config.attention_dim)
+        # h_0, c_0 from the mean annotation through two MLPs (Sec. 3.1.2); tanh as in the code
+        self.init_h = nn.Linear(D, n)
+        self.init_c = nn.Linear(D, n)
+        self.gate = nn.Linear(n, 1) if config.gate else None  # f_β (Sec. 4.2.1)
+        # [E y_{t-1}; ẑ_t] with h_{t-1}: T_{m+n+D,4n} of Eq. 1
+        self.lstm = nn.LSTMCell(m + D, n)
+        self.hidden_out = nn.Linear(n, m, bias=False)  # L_h (Eq. 7)
+        self.context_out = nn.Linear(D, m, bias=False)  # L_z (Eq. 7)
+        self.dropout = nn.Dropout(config.dropout)
+        self.out = nn.Linear(m, K)  # L_o (Eq. 7)
+
+    def init_state(self, annotations: Tensor) -> DecoderState:
+        """h_0, c_0 (Sec. 3.1.2) and W_a a, computed once per image."""
+        self._check_annotations(annotations)
+        mean = annotations.mean(dim=1)  # (B, D)
+        return DecoderState(
+            h=torch.tanh(self.init_h(mean)),  # (B, n)
+            c=torch.tanh(self.init_c(mean)),  # (B, n)
+            annotations=annotations,
+            projected=self.attention.project(annotations),  # (B, L, A)
+        )
+
+    def forward(
+        self,
+        annotations: Tensor,
+        captions: Tensor,
+        *,
+        mode: str | None = None,
+        locations: Tensor | None = None,
+    ) -> ForwardOutput:
+        """Teacher-forced pass: inputs ``captions[:, :-1]`` (B, T), one step per input token.
+
+        ``mode`` defaults to "train" in training mode and "expected" in eval mode.
+        ``locations`` (B, T) forces the hard-attention path s̃ (no semi-sampling).
+        """
+        mode = mode or ("train" if self.training else "expected")
+        _check_mode(mode)
+        inputs = captions[:, :-1]  # (B, T)
+        B, T = inputs.shape
+        state = self.init_state(annotations)
+        embedded = self.embedding(inputs)  # (B, T, m)
+        use_expected = self._semi_sampling_mask(B, mode, locations, annotations.device)
+        steps = []
+        for t in range(T):
+            location = None if locations is None else locations[:, t]
+            step = self._advance(embedded[:, t], state, mode, use_expected, location)
+            state = step.state
+            steps.append(step)
+        hidden = torch.stack([s.state.h for s in steps], dim=1)  # (B, T, n)
+        context = torch.stack([s.context for s in steps], dim=1)  # (B, T, D)
+        # the output layer runs once over all steps rather than T times
+        return ForwardOutput(
+            logits=self._deep_output(embedded, hidden, context),  # (B, T, K)
+            alphas=torch.stack([s.attention.alpha for s in steps], dim=1),  # (B, T, L)
+            betas=torch.stack([s.beta for s in steps], dim=1),  # (B, T)
+            location_log_probs=_stack_optional([s.attention.location_log_prob for s in steps]),
+            entropy=_stack_optional([s.attention.entropy for s in steps]),
+            sampled=None if use_expected is None else ~use_expected,
+        )
+
+    def step(self, prev_tokens: Tensor, state: DecoderState, mode: str = "expected") -> StepOutput:
+        """One decoding step from y_{t-1} (B,) and the state at t-1."""
+        _check_mode(mode)
+        embedded = self.embedding(prev_tokens)  # (B, m)
+        adv = self._advance(embedded, state, mode, None, None)
+        return StepOutput(
+            logits=self._deep_output(embedded, adv.state.h, adv.context),  # (B, K)
+            alpha=adv.attention.alpha,
+            state=adv.state,
+            beta=adv.beta,
+            location_log_prob=adv.attention.location_log_prob,
+            entropy=adv.attention.entropy,
+        )
+
+    def _advance(
+        self,
+        embedded: Tensor,
+        state: DecoderState,
+        mode: str,
+        use_expected: Tensor | None,
+        location: Tensor | None,
+    ) -> _Advance:
+        """Attention from h_{t-1} (Eq. 4-6), gate, then the LSTM (Eq. 1-3)."""
+        if isinstance(self.attention, HardAttention):
+            att = self.attention(
+                state.annotations, state.projected, state.h, mode, use_expected, location
+            )
+        else:
+            att = self.attention(state.annotations, state.projected, state.h, mode)
+        if self.gate is not None:
+            beta = torch.sigmoid(self.gate(state.h)).squeeze(1)  # (B,), β_t = σ(f_β(h_{t-1}))
+            context = beta.unsqueeze(1) * att.context  # (B, D)
+        else:
+            beta = att.context.new_ones(att.context.size(0))
+            context = att.context
+        h, c = self.lstm(torch.cat([embedded, context], dim=1), (state.h, state.c))
+        new_state = dataclasses.replace(state, h=h, c=c)
+        return _Advance(state=new_state, context=context, attention=att, beta=beta)
+
+    def _deep_output(self, embedded: Tensor, hidden: Tensor, context: Tensor) -> Tensor:
+        """Eq. 7: L_o(E y_{t-1} + L_h h_t + L_z ẑ_t); tanh, dropout before L_o (authors' code)."""
+        pre = embedded + self.hidden_out(hidden) + self.context_out(context)  # (…, m)
+        return self.out(self.dropout(torch.tanh(pre)))  # (…, K)
+
+    def _semi_sampling_mask(
+        self, batch: int, mode: str, locations: Tensor | None, device: torch.device
+    ) -> Tensor | None:
+        """(B,) bool, True where α replaces s̃ (Sec. 4.1); None when nothing is sampled."""
+        if self.config.attention != "hard":
+            if locations is not None:
+                raise ValueError("locations can only be forced for hard attention")
+            return None
+        if mode == "expected" and locations is None:
+            return None
+        if mode != "train" or locations is not None:
+            return torch.zeros(batch, dtype=torch.bool, device=device)
+        p = self.config.semi_sampling_p
+        if self.config.semi_sampling_per == "batch":
+            return (torch.rand((), device=device) < p).expand(batch)
+        return torch.rand(batch, device=device) < p
+
+    def _check_annotations(self, annotations: Tensor) -> None:
+        expected = (self.config.num_locations, self.config.annotation_dim)
+        if annotations.dim() != 3 or tuple(annotations.shape[1:]) != expected:
+            raise ValueError(
+                f"annotations must have shape (B, {expected[0]}, {expected[1]}), "
+                f"got {tuple(annotations.shape)}"
+            )
+
+
+def _stack_optional(values: list[Tensor | None]) -> Tensor | None:
+    return None if values[0] is None else torch.stack(values, dim=1)  # type: ignore[arg-type]
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+
+
+def build_model(
+    model_params: ModelParams,
+    *,
+    vocab_size: int,
+    annotation_dim: int,
+    num_locations: int,
+    attention: str,
+    semi_sampling_p: float = 0.5,
+    semi_sampling_per: str = "image",
+) -> ShowAttendTell:
+    """The factory: ``params.model`` plus what the data fixes (K, D, L) and the variant.
+
+    ``semi_sampling_p``/``semi_sampling_per`` come from ``params.train.hard`` (ignored for soft).
+    """
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
+    config = ModelConfig(
+        vocab_size=vocab_size,
+        annotation_dim=annotation_dim,
+        num_locations=num_locations,
+        embed_dim=model_params.embed_dim,
+        hidden_dim=model_params.hidden_dim,
+        attention_dim=model_params.attention_dim,
+        dropout=model_params.dropout,
+        gate=model_params.gate,
+        attention=attention,
+        semi_sampling_p=semi_sampling_p,
+        semi_sampling_per=semi_sampling_per,
+    )
+    return ShowAttendTell(config)

@@ -1,0 +1,241 @@
+"""The decoder of Show, Attend and Tell: shapes, attention, gradients, state, overfitting."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from sat_model.config import HardTrainConfig, ModelParams, SoftTrainConfig
+from sat_model.losses import build_criterion
+from sat_model.model import (
+    END_ID,
+    PAD_ID,
+    START_ID,
+    ModelConfig,
+    ShowAttendTell,
+    SoftAttention,
+    build_model,
+)
+
+K, D, L = 12, 8, 6
+
+
+def tiny_model(attention: str = "soft", **overrides: object) -> ShowAttendTell:
+    fields: dict[str, object] = dict(
+        vocab_size=K,
+        annotation_dim=D,
+        num_locations=L,
+        embed_dim=8,
+        hidden_dim=16,
+        attention_dim=8,
+        dropout=0.0,
+        gate=True,
+        attention=attention,
+    )
+    fields.update(overrides)
+    return ShowAttendTell(ModelConfig(**fields))  # type: ignore[arg-type]
+
+
+def tiny_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """4 images (B, L, D) and their captions (B, T+1) of different lengths, padded."""
+    g = torch.Generator().manual_seed(seed)
+    annotations = torch.randn(4, L, D, generator=g)
+    captions = torch.tensor(
+        [
+            [START_ID, 4, 5, 6, END_ID, PAD_ID, PAD_ID],
+            [START_ID, 7, 8, END_ID, PAD_ID, PAD_ID, PAD_ID],
+            [START_ID, 9, 10, 11, 4, 5, END_ID],
+            [START_ID, 6, END_ID, PAD_ID, PAD_ID, PAD_ID, PAD_ID],
+        ]
+    )
+    return annotations, captions
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+@pytest.mark.parametrize("mode", ["train", "expected", "sample", "argmax"])
+def test_alpha_sums_to_one_over_locations(attention: str, mode: str) -> None:
+    torch.manual_seed(0)
+    annotations, captions = tiny_batch()
+    out = tiny_model(attention)(annotations, captions, mode=mode)
+    B, T = captions.shape[0], captions.shape[1] - 1
+    assert out.logits.shape == (B, T, K)
+    assert out.alphas.shape == (B, T, L)
+    assert out.betas.shape == (B, T)
+    assert (out.alphas >= 0).all()
+    torch.testing.assert_close(out.alphas.sum(-1), torch.ones(B, T))
+
+
+def test_hard_attention_outputs_path_log_probs_and_entropy_when_sampling() -> None:
+    torch.manual_seed(0)
+    annotations, captions = tiny_batch()
+    out = tiny_model("hard")(annotations, captions, mode="train")
+    B, T = captions.shape[0], captions.shape[1] - 1
+    assert out.location_log_probs is not None and out.location_log_probs.shape == (B, T)
+    assert out.entropy is not None and out.entropy.shape == (B, T)
+    assert (out.location_log_probs <= 0).all()
+    # entropy of a distribution over L outcomes lies in [0, log L]
+    assert (out.entropy >= 0).all() and (out.entropy <= torch.log(torch.tensor(L)) + 1e-5).all()
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_every_trainable_parameter_gets_a_gradient(attention: str) -> None:
+    torch.manual_seed(0)
+    model = tiny_model(attention, dropout=0.3, semi_sampling_p=0.5)
+    cfg = SoftTrainConfig() if attention == "soft" else HardTrainConfig()
+    criterion = build_criterion(attention, cfg)
+    annotations, captions = tiny_batch()
+    criterion(model(annotations, captions), captions).loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        assert torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, f"{name} got a zero gradient"
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_no_nans_on_random_tensors(attention: str) -> None:
+    torch.manual_seed(1)
+    model = tiny_model(attention, dropout=0.5)
+    annotations = 50 * torch.randn(5, L, D)  # large activations saturate tanh/softmax
+    captions = torch.randint(0, K, (5, 9))
+    out = model(annotations, captions)
+    cfg = SoftTrainConfig() if attention == "soft" else HardTrainConfig()
+    loss = build_criterion(attention, cfg)(out, captions).loss
+    loss.backward()
+    assert torch.isfinite(out.logits).all() and torch.isfinite(out.alphas).all()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_forward_equals_a_loop_of_step(attention: str) -> None:
+    model = tiny_model(attention).eval()
+    annotations, captions = tiny_batch()
+    out = model(annotations, captions)
+    state = model.init_state(annotations)
+    for t in range(captions.shape[1] - 1):
+        step = model.step(captions[:, t], state, "expected")
+        torch.testing.assert_close(step.logits, out.logits[:, t])
+        torch.testing.assert_close(step.alpha, out.alphas[:, t])
+        state = step.state
+
+
+def test_annotation_projection_is_computed_once_per_forward() -> None:
+    model = tiny_model("soft")
+    calls = []
+    model.attention.annotation_proj.register_forward_hook(lambda *_: calls.append(1))
+    annotations, captions = tiny_batch()
+    model(annotations, captions)
+    assert len(calls) == 1  # W_a a_i does not depend on t (Eq. 4)
+
+
+def test_soft_attention_scores_follow_eq_4_and_5() -> None:
+    torch.manual_seed(0)
+    att = SoftAttention(annotation_dim=3, hidden_dim=2, attention_dim=4)
+    a, h = torch.randn(2, 5, 3), torch.randn(2, 2)
+    out = att(a, att.project(a), h)
+    W_a, b = att.annotation_proj.weight, att.annotation_proj.bias
+    e = torch.tanh(a @ W_a.T + b + (h @ att.hidden_proj.weight.T)[:, None]) @ att.score.weight[0]
+    alpha = torch.exp(e) / torch.exp(e).sum(1, keepdim=True)
+    torch.testing.assert_close(out.alpha, alpha)
+    torch.testing.assert_close(out.context, (alpha[..., None] * a).sum(1))
+
+
+def test_without_gate_beta_is_one() -> None:
+    annotations, captions = tiny_batch()
+    out = tiny_model("soft", gate=False)(annotations, captions)
+    torch.testing.assert_close(out.betas, torch.ones_like(out.betas))
+
+
+@pytest.mark.parametrize(("p", "expected_sampled"), [(0.0, True), (1.0, False)])
+def test_semi_sampling_probability_controls_which_images_sample(
+    p: float, expected_sampled: bool
+) -> None:
+    annotations, captions = tiny_batch()
+    out = tiny_model("hard", semi_sampling_p=p)(annotations, captions)
+    assert out.sampled is not None
+    assert out.sampled.tolist() == [expected_sampled] * 4
+
+
+def test_semi_sampling_per_batch_draws_one_coin_for_the_whole_batch() -> None:
+    torch.manual_seed(0)
+    model = tiny_model("hard", semi_sampling_p=0.5, semi_sampling_per="batch")
+    annotations, captions = tiny_batch()
+    seen = set()
+    for _ in range(20):
+        sampled = model(annotations, captions).sampled
+        assert sampled is not None
+        assert len(set(sampled.tolist())) == 1
+        seen.add(bool(sampled[0]))
+    assert seen == {True, False}  # P(20 equal coins) = 2^-19
+
+
+def test_semi_sampled_images_use_the_expected_context() -> None:
+    torch.manual_seed(0)
+    annotations, captions = tiny_batch()
+    hard = tiny_model("hard", semi_sampling_p=1.0)
+    soft = tiny_model("soft")
+    soft.load_state_dict(hard.state_dict())  # same parameters; soft has no sampling
+    torch.testing.assert_close(
+        hard(annotations, captions).logits, soft(annotations, captions).logits
+    )
+
+
+def test_state_dict_round_trips_and_config_is_json() -> None:
+    torch.manual_seed(0)
+    model = tiny_model("hard").eval()
+    text = json.dumps(dataclasses.asdict(model.config))
+    clone = ShowAttendTell(ModelConfig(**json.loads(text)))
+    clone.load_state_dict(model.state_dict())
+    clone.eval()
+    annotations, captions = tiny_batch()
+    torch.testing.assert_close(
+        clone(annotations, captions).logits, model(annotations, captions).logits
+    )
+
+
+def test_build_model_reads_model_params() -> None:
+    params = ModelParams(embed_dim=6, hidden_dim=10, attention_dim=5, dropout=0.1, gate=False)
+    model = build_model(params, vocab_size=K, annotation_dim=D, num_locations=L, attention="hard")
+    assert model.config.embed_dim == 6 and model.config.hidden_dim == 10
+    assert model.config.attention == "hard" and model.gate is None
+    assert model.lstm.input_size == 6 + D  # [E y_{t-1}; ẑ_t], Eq. 1
+
+
+def test_build_model_rejects_unknown_attention() -> None:
+    with pytest.raises(ValueError, match="'glimpse'"):
+        build_model(
+            ModelParams(), vocab_size=K, annotation_dim=D, num_locations=L, attention="glimpse"
+        )
+
+
+def test_model_rejects_annotations_of_the_wrong_shape() -> None:
+    _, captions = tiny_batch()
+    with pytest.raises(ValueError, match=r"\(4, 7, 8\)"):
+        tiny_model()(torch.zeros(4, 7, D), captions)
+
+
+def test_unknown_mode_is_rejected() -> None:
+    annotations, captions = tiny_batch()
+    with pytest.raises(ValueError, match="'greedy'"):
+        tiny_model()(annotations, captions, mode="greedy")
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_a_tiny_batch_is_overfit(attention: str) -> None:
+    torch.manual_seed(0)
+    model = tiny_model(attention, semi_sampling_p=0.5)
+    cfg = SoftTrainConfig() if attention == "soft" else HardTrainConfig()
+    criterion = build_criterion(attention, cfg)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    annotations, captions = tiny_batch()
+    for _ in range(300):
+        optimizer.zero_grad()
+        criterion(model(annotations, captions), captions).loss.backward()
+        optimizer.step()
+    model.eval()
+    nll = criterion(model(annotations, captions), captions).nll
+    # start: log K ≈ 2.5 nats per token
+    assert nll < 0.05, f"mean per-token NLL {float(nll):.3f} after 300 steps"
