@@ -1,0 +1,209 @@
+"""The training loop: determinism, early stopping, non-finite losses, schedules, callbacks."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from sat_model.batching import Batch
+from sat_model.checkpoint import load_checkpoint, save_checkpoint
+from sat_model.losses import SoftAttentionLoss
+from sat_model.model import ModelConfig, ShowAttendTell
+from sat_model.training import (
+    Callback,
+    EpochState,
+    NonFiniteLossError,
+    build_optimizer,
+    build_scheduler,
+    fit,
+)
+from sat_model.vocab import build_vocab
+
+L, D, K = 4, 6, 12
+
+
+def _model(seed: int = 0) -> ShowAttendTell:
+    torch.manual_seed(seed)
+    return ShowAttendTell(
+        ModelConfig(
+            vocab_size=K,
+            annotation_dim=D,
+            num_locations=L,
+            embed_dim=8,
+            hidden_dim=10,
+            attention_dim=6,
+            dropout=0.5,
+            gate=True,
+            attention="soft",
+        )
+    )
+
+
+def _batches(num: int = 4, nan_at_epoch: int | None = None):
+    gen = torch.Generator().manual_seed(123)
+    data = []
+    for i in range(num):
+        T = 3 + i % 2
+        captions = torch.randint(4, K, (5, T + 1), generator=gen)
+        captions[:, 0], captions[:, -1] = 1, 2
+        data.append((torch.randn(5, L, D, generator=gen), captions))
+
+    def batches(epoch: int) -> list[Batch]:
+        out = []
+        for feats, captions in data:
+            if epoch == nan_at_epoch:
+                feats = torch.full_like(feats, float("nan"))
+            out.append(
+                Batch(feats, captions, torch.full((5,), captions.size(1)), torch.arange(5))
+            )
+        return out
+
+    return batches
+
+
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.states: list[EpochState] = []
+        self.weights: list[torch.Tensor] = []
+        self.logs: list[tuple[int, int, float]] = []
+
+    def on_log(self, epoch: int, step: int, loss: float) -> None:
+        self.logs.append((epoch, step, loss))
+
+    def on_epoch_end(self, state: EpochState) -> None:
+        self.states.append(state)
+        self.weights.append(state.checkpoint()["model_state"]["out.weight"].clone())
+
+
+def _fit(
+    model,
+    validate=None,
+    callbacks=(),
+    *,
+    seed=7,
+    max_epochs=1,
+    patience=3,
+    batches=None,
+    schedule="constant",
+    lr=1e-2,
+):
+    optimizer = build_optimizer(model.parameters(), "adam", lr)
+    return fit(
+        model,
+        SoftAttentionLoss(1.0),
+        optimizer,
+        build_scheduler(optimizer, schedule, max_epochs, 0.5),
+        batches or _batches(),
+        validate,
+        callbacks,
+        max_epochs=max_epochs,
+        patience=patience,
+        grad_clip=5.0,
+        seed=seed,
+        log_every=2,
+    )
+
+
+def test_same_seed_gives_identical_parameters_after_an_epoch() -> None:
+    a, b = _model(), _model()
+    _fit(a)
+    _fit(b)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name
+    # the check can fail: another dropout seed moves the parameters
+    c = _model()
+    _fit(c, seed=8)
+    assert not torch.equal(a.out.weight, c.out.weight)
+
+
+def test_training_lowers_the_loss_on_a_fixed_batch_set() -> None:
+    rec = Recorder()
+    _fit(_model(), callbacks=[rec], max_epochs=6)
+    assert rec.states[-1].train_loss < rec.states[0].train_loss
+
+
+def test_early_stopping_stops_after_patience_epochs_without_improvement() -> None:
+    scores = iter([0.10, 0.30, 0.20, 0.25, 0.29, 0.90, 0.95])
+    rec = Recorder()
+    model = _model()
+    result = _fit(model, lambda m: {"bleu_4": next(scores)}, [rec], max_epochs=7, patience=3)
+    # best at epoch 2; epochs 3, 4, 5 do not beat it -> stop after epoch 5
+    assert [s.epoch for s in rec.states] == [1, 2, 3, 4, 5]
+    assert [s.is_best for s in rec.states] == [True, True, False, False, False]
+    assert (result.best_epoch, result.best_score) == (2, 0.30)
+    assert result.stopped_early and result.epochs_completed == 5
+    # the model is left holding the best epoch's weights, not the last
+    assert torch.equal(model.out.weight, rec.weights[1])
+    assert not torch.equal(model.out.weight, rec.weights[-1])
+
+
+def test_without_validation_training_runs_every_epoch() -> None:
+    rec = Recorder()
+    result = _fit(_model(), None, [rec], max_epochs=3, patience=1)
+    assert [s.epoch for s in rec.states] == [1, 2, 3]
+    assert all(s.val_metrics is None for s in rec.states)
+    assert not result.stopped_early and result.epochs_completed == 3
+
+
+def test_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+    vocab = build_vocab([[f"w{i}" for i in range(K - 4)]], 1, 100, 20)
+
+    class Saver(Callback):
+        def on_epoch_end(self, state: EpochState) -> None:
+            ckpt = state.checkpoint()
+            save_checkpoint(
+                tmp_path,
+                model_config=model.config,
+                vocab=vocab,
+                model_state=ckpt["model_state"],
+                epoch=ckpt["epoch"],
+            )
+
+    model, rec = _model(), Recorder()
+    with pytest.raises(NonFiniteLossError, match="nan at epoch 3"):
+        _fit(model, None, [rec, Saver()], max_epochs=5, batches=_batches(nan_at_epoch=2))
+    assert [s.epoch for s in rec.states] == [1, 2]  # no callback saw the bad epoch
+    saved = load_checkpoint(tmp_path)
+    assert saved.epoch == 2
+    assert all(torch.isfinite(t).all() for t in saved.model_state.values())
+    assert torch.equal(saved.model_state["out.weight"], rec.weights[-1])
+
+
+def test_huge_learning_rate_that_diverges_is_reported_as_non_finite() -> None:
+    model = _model()
+    with torch.no_grad():
+        model.out.weight.fill_(1e38)  # logits overflow to inf: the loss cannot stay finite
+    with pytest.raises(NonFiniteLossError):
+        _fit(model, max_epochs=2, lr=1e30)
+
+
+def test_step_schedule_multiplies_the_rate_each_epoch() -> None:
+    rec = Recorder()
+    _fit(_model(), None, [rec], max_epochs=3, schedule="step", lr=1e-2)
+    assert [s.lr for s in rec.states] == pytest.approx([1e-2, 5e-3, 2.5e-3])
+
+
+def test_cosine_schedule_follows_the_half_cosine() -> None:
+    rec = Recorder()
+    _fit(_model(), None, [rec], max_epochs=4, schedule="cosine", lr=1e-2)
+    expected = [1e-2 * (1 + math.cos(math.pi * e / 4)) / 2 for e in range(4)]
+    assert [s.lr for s in rec.states] == pytest.approx(expected)
+
+
+def test_progress_is_logged_every_n_steps_with_the_window_mean() -> None:
+    rec = Recorder()
+    _fit(_model(), None, [rec], max_epochs=1)
+    assert [(e, s) for e, s, _ in rec.logs] == [(0, 2), (0, 4)]
+    window_means = [loss for *_, loss in rec.logs]
+    assert sum(window_means) / 2 == pytest.approx(rec.states[0].train_loss, rel=1e-5)
+
+
+def test_unknown_optimizer_and_schedule_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="sgd"):
+        build_optimizer(_model().parameters(), "sgd", 1e-3)
+    opt = build_optimizer(_model().parameters(), "rmsprop", 1e-3)
+    with pytest.raises(ValueError, match="linear"):
+        build_scheduler(opt, "linear", 3, 0.5)
