@@ -1,0 +1,292 @@
+"""Feature extraction: prepared image table → one feature store per split.
+
+Dimensions: ``B`` batch, ``S`` crop size, ``L`` locations, ``D`` annotation size.
+
+Images decode in DataLoader worker processes while the main process runs the frozen encoder
+under ``torch.inference_mode``. A batch is always the same slice of a split's image list
+(``batch_slices``), with the images that fail to decode removed, so any engine that follows the
+same slicing (``pipeline.ray_extract``) produces byte-identical stores. Undecodable images are
+skipped with their reason; extraction fails only when no image at all could be extracted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from sat_model.encoders import Encoder, EncoderDescription
+from sat_model.features import FeatureMeta, FeatureWriter
+from sat_model.images import ImageError, load_image, preprocess
+
+__all__ = [
+    "DecodedBatch",
+    "ExtractError",
+    "ExtractReport",
+    "ImageItem",
+    "Preprocessing",
+    "SplitResult",
+    "batch_slices",
+    "decode_batch",
+    "encode_batch",
+    "extract_features",
+    "extract_split",
+    "feature_meta",
+    "read_image_table",
+]
+
+SPLITS = ("train", "val", "test")
+
+
+class ExtractError(RuntimeError):
+    """Nothing usable to extract, or an unreadable image table."""
+
+
+@dataclass(frozen=True)
+class ImageItem:
+    image_id: str
+    path: str  # absolute: Ray workers do not share the driver's working directory
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How a file becomes an encoder input (see ``sat_model.images``)."""
+
+    resize: int
+    crop: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    max_pixels: int
+
+    def tensor(self, path: str) -> torch.Tensor:
+        image = load_image(path, max_pixels=self.max_pixels, min_side=self.resize)
+        return preprocess(image, self.resize, self.crop, self.mean, self.std)  # (3, S, S)
+
+
+@dataclass(frozen=True)
+class DecodedBatch:
+    """The decodable part of one batch slice, plus the reasons for the rest."""
+
+    image_ids: list[str]
+    images: torch.Tensor  # (B_ok, 3, S, S)
+    skipped: list[tuple[str, str]]  # (image_id, reason)
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    split: str
+    path: str
+    extracted: int
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (image_id, reason)
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ExtractReport:
+    engine: str
+    encoder: EncoderDescription
+    splits: list[SplitResult]
+    seconds: float
+
+    def to_dict(self) -> dict[str, object]:
+        """Flat, stable keys for ``dvc metrics``, then the skipped list and the encoder."""
+        extracted = sum(s.extracted for s in self.splits)
+        out: dict[str, object] = {
+            "engine": self.engine,
+            "images_extracted": extracted,
+            "images_skipped": sum(len(s.skipped) for s in self.splits),
+            "seconds": round(self.seconds, 3),
+            "images_per_s": round(extracted / self.seconds, 2) if self.seconds > 0 else 0.0,
+        }
+        for s in self.splits:
+            out[f"extracted_{s.split}"] = s.extracted
+            out[f"skipped_{s.split}"] = len(s.skipped)
+        out["skipped"] = [
+            {"item": image_id, "split": s.split, "reason": reason}
+            for s in self.splits
+            for image_id, reason in s.skipped
+        ]
+        out["encoder"] = self.encoder.to_dict()
+        return out
+
+
+def read_image_table(path: str | Path) -> dict[str, list[ImageItem]]:
+    """Images with ``status == "ok"`` per split, in table order (docs/ARCHITECTURE.md)."""
+    try:
+        table = pq.read_table(path, columns=["image_id", "split", "file", "status"])
+    except (OSError, ValueError) as e:
+        raise ExtractError(f"cannot read image table {path}: {e}") from e
+    metadata = table.schema.metadata or {}
+    if b"image_root" not in metadata:
+        raise ExtractError(f"image table {path} lacks the 'image_root' schema metadata")
+    root = Path(metadata[b"image_root"].decode()).resolve()
+    items: dict[str, list[ImageItem]] = {}
+    for row in table.to_pylist():
+        if row["status"] == "ok" and row["split"] is not None:
+            item = ImageItem(row["image_id"], str(root / row["file"]))
+            items.setdefault(row["split"], []).append(item)
+    return {s: items[s] for s in sorted(items, key=_split_order)}
+
+
+def _split_order(split: str) -> tuple[int, str]:
+    return (SPLITS.index(split) if split in SPLITS else len(SPLITS), split)
+
+
+def feature_meta(description: EncoderDescription) -> FeatureMeta:
+    d = description
+    return FeatureMeta(
+        d.name, d.layer, d.input_size, d.num_locations, d.annotation_dim, d.grid_h, d.grid_w,
+        d.weights_sha256,
+    )  # fmt: skip
+
+
+def batch_slices(count: int, batch_size: int) -> list[slice]:
+    """The fixed batch boundaries every engine uses (outputs depend on batch composition)."""
+    return [slice(i, min(i + batch_size, count)) for i in range(0, count, batch_size)]
+
+
+def decode_batch(items: Sequence[ImageItem], prep: Preprocessing) -> DecodedBatch:
+    samples = [_decode_one(item, prep) for item in items]
+    return collate_samples(samples, prep.crop)
+
+
+def _decode_one(item: ImageItem, prep: Preprocessing) -> tuple[str, torch.Tensor | None, str]:
+    try:
+        return item.image_id, prep.tensor(item.path), ""
+    except ImageError as e:
+        return item.image_id, None, e.reason
+
+
+def collate_samples(samples: list[tuple[str, torch.Tensor | None, str]], crop: int) -> DecodedBatch:
+    ok = [(image_id, x) for image_id, x, _ in samples if x is not None]
+    skipped = [(image_id, reason) for image_id, x, reason in samples if x is None]
+    images = torch.stack([x for _, x in ok]) if ok else torch.empty(0, 3, crop, crop)
+    return DecodedBatch([image_id for image_id, _ in ok], images, skipped)  # images (B_ok,3,S,S)
+
+
+def encode_batch(encoder: Encoder, images: torch.Tensor) -> np.ndarray:
+    """Annotations (B, L, D) as float16 (the store's dtype)."""
+    with torch.inference_mode():
+        annotations = encoder(images)  # (B, L, D) float32
+    return annotations.to(torch.float16).cpu().numpy()
+
+
+class _DecodeDataset(Dataset):
+    def __init__(self, items: Sequence[ImageItem], prep: Preprocessing) -> None:
+        self.items = items
+        self.prep = prep
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[str, torch.Tensor | None, str]:
+        return _decode_one(self.items[i], self.prep)
+
+
+class _Collate:
+    def __init__(self, crop: int) -> None:
+        self.crop = crop
+
+    def __call__(self, samples: list[tuple[str, torch.Tensor | None, str]]) -> DecodedBatch:
+        return collate_samples(samples, self.crop)
+
+
+def _single_thread_worker(_: int) -> None:
+    # decoding workers share the cores with the encoder; torch ops in them stay single-threaded
+    torch.set_num_threads(1)
+
+
+def iter_decoded(
+    items: Sequence[ImageItem], prep: Preprocessing, batch_size: int, num_workers: int
+) -> Iterator[DecodedBatch]:
+    """Decoded batches in ``batch_slices`` order, decoding ahead in worker processes."""
+    loader = DataLoader(
+        _DecodeDataset(items, prep),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        collate_fn=_Collate(prep.crop),
+        worker_init_fn=_single_thread_worker if num_workers else None,
+        prefetch_factor=2 if num_workers else None,
+        persistent_workers=False,
+    )
+    yield from loader
+
+
+def extract_split(
+    encoder: Encoder,
+    items: Sequence[ImageItem],
+    out_path: str | Path,
+    prep: Preprocessing,
+    batch_size: int,
+    num_workers: int,
+    split: str = "",
+    progress: bool = True,
+) -> SplitResult:
+    """Encode ``items`` into the feature store ``out_path`` (written atomically)."""
+    start = time.perf_counter()
+    skipped: list[tuple[str, str]] = []
+    bar = tqdm(total=len(items), desc=f"extract {split}", unit="img", disable=not progress)
+    with FeatureWriter(out_path, feature_meta(encoder.description)) as writer, bar:
+        for batch in iter_decoded(items, prep, batch_size, num_workers):
+            if batch.image_ids:
+                writer.write(batch.image_ids, encode_batch(encoder, batch.images))
+            skipped.extend(batch.skipped)
+            bar.update(len(batch.image_ids) + len(batch.skipped))
+    return SplitResult(split, str(out_path), writer.rows, skipped, time.perf_counter() - start)
+
+
+def extract_features(
+    images_table: str | Path,
+    out_dir: str | Path,
+    encoder: Encoder,
+    resize: int,
+    crop: int,
+    batch_size: int,
+    num_workers: int,
+    max_image_pixels: int,
+    progress: bool = True,
+    run_split: Callable[..., SplitResult] | None = None,
+    engine: str = "local",
+) -> ExtractReport:
+    """Extract every split of ``images_table`` into ``out_dir/{split}.arrow``.
+
+    ``run_split`` replaces :func:`extract_split` (same keyword arguments): the Ray engine plugs
+    in here so both engines share table reading, preprocessing and reporting.
+
+    Raises:
+        ExtractError: the table holds no usable image, or none could be extracted.
+    """
+    if crop != encoder.description.input_size:
+        raise ValueError(f"crop {crop} != encoder input size {encoder.description.input_size}")
+    splits = read_image_table(images_table)
+    if not splits:
+        raise ExtractError(f"{images_table} holds no image with status 'ok' in a split")
+    d = encoder.description
+    prep = Preprocessing(resize, crop, d.mean, d.std, max_image_pixels)
+    run = run_split or extract_split
+    start = time.perf_counter()
+    results = [
+        run(
+            encoder=encoder,
+            items=items,
+            out_path=Path(out_dir) / f"{split}.arrow",
+            prep=prep,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            split=split,
+            progress=progress,
+        )
+        for split, items in splits.items()
+    ]
+    report = ExtractReport(engine, d, results, time.perf_counter() - start)
+    if not any(r.extracted for r in results):
+        raise ExtractError(f"no image could be extracted from {images_table}: {report.to_dict()}")
+    return report

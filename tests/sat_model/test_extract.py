@@ -1,0 +1,137 @@
+"""Extraction from a prepared image table into feature stores (random encoder, tiny PNGs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from sat_model.encoders import build_encoder
+from sat_model.extract import ExtractError, extract_features, read_image_table
+from sat_model.features import FeatureStore
+from sat_model.images import load_image, preprocess
+
+RESIZE, CROP = 36, 32
+
+# (image_id, split, status, how the file is written)
+ROWS = [
+    ("a", "train", "ok", "png"),
+    ("b", "train", "ok", "corrupt"),
+    ("c", "train", "ok", "png"),
+    ("d", "train", "caption missing", "png"),  # not ok in prepare: never extracted
+    ("e", "val", "ok", "png"),
+    ("f", None, "ok", "png"),  # in no split
+    ("g", "train", "ok", "png"),
+]
+
+
+def write_image_table(root: Path, rows=ROWS, with_root: bool = True) -> Path:
+    images = root / "images"
+    images.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for image_id, _, _, kind in rows:
+        path = images / f"{image_id}.png"
+        if kind == "corrupt":
+            path.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)
+        else:
+            size = (int(rng.integers(40, 60)), int(rng.integers(40, 60)))
+            pixels = rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(path)
+    table = pa.table(
+        {
+            "image_id": [r[0] for r in rows],
+            "split": [r[1] for r in rows],
+            "file": [f"images/{r[0]}.png" for r in rows],
+            "width": pa.array([50] * len(rows), pa.int32()),
+            "height": pa.array([50] * len(rows), pa.int32()),
+            "status": [r[2] for r in rows],
+        }
+    )
+    if with_root:
+        table = table.replace_schema_metadata({"image_root": str(root), "source": "synthetic"})
+    path = root / "images.parquet"
+    pq.write_table(table, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return build_encoder("random", input_size=CROP)
+
+
+def _extract(table: Path, out: Path, encoder, num_workers: int = 0, batch_size: int = 2):
+    return extract_features(
+        table, out, encoder, resize=RESIZE, crop=CROP, batch_size=batch_size,
+        num_workers=num_workers, max_image_pixels=10_000, progress=False,
+    )  # fmt: skip
+
+
+def test_table_reader_keeps_ok_rows_in_a_split_in_table_order(tmp_path: Path) -> None:
+    items = read_image_table(write_image_table(tmp_path))
+    assert list(items) == ["train", "val"]
+    assert [i.image_id for i in items["train"]] == ["a", "b", "c", "g"]
+    assert items["val"][0].path == str(tmp_path / "images" / "e.png")
+
+
+def test_corrupt_image_is_skipped_with_reason_and_others_extracted(tmp_path, encoder) -> None:
+    report = _extract(write_image_table(tmp_path), tmp_path / "features", encoder)
+    train = FeatureStore(tmp_path / "features" / "train.arrow")
+    assert train.ids == ["a", "c", "g"]
+    assert FeatureStore(tmp_path / "features" / "val.arrow").ids == ["e"]
+    out = report.to_dict()
+    assert (out["images_extracted"], out["images_skipped"]) == (4, 1)
+    assert (out["extracted_train"], out["skipped_train"], out["extracted_val"]) == (3, 1, 1)
+    assert out["skipped"][0]["item"] == "b" and "cannot decode" in out["skipped"][0]["reason"]
+
+
+def test_stored_features_equal_encoding_each_image_alone(tmp_path, encoder) -> None:
+    _extract(write_image_table(tmp_path), tmp_path / "features", encoder)
+    store = FeatureStore(tmp_path / "features" / "train.arrow")
+    assert store.meta.L == 4 and store.meta.D == 32  # 32 px / 16 → 2×2 grid
+    d = encoder.description
+    image = load_image(tmp_path / "images" / "c.png")
+    x = preprocess(image, RESIZE, CROP, d.mean, d.std)[None]  # (1, 3, S, S)
+    with torch.inference_mode():
+        expected = encoder(x)[0].numpy()  # (L, D)
+    np.testing.assert_allclose(store[store.index_of("c")], expected, rtol=2e-3, atol=2e-3)
+
+
+def test_worker_processes_write_byte_identical_stores(tmp_path, encoder) -> None:
+    table = write_image_table(tmp_path)
+    _extract(table, tmp_path / "serial", encoder, num_workers=0)
+    _extract(table, tmp_path / "workers", encoder, num_workers=2)
+    for split in ("train", "val"):
+        serial = (tmp_path / "serial" / f"{split}.arrow").read_bytes()
+        assert serial == (tmp_path / "workers" / f"{split}.arrow").read_bytes()
+
+
+def test_oversized_image_is_skipped_by_the_pixel_limit(tmp_path, encoder) -> None:
+    rows = [("a", "train", "ok", "png"), ("big", "train", "ok", "png")]
+    table = write_image_table(tmp_path, rows)
+    Image.new("RGB", (200, 200)).save(tmp_path / "images" / "big.png")  # 40,000 > 10,000
+    report = _extract(table, tmp_path / "features", encoder).to_dict()
+    assert report["extracted_train"] == 1
+    assert "decompression bomb" in report["skipped"][0]["reason"]
+
+
+def test_nothing_extractable_fails_loudly(tmp_path, encoder) -> None:
+    table = write_image_table(tmp_path, [("b", "train", "ok", "corrupt")])
+    with pytest.raises(ExtractError, match="no image could be extracted"):
+        _extract(table, tmp_path / "features", encoder)
+
+
+def test_table_without_image_root_metadata_is_refused(tmp_path, encoder) -> None:
+    table = write_image_table(tmp_path, with_root=False)
+    with pytest.raises(ExtractError, match="image_root"):
+        _extract(table, tmp_path / "features", encoder)
+
+
+def test_crop_must_match_the_encoder_input_size(tmp_path, encoder) -> None:
+    table = write_image_table(tmp_path)
+    with pytest.raises(ValueError, match="crop 48 != encoder input size 32"):
+        extract_features(table, tmp_path / "f", encoder, 64, 48, 2, 0, 10_000, progress=False)
