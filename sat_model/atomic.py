@@ -19,6 +19,7 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600; outputs are shared data, readable by all
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -1,0 +1,358 @@
+"""Readers for the four caption sources, all returning one :class:`SourceData`.
+
+A reader parses its source's metadata only: which images exist, their split and file, and
+their raw captions. It never opens an image (``sat_model.prepare`` checks files for every
+source alike). Problems found while parsing are kept, not raised: an image gets a ``status``
+other than ``"ok"`` (a duplicate id, no split, ...) and a caption that cannot be attached to
+an image becomes a :class:`Skip`. Items left out on purpose by a params setting (Karpathy's
+``restval``, COCO captions beyond the first five) carry reasons starting with
+``EXCLUDED`` and do not count as bad input.
+
+``file`` is the name as written in the source, relative to ``image_root``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Literal
+
+import numpy as np
+
+from sat_model.config import DataConfig
+from sat_model.scenes import generate_scenes
+
+__all__ = [
+    "EXCLUDED",
+    "OK",
+    "Box",
+    "Skip",
+    "SourceCaption",
+    "SourceData",
+    "SourceError",
+    "SourceImage",
+    "read_coco",
+    "read_flickr8k",
+    "read_karpathy",
+    "read_source",
+    "read_synthetic",
+]
+
+EXCLUDED = "excluded"
+OK = "ok"
+
+
+class SourceError(ValueError):
+    """Raised when a source cannot be read at all (a missing or unparseable index file)."""
+
+
+@dataclass(frozen=True)
+class Box:
+    """An object's pixel box in the original image (synthetic scenes only)."""
+
+    label: str
+    shape: str
+    colour: str
+    size: str
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+
+
+@dataclass(frozen=True)
+class SourceImage:
+    image_id: str
+    split: str | None
+    file: str
+    status: str = OK
+    boxes: tuple[Box, ...] = ()
+
+
+@dataclass(frozen=True)
+class SourceCaption:
+    image_id: str
+    raw: str
+    item: str  # where it came from, for skip messages ("Flickr8k.token.txt line 12")
+
+
+@dataclass(frozen=True)
+class Skip:
+    item: str
+    reason: str
+    kind: Literal["image", "caption"]
+
+    @property
+    def excluded(self) -> bool:
+        return self.reason.startswith(EXCLUDED)
+
+
+@dataclass(frozen=True)
+class SourceData:
+    source: str
+    image_root: Path  # absolute
+    images: tuple[SourceImage, ...]
+    # captions attached to an image row (usable or not: prepare counts those of skipped images)
+    captions: tuple[SourceCaption, ...]
+    skipped: tuple[Skip, ...] = field(default=())  # captions dropped while parsing
+
+
+class _Images:
+    """Collects image rows in source order; the first row of an id wins, later ones are marked."""
+
+    def __init__(self) -> None:
+        self.rows: list[SourceImage] = []
+        self.first: dict[str, SourceImage] = {}
+
+    def add(self, image: SourceImage) -> SourceImage:
+        if image.image_id in self.first:
+            prior = self.first[image.image_id]
+            image = SourceImage(
+                image.image_id,
+                image.split,
+                image.file,
+                f"duplicate image id {image.image_id!r} (first listed as {prior.file!r}"
+                f" in split {prior.split})",
+            )
+        else:
+            self.first[image.image_id] = image
+        self.rows.append(image)
+        return image
+
+
+def _stem(name: str) -> str:
+    return PurePosixPath(name).stem if name.strip() else name
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise SourceError(f"cannot read {what} {path}: {e.strerror or e}") from e
+
+
+def _lines(path: Path, what: str) -> Iterator[tuple[int, str | None]]:
+    """(1-based line number, text or None when not UTF-8) for each non-blank line."""
+    for n, raw in enumerate(_read(path, what).split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError:
+            yield n, None
+            continue
+        if line.strip():
+            yield n, line
+
+
+# ----------------------------------------------------------------------------- flickr8k
+def read_flickr8k(
+    root: Path, images_dir: str, token_file: str, split_lists: dict[str, str]
+) -> SourceData:
+    """Flickr8k as distributed: a ``name#n<TAB>caption`` token file and one list per split."""
+    images, split_of, skipped = _Images(), {}, []
+    for split, rel in split_lists.items():
+        for n, line in _lines(root / rel, f"{split} split list"):
+            if line is None:
+                skipped.append(Skip(f"{rel} line {n}", "line is not UTF-8", "image"))
+                continue
+            row = images.add(SourceImage(_stem(line.strip()), split, line.strip()))
+            split_of.setdefault(row.image_id, split)
+    captions: list[SourceCaption] = []
+    for n, line in _lines(root / token_file, "token file"):
+        item = f"{PurePosixPath(token_file).name} line {n}"
+        if line is None:
+            skipped.append(Skip(item, "line is not UTF-8", "caption"))
+            continue
+        name, tab, raw = line.partition("\t")
+        name = name.rpartition("#")[0] if "#" in name else ""
+        if not tab or not name:
+            skipped.append(
+                Skip(item, "malformed line: expected '<image>#<n><TAB><caption>'", "caption")
+            )
+            continue
+        image_id = _stem(name)
+        if image_id not in split_of:
+            if image_id not in images.first:
+                images.add(SourceImage(image_id, None, name, "image is in no split"))
+            skipped.append(Skip(item, f"image {name!r} is in no split", "caption"))
+            continue
+        captions.append(SourceCaption(image_id, raw, item))
+    return SourceData(
+        "flickr8k",
+        (root / images_dir).resolve(),
+        tuple(images.rows),
+        tuple(captions),
+        tuple(skipped),
+    )
+
+
+# ----------------------------------------------------------------------------- karpathy
+def _load_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(_read(path, what))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SourceError(f"{what} {path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise SourceError(f"{what} {path} must hold a JSON object")
+    return data
+
+
+def read_karpathy(
+    root: Path, json_file: str, images_dir: str, restval_to_train: bool
+) -> SourceData:
+    """Karpathy's split file (``dataset_{flickr8k,flickr30k,coco}.json``)."""
+    data = _load_json(root / json_file, "Karpathy split file")
+    images, captions, skipped = _Images(), [], []
+    for k, entry in enumerate(data.get("images", [])):
+        name = str(entry.get("filename", ""))
+        file = f"{entry['filepath']}/{name}" if entry.get("filepath") else name
+        # COCO entries carry the COCO id, so Karpathy-COCO and raw COCO agree on ids
+        image_id = str(entry["cocoid"]) if "cocoid" in entry else _stem(name)
+        split, status = entry.get("split"), OK
+        if split == "restval":
+            split = "train" if restval_to_train else None
+            status = OK if restval_to_train else f"{EXCLUDED}: restval (karpathy.restval_to_train)"
+        elif split not in ("train", "val", "test"):
+            split, status = None, f"image is in no split (split {entry.get('split')!r})"
+        row = images.add(SourceImage(image_id, split, file, status))
+        for j, sentence in enumerate(entry.get("sentences", [])):
+            item = f"{json_file} image {k} sentence {j}"
+            raw = sentence.get("raw") if isinstance(sentence, dict) else None
+            if isinstance(raw, str):
+                captions.append(SourceCaption(row.image_id, raw, item))
+            else:
+                skipped.append(Skip(item, "sentence has no raw text", "caption"))
+    return SourceData(
+        "karpathy",
+        (root / images_dir).resolve(),
+        tuple(images.rows),
+        tuple(captions),
+        tuple(skipped),
+    )
+
+
+# --------------------------------------------------------------------------------- coco
+def _coco_splits(
+    ids: list[int], val_images: int, test_images: int, seed: int, rest_to_train: bool
+) -> dict[int, str | None]:
+    """Split the held-out pool: ``val_images`` val, ``test_images`` test, the rest train or none."""
+    order = np.random.default_rng(seed).permutation(len(ids))
+    pool = [sorted(ids)[i] for i in order]
+    rest = "train" if rest_to_train else None
+    return {
+        image_id: "val" if i < val_images else "test" if i < val_images + test_images else rest
+        for i, image_id in enumerate(pool)
+    }
+
+
+def read_coco(
+    root: Path,
+    annotation_files: tuple[str, ...],
+    images_dirs: tuple[str, ...],
+    val_images: int,
+    test_images: int,
+    seed: int,
+    max_captions_per_image: int,
+    rest_to_train: bool,
+) -> SourceData:
+    """MS COCO captions JSON: the first file trains; val/test are drawn from the others."""
+    if len(annotation_files) != len(images_dirs):
+        raise SourceError(
+            f"{len(annotation_files)} annotation files but {len(images_dirs)} image folders"
+        )
+    files = [_load_json(root / a, "COCO captions file") for a in annotation_files]
+    held_out = sorted({int(im["id"]) for d in files[1:] for im in d.get("images", [])})
+    split_of = _coco_splits(held_out, val_images, test_images, seed, rest_to_train)
+    images, captions, skipped = _Images(), [], []
+    for k, (data, folder, ann_file) in enumerate(
+        zip(files, images_dirs, annotation_files, strict=True)
+    ):
+        for im in data.get("images", []):
+            split = "train" if k == 0 else split_of[int(im["id"])]
+            status = OK if split else f"{EXCLUDED}: held-out image beyond val/test (coco)"
+            images.add(
+                SourceImage(str(im["id"]), split, f"{folder}/{im.get('file_name', '')}", status)
+            )
+        per_image: dict[str, int] = {}
+        for ann in sorted(
+            data.get("annotations", []), key=lambda a: (a.get("image_id", -1), a.get("id", 0))
+        ):
+            image_id, item = str(ann.get("image_id")), f"{ann_file} annotation {ann.get('id')}"
+            row = images.first.get(image_id)
+            if row is None:
+                skipped.append(
+                    Skip(item, f"image id {image_id} is not in the images list", "caption")
+                )
+            elif row.status == OK and per_image.get(image_id, 0) >= max_captions_per_image:
+                reason = f"{EXCLUDED}: beyond coco.max_captions_per_image={max_captions_per_image}"
+                skipped.append(Skip(item, reason, "caption"))
+            else:
+                per_image[image_id] = per_image.get(image_id, 0) + 1
+                captions.append(SourceCaption(image_id, str(ann.get("caption", "")), item))
+    return SourceData("coco", root.resolve(), tuple(images.rows), tuple(captions), tuple(skipped))
+
+
+# ---------------------------------------------------------------------------- synthetic
+def read_synthetic(
+    images_dir: Path,
+    split_sizes: dict[str, int],
+    seed: int,
+    image_size: int,
+    min_objects: int,
+    max_objects: int,
+    captions_per_image: int,
+    workers: int | None = None,
+) -> SourceData:
+    """Generate the scenes (PNGs into ``images_dir``) and describe them like any source."""
+    scenes = generate_scenes(
+        images_dir,
+        split_sizes,
+        seed,
+        image_size,
+        min_objects,
+        max_objects,
+        captions_per_image,
+        workers,
+    )
+    images, captions = [], []
+    for s in scenes:
+        boxes = tuple(Box(o.label, o.shape, o.colour, o.size, *o.box) for o in s.objects)
+        images.append(SourceImage(s.image_id, s.split, f"{s.image_id}.png", OK, boxes))
+        captions += [
+            SourceCaption(s.image_id, c, f"{s.image_id}#{i}") for i, c in enumerate(s.captions)
+        ]
+    return SourceData("synthetic", Path(images_dir).resolve(), tuple(images), tuple(captions))
+
+
+def read_source(
+    data: DataConfig, prepared_dir: Path, base_dir: Path, workers: int | None = None
+) -> SourceData:
+    """Read the source that ``data.source`` names (the one place that maps params to readers)."""
+    root = base_dir / data.root if data.root else base_dir
+    if data.source == "synthetic":
+        s = data.synthetic
+        sizes = {"train": s.train_images, "val": s.val_images, "test": s.test_images}
+        return read_synthetic(
+            prepared_dir / "images", sizes, s.seed, s.image_size, s.min_objects, s.max_objects,
+            s.captions_per_image, workers,
+        )  # fmt: skip
+    if not root.is_dir():
+        raise SourceError(f"data.root {root} is not a folder")
+    if data.source == "flickr8k":
+        f = data.flickr8k
+        lists = {"train": f.train_list, "val": f.val_list, "test": f.test_list}
+        present = {
+            k: v for k, v in lists.items() if (root / v).is_file()
+        }  # the sample has no test list
+        return read_flickr8k(root, f.images_dir, f.token_file, present)
+    if data.source == "karpathy":
+        k = data.karpathy
+        return read_karpathy(root, k.json_file, k.images_dir, k.restval_to_train)
+    if data.source == "coco":
+        c = data.coco
+        return read_coco(
+            root, c.annotation_files, c.images_dirs, c.val_images, c.test_images, c.seed,
+            c.max_captions_per_image, c.restval_to_train,
+        )  # fmt: skip
+    raise SourceError(f"unknown data source {data.source!r}")
