@@ -1,0 +1,299 @@
+"""Evaluate a trained model on one split: decode, score, ground, and draw attention.
+
+Dimensions: ``B`` images per batch, ``L`` locations, ``D`` annotation size.
+
+1. Batched beam search over the split's features, one caption per image.
+2. Scores against all of that image's references with pycocoevalcap's own scorers
+   (:func:`sat_model.metrics.score_captions`: PTB tokeniser, BLEU-1..4, METEOR, ROUGE-L, CIDEr-D).
+3. Where the source has boxes (synthetic scenes): pointing accuracy of α on the objects the
+   generated words name (:mod:`sat_model.grounding`, words matched by
+   :func:`sat_model.scenes.ground_tokens`).
+4. Attention pictures (Sec. 5.4) for the first ``gallery_images`` images (by id).
+
+Images are evaluated when they have both features and references; every other image of the split
+is reported in ``skipped`` with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from sat_model.atomic import write_text_atomic
+from sat_model.batching import load_references
+from sat_model.checkpoint import load_model
+from sat_model.decoding import beam_search
+from sat_model.features import FeatureStore
+from sat_model.grounding import Box, GroundingSample, PointingResult, pointing_accuracy
+from sat_model.images import ImageError, load_image
+from sat_model.metrics import DEFAULT_METRICS, score_captions
+from sat_model.model import ShowAttendTell
+from sat_model.scenes import SceneObject, ground_tokens
+from sat_model.visualize import GalleryEntry, centre_crop, write_gallery, write_word_overlays
+from sat_model.vocab import Vocab
+
+__all__ = [
+    "DecodedCaption",
+    "EvaluationError",
+    "EvaluationResult",
+    "ImageRecord",
+    "decode_split",
+    "evaluate_model",
+    "read_image_records",
+    "write_attention_gallery",
+    "write_reports",
+]
+
+
+class EvaluationError(RuntimeError):
+    """Nothing usable to evaluate (no image with both features and references)."""
+
+
+@dataclass(frozen=True)
+class DecodedCaption:
+    image_id: str
+    words: tuple[str, ...]
+    alphas: np.ndarray  # (len(words), L)
+    score: float
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.words)
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    """What evaluation needs of ``images.parquet``: where the photo is, its size and boxes."""
+
+    image_id: str
+    path: Path
+    width: int
+    height: int
+    boxes: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class EvaluationResult:
+    metrics: dict[str, float]
+    captions: list[DecodedCaption]
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    grounding: PointingResult | None = None
+
+
+def read_image_records(images_path: str | Path, split: str) -> dict[str, ImageRecord]:
+    """The usable images of ``split`` from ``images.parquet``, keyed by id."""
+    table = pq.read_table(images_path)
+    root_bytes = (table.schema.metadata or {}).get(b"image_root")
+    if root_bytes is None:
+        raise EvaluationError(f"{images_path} lacks the 'image_root' schema metadata")
+    root = Path(root_bytes.decode())
+    records = {}
+    for row in table.to_pylist():
+        if row["split"] == split and row["status"] == "ok":
+            records[row["image_id"]] = ImageRecord(
+                row["image_id"],
+                root / row["file"],
+                int(row["width"]),
+                int(row["height"]),
+                tuple(row.get("boxes") or ()),
+            )
+    return records
+
+
+def _decode_batch(
+    model: ShowAttendTell, vocab: Vocab, annotations: torch.Tensor, ids: Sequence[str], **search
+) -> list[DecodedCaption]:
+    out = []
+    for image_id, c in zip(ids, beam_search(model, annotations, **search), strict=True):
+        # <pad>/<start> may be emitted by a poor model; they are not words (and have no α)
+        keep = [i for i, t in enumerate(c.tokens) if t not in (vocab.pad_id, vocab.start_id)]
+        words = tuple(vocab.itos[c.tokens[i]] for i in keep)
+        out.append(DecodedCaption(image_id, words, np.asarray(c.alphas)[keep], float(c.score)))
+    return out
+
+
+def decode_split(
+    model: ShowAttendTell,
+    vocab: Vocab,
+    store: FeatureStore,
+    image_ids: Sequence[str],
+    *,
+    beam_size: int,
+    max_length: int,
+    length_normalization: bool = False,
+    mode: str = "expected",
+    batch_size: int = 64,
+    device: str | torch.device = "cpu",
+) -> list[DecodedCaption]:
+    """One beam-search caption per image id, decoded ``batch_size`` images at a time."""
+    search = dict(
+        beam_size=beam_size,
+        max_length=max_length,
+        length_normalization=length_normalization,
+        mode=mode,
+    )
+    out: list[DecodedCaption] = []
+    for start in range(0, len(image_ids), batch_size):
+        ids = image_ids[start : start + batch_size]
+        rows = [store.index_of(i) for i in ids]
+        feats = torch.from_numpy(store.get_batch(rows)).to(device, torch.float32)  # (B, L, D)
+        out += _decode_batch(model, vocab, feats, ids, **search)
+    return out
+
+
+def _select_images(
+    store_ids: Sequence[str], references: Mapping[str, Sequence[str]]
+) -> tuple[list[str], list[dict[str, str]]]:
+    in_store = set(store_ids)
+    ids = sorted(i for i in references if i in in_store)
+    skipped = [{"item": i, "reason": "no features"} for i in sorted(set(references) - in_store)]
+    skipped += [
+        {"item": i, "reason": "no reference caption"} for i in sorted(in_store - set(references))
+    ]
+    return ids, skipped
+
+
+def _scene_object(box: Mapping[str, Any]) -> SceneObject:
+    # ground_tokens matches words on shape, colour and size; the drawing fields are not needed
+    xyxy = (box["x0"], box["y0"], box["x1"], box["y1"])
+    return SceneObject(
+        shape=box["shape"], colour=box["colour"], size=box["size"], box=xyxy, footprint=xyxy,
+        rgb=(0, 0, 0),
+    )  # fmt: skip
+
+
+def _grounding(
+    captions: Sequence[DecodedCaption],
+    records: Mapping[str, ImageRecord],
+    *,
+    grid_h: int,
+    grid_w: int,
+    resize: int,
+    crop: int,
+) -> PointingResult | None:
+    samples = []
+    for c in captions:
+        record = records.get(c.image_id)
+        if record is None or not record.boxes:
+            continue
+        objects = [_scene_object(b) for b in record.boxes]
+        boxes = [Box(b["x0"], b["y0"], b["x1"], b["y1"], b["label"]) for b in record.boxes]
+        targets = ground_tokens(list(c.words), objects)
+        samples.append(GroundingSample(c.alphas, boxes, targets, record.width, record.height))
+    if not samples:  # the source has no boxes: grounding is not measured
+        return None
+    return pointing_accuracy(samples, grid_h=grid_h, grid_w=grid_w, resize=resize, crop=crop)
+
+
+def evaluate_model(
+    *,
+    model_dir: str | Path,
+    features_path: str | Path,
+    captions_path: str | Path,
+    images_path: str | Path,
+    split: str,
+    beam_size: int,
+    max_length: int,
+    resize: int,
+    length_normalization: bool = False,
+    hard_decode: str = "expected",
+    batch_size: int = 64,
+    meteor_timeout_s: float = 600.0,
+    metrics: Sequence[str] = DEFAULT_METRICS,
+    device: str | torch.device = "cpu",
+) -> EvaluationResult:
+    """Decode ``split`` with the model in ``model_dir``, score it, and measure grounding."""
+    model, vocab, config = load_model(model_dir, device=device)
+    store = FeatureStore(features_path)
+    references = load_references(captions_path, split)
+    ids, skipped = _select_images(store.ids, references)
+    if not ids:
+        raise EvaluationError(
+            f"no {split!r} image has both features ({features_path}) and references "
+            f"({captions_path}); {len(skipped)} skipped"
+        )
+    mode = hard_decode if config.attention == "hard" else "expected"
+    captions = decode_split(
+        model, vocab, store, ids,
+        beam_size=beam_size, max_length=max_length, length_normalization=length_normalization,
+        mode=mode, batch_size=batch_size, device=device,
+    )  # fmt: skip
+    hypotheses = {c.image_id: c.text for c in captions}
+    scores = score_captions(
+        hypotheses, {i: references[i] for i in ids}, metrics, meteor_timeout_s=meteor_timeout_s
+    )
+    records = read_image_records(images_path, split)
+    meta = store.meta
+    grounding = _grounding(
+        captions, records, grid_h=meta.grid_h, grid_w=meta.grid_w, resize=resize,
+        crop=meta.input_size,
+    )  # fmt: skip
+    if grounding is not None:
+        scores["pointing_words"] = float(grounding.total)
+        if grounding.total:  # NaN is not valid JSON: an unmeasured accuracy is left out
+            scores["pointing_accuracy"] = grounding.accuracy
+    scores["images"] = float(len(ids))
+    return EvaluationResult(scores, captions, skipped, grounding)
+
+
+def write_reports(result: EvaluationResult, out_dir: str | Path, split: str) -> None:
+    """``metrics.json`` (flat keys, for ``dvc metrics``) and ``captions.json``."""
+    out_dir = Path(out_dir)
+    metrics = {k: round(v, 6) for k, v in result.metrics.items() if math.isfinite(v)}
+    write_text_atomic(out_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+    captions = {
+        "split": split,
+        "captions": [
+            {"image_id": c.image_id, "caption": c.text, "log_prob": round(c.score, 4)}
+            for c in result.captions
+        ],
+        "skipped": result.skipped,
+    }
+    write_text_atomic(out_dir / "captions.json", json.dumps(captions, indent=1) + "\n")
+
+
+def write_attention_gallery(
+    captions: Sequence[DecodedCaption],
+    records: Mapping[str, ImageRecord],
+    out_dir: str | Path,
+    *,
+    count: int,
+    grid_h: int,
+    grid_w: int,
+    resize: int,
+    crop: int,
+    title: str,
+) -> tuple[Path, list[dict[str, str]]]:
+    """Per-word overlays and ``index.html`` for the first ``count`` captions (by image id).
+
+    Returns the gallery page and the images skipped (unreadable photo, no image record).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries, skipped = [], []
+    for c in sorted(captions, key=lambda c: c.image_id)[:count]:
+        record = records.get(c.image_id)
+        if record is None:
+            skipped.append({"item": c.image_id, "reason": "not in the image table"})
+            continue
+        try:
+            photo = centre_crop(load_image(record.path), resize, crop)
+        except ImageError as e:
+            skipped.append({"item": c.image_id, "reason": e.reason})
+            continue
+        stem = f"{len(entries):03d}"
+        photo_file = out_dir / f"{stem}_image.png"
+        photo.save(photo_file)
+        files = write_word_overlays(
+            photo, c.words, c.alphas, grid_h=grid_h, grid_w=grid_w, out_dir=out_dir, stem=stem
+        )
+        entries.append(GalleryEntry(c.image_id, c.text, photo_file, c.words, tuple(files)))
+    return write_gallery(entries, out_dir, title), skipped

@@ -1,0 +1,205 @@
+"""Evaluating a split: decoding, scoring, grounding and the attention gallery on tiny data.
+
+The decoder is a tiny untrained model whose output bias forbids ``<pad>``, ``<start>``, ``<end>``
+and ``<unk>``, so every caption is exactly ``max_length`` words drawn from {"a", "circle"}: the
+expected scores and hits below follow from that, not from running the code.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from sat_model.checkpoint import save_checkpoint
+from sat_model.config import ModelParams
+from sat_model.evaluate import (
+    EvaluationError,
+    decode_split,
+    evaluate_model,
+    read_image_records,
+    write_attention_gallery,
+    write_reports,
+)
+from sat_model.features import FeatureMeta, FeatureStore, FeatureWriter
+from sat_model.model import build_model
+from sat_model.vocab import Vocab
+
+pytestmark = pytest.mark.java  # the PTB tokeniser and METEOR run on Java
+
+MAX_LEN = 5
+GRID, CROP = 4, 64  # 4x4 cells of 16 px over a 64 px crop; cell centres at 8, 24, 40, 56
+BOX_T = pa.struct(
+    [("label", pa.string()), ("shape", pa.string()), ("colour", pa.string()),
+     ("size", pa.string()), ("x0", pa.float32()), ("y0", pa.float32()),
+     ("x1", pa.float32()), ("y1", pa.float32())]
+)  # fmt: skip
+
+
+def _box(x0, y0, x1, y1):
+    return dict(label="large red circle", shape="circle", colour="red", size="large",
+                x0=x0, y0=y0, x1=x1, y1=y1)  # fmt: skip
+
+
+def _write_model(directory):
+    torch.manual_seed(0)
+    vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", "a", "circle"), 1, 100, 20)
+    model = build_model(
+        ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
+        vocab_size=len(vocab), annotation_dim=32, num_locations=GRID * GRID, attention="soft",
+    )  # fmt: skip
+    with torch.no_grad():
+        model.out.bias[:4] = -1e4  # never a special token: captions are MAX_LEN real words
+    save_checkpoint(directory, model_config=model.config, vocab=vocab,
+                    model_state=model.state_dict())  # fmt: skip
+    return directory
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    images = root / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    # img0, img1: a box over the whole photo (every peak hits); img2: a box between cell
+    # centres (no peak can hit); img3: references but no features; img4: features, no refs
+    boxes = {
+        "img0": [_box(0, 0, 64, 64)],
+        "img1": [_box(0, 0, 64, 64)],
+        "img2": [_box(9, 9, 23, 23)],
+        "img3": [],
+        "img4": [],
+    }
+    rows = []
+    for image_id, bxs in boxes.items():
+        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(
+            images / f"{image_id}.png"
+        )
+        rows.append(dict(image_id=image_id, split="test", file=f"{image_id}.png", width=64,
+                         height=64, status="ok", boxes=bxs))  # fmt: skip
+    schema = pa.schema(
+        [("image_id", pa.string()), ("split", pa.string()), ("file", pa.string()),
+         ("width", pa.int32()), ("height", pa.int32()), ("status", pa.string()),
+         ("boxes", pa.list_(BOX_T))],
+        metadata={"image_root": str(images), "source": "synthetic"},
+    )  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), root / "images.parquet")
+    refs = {"img0": ["a circle", "a big circle"], "img1": ["circle"], "img2": ["a circle"],
+            "img3": ["a circle"]}  # fmt: skip
+    _write_captions(root / "captions.parquet", refs)
+    meta = FeatureMeta("random", "conv2", CROP, GRID * GRID, 32, GRID, GRID, "random-seed-0")
+    with FeatureWriter(root / "test.arrow", meta) as writer:
+        ids = ["img0", "img1", "img2", "img4"]
+        writer.write(ids, rng.normal(size=(4, GRID * GRID, 32)).astype(np.float16))
+    return root, _write_model(root / "model")
+
+
+def _write_captions(path, refs):
+    rows = [
+        dict(image_id=i, split="test", file=f"{i}.png", caption_index=k, raw=r, tokens=r.split())
+        for i, rs in refs.items()
+        for k, r in enumerate(rs)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def _evaluate(root, model_dir, captions="captions.parquet", **kw):
+    return evaluate_model(
+        model_dir=model_dir, features_path=root / "test.arrow",
+        captions_path=root / captions, images_path=root / "images.parquet", split="test",
+        beam_size=2, max_length=MAX_LEN, resize=CROP, batch_size=2, **kw,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def result(data):
+    return _evaluate(*data)
+
+
+def test_one_caption_per_image_with_features_and_references(result):
+    assert [c.image_id for c in result.captions] == ["img0", "img1", "img2"]
+    for c in result.captions:
+        assert len(c.words) == MAX_LEN and set(c.words) <= {"a", "circle"}
+        assert c.alphas.shape == (MAX_LEN, GRID * GRID)
+    assert result.skipped == [
+        {"item": "img3", "reason": "no features"},
+        {"item": "img4", "reason": "no reference caption"},
+    ]
+
+
+def test_metrics_have_the_flat_keys(result):
+    keys = {"bleu_1", "bleu_2", "bleu_3", "bleu_4", "meteor", "rouge_l", "cider"}
+    assert keys <= set(result.metrics)
+    assert result.metrics["images"] == 3
+
+
+def test_pointing_accuracy_from_boxes_that_always_or_never_hit(result):
+    # every 'circle' in img0/img1 hits (box covers the crop), none in img2 (its box holds no
+    # cell centre: centres are at 8, 24, 40, 56 and the box spans 9..23)
+    circles = [sum(w == "circle" for w in c.words) for c in result.captions]
+    assert result.grounding.total == sum(circles)
+    assert result.grounding.hits == circles[0] + circles[1]
+    if sum(circles):
+        assert result.metrics["pointing_accuracy"] == pytest.approx(
+            (circles[0] + circles[1]) / sum(circles)
+        )
+
+
+def test_captions_that_equal_their_references_score_bleu_and_rouge_one(data, result, tmp_path):
+    root, model_dir = data
+    # references replaced by the captions the model produces: precision and recall are 1
+    _write_captions(root / "echo.parquet", {c.image_id: [c.text] for c in result.captions})
+    echo = _evaluate(root, model_dir, captions="echo.parquet", metrics=("bleu", "rouge"))
+    for key in ("bleu_1", "bleu_4", "rouge_l"):
+        assert echo.metrics[key] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_batch_size_does_not_change_the_captions(data, result):
+    root, model_dir = data
+    from sat_model.checkpoint import load_model
+
+    model, vocab, _ = load_model(model_dir)
+    store = FeatureStore(root / "test.arrow")
+    one = decode_split(model, vocab, store, ["img0", "img1", "img2"], beam_size=2,
+                       max_length=MAX_LEN, batch_size=1)  # fmt: skip
+    assert [c.words for c in one] == [c.words for c in result.captions]
+
+
+def test_nothing_to_evaluate_is_an_error(data, tmp_path):
+    root, model_dir = data
+    _write_captions(tmp_path / "other.parquet", {"elsewhere": ["a circle"]})
+    with pytest.raises(EvaluationError, match="no 'test' image has both"):
+        evaluate_model(
+            model_dir=model_dir, features_path=root / "test.arrow",
+            captions_path=tmp_path / "other.parquet", images_path=root / "images.parquet",
+            split="test", beam_size=1, max_length=2, resize=CROP,
+        )  # fmt: skip
+
+
+def test_reports_are_json_with_flat_metrics(result, tmp_path):
+    write_reports(result, tmp_path, "test")
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert all(isinstance(v, float | int) for v in metrics.values())
+    captions = json.loads((tmp_path / "captions.json").read_text())
+    assert [c["image_id"] for c in captions["captions"]] == ["img0", "img1", "img2"]
+    assert captions["skipped"][0]["reason"] == "no features"
+
+
+def test_gallery_has_one_overlay_per_word_and_skips_missing_photos(data, result, tmp_path):
+    root, _ = data
+    records = read_image_records(root / "images.parquet", "test")
+    records.pop("img1")  # as if the image table lost it
+    page, skipped = write_attention_gallery(
+        result.captions, records, tmp_path, count=3, grid_h=GRID, grid_w=GRID, resize=CROP,
+        crop=CROP, title="soft",
+    )  # fmt: skip
+    assert skipped == [{"item": "img1", "reason": "not in the image table"}]
+    overlays = [p for p in tmp_path.glob("*.png") if not p.name.endswith("_image.png")]
+    assert len(overlays) == 2 * MAX_LEN
+    html = page.read_text()
+    assert all(p.name in html for p in overlays)
