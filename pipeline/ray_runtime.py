@@ -50,8 +50,13 @@ def _apply_loopback_env() -> None:
         os.environ.setdefault(key, value)
 
 
+# Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when ray is first imported: set it now, as
+# every Ray-using module of the pipeline imports this one before it imports ray.
+_apply_loopback_env()
+
+
 def resolve_address(cfg: RayConfig, address: str | None = None) -> str | None:
-    """The cluster to connect to, or None for a local ``ray.init``."""
+    """The cluster to connect to; None (or "local") means a local ``ray.init``."""
     return address or os.environ.get("RAY_ADDRESS") or cfg.address or None
 
 
@@ -97,7 +102,7 @@ def ray_session(
         yield RaySession(address=target, started_here=False)
         return
     level = logging.WARNING if quiet else logging.INFO
-    if target:
+    if target and target != "local":  # "local" (as in ray.init) forces a fresh local cluster
         ray.init(address=target, logging_level=level, log_to_driver=not quiet)
     else:
         ray.init(
