@@ -56,9 +56,7 @@ def _batches(num: int = 4, nan_at_epoch: int | None = None):
         for feats, captions in data:
             if epoch == nan_at_epoch:
                 feats = torch.full_like(feats, float("nan"))
-            out.append(
-                Batch(feats, captions, torch.full((5,), captions.size(1)), torch.arange(5))
-            )
+            out.append(Batch(feats, captions, torch.full((5,), captions.size(1)), torch.arange(5)))
         return out
 
     return batches
@@ -207,3 +205,129 @@ def test_unknown_optimizer_and_schedule_are_refused_by_name() -> None:
     opt = build_optimizer(_model().parameters(), "rmsprop", 1e-3)
     with pytest.raises(ValueError, match="linear"):
         build_scheduler(opt, "linear", 3, 0.5)
+
+
+# ------------------------------------------------------------------ end to end (real model)
+def write_tiny_run(root: Path) -> tuple[Path, Path]:
+    """captions.parquet + vocab.json + {train,val}.arrow: colour words readable off feature 0."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sat_model.features import FeatureMeta, FeatureWriter
+    from sat_model.vocab import save_vocab
+
+    prepared, features = root / "prepared", root / "features"
+    colours = ["red", "blue", "green"]
+    rows, vectors = [], {"train": ([], []), "val": ([], [])}
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 24), ("val", 6)):
+        for i in range(n):
+            image_id, colour = f"{split}{i}", colours[i % 3]
+            feats = rng.standard_normal((L, D)).astype(np.float16) * 0.1
+            feats[:, i % 3] += 2.0  # the colour is in the features
+            vectors[split][0].append(image_id)
+            vectors[split][1].append(feats)
+            for c, words in enumerate([["a", colour, "circle"], ["the", colour, "shape"]]):
+                rows.append((image_id, split, c, " ".join(words), words))
+    prepared.mkdir(parents=True)
+    pq.write_table(
+        pa.table(
+            {
+                "image_id": [r[0] for r in rows],
+                "split": [r[1] for r in rows],
+                "file": [f"{r[0]}.png" for r in rows],
+                "caption_index": pa.array([r[2] for r in rows], pa.int32()),
+                "raw": [r[3] for r in rows],
+                "tokens": [r[4] for r in rows],
+            }
+        ),
+        prepared / "captions.parquet",
+    )
+    save_vocab(
+        build_vocab([r[4] for r in rows if r[1] == "train"], 1, 100, 20), prepared / "vocab.json"
+    )
+    meta = FeatureMeta("random", "none", 32, L, D, 2, 2, "0" * 64)
+    for split, (ids, feats) in vectors.items():
+        with FeatureWriter(features / f"{split}.arrow", meta) as writer:
+            writer.write(ids, np.stack(feats))
+    return prepared, features
+
+
+TINY = [
+    "model.embed_dim=8",
+    "model.hidden_dim=16",
+    "model.attention_dim=8",
+    "model.dropout=0.0",
+    "train.val_images=4",
+    "train.val_max_length=6",
+]
+
+
+@pytest.mark.java
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_train_model_writes_a_loadable_model_metrics_and_curves(
+    tmp_path: Path, attention: str
+) -> None:
+    import csv
+    import json
+    import shutil
+
+    from sat_model.checkpoint import load_model
+    from sat_model.config import load_params
+    from sat_model.train_run import train_model
+    from sat_model.vocab import load_vocab
+
+    if shutil.which("java") is None:
+        pytest.skip("validation BLEU needs Java for the PTB tokenizer")
+    prepared, features = write_tiny_run(tmp_path)
+    (tmp_path / "params.yaml").write_text("{}\n")
+    params = load_params(
+        tmp_path / "params.yaml",
+        [
+            *TINY,
+            f"train.{attention}.max_epochs=2",
+            f"train.{attention}.batch_size=8",
+            f"train.{attention}.lr=0.01",
+        ],
+    )
+    result = train_model(params, attention, prepared, features, tmp_path / "models", device="cpu")
+    model_dir = tmp_path / "models" / attention
+    assert result.model_dir == model_dir
+    assert {p.name for p in model_dir.iterdir()} >= {
+        "model.pt",
+        "config.json",
+        "vocab.json",
+        "train_metrics.json",
+        "curves.csv",
+    }
+    metrics = json.loads((model_dir / "train_metrics.json").read_text())
+    assert {
+        "best_epoch",
+        "epochs",
+        "final_train_loss",
+        "best_val_bleu_4",
+        "final_val_bleu_4",
+        "train_captions",
+        "skipped_captions",
+        "val_images",
+    } <= set(metrics)
+    assert metrics["epochs"] == 2 and metrics["train_captions"] == 48
+    assert metrics["val_images"] == 4
+    assert all(isinstance(v, int | float) for v in metrics.values())  # flat
+    with (model_dir / "curves.csv").open() as f:
+        curves = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in curves] == [1, 2]
+    assert set(curves[0]) == {"epoch", "train_loss", "val_bleu_4", "lr"}
+    assert 0.0 <= float(curves[0]["val_bleu_4"]) <= 1.0
+    model, vocab, config = load_model(model_dir)
+    assert config.attention == attention and config.annotation_dim == D
+    assert not model.training
+    assert vocab.itos == load_vocab(prepared / "vocab.json").itos
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["encoder"]["encoder"] == "random" and cfg["encoder"]["L"] == L
+    # the saved model is the best epoch's
+    from sat_model.checkpoint import load_checkpoint
+
+    assert load_checkpoint(model_dir).epoch == metrics["best_epoch"]

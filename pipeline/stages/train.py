@@ -1,0 +1,57 @@
+"""DVC stage ``train@<attention>``: features + prepared captions -> ``models/<attention>/``.
+
+For now it trains in this process (one rank, GPU when present) with a progress bar; the Ray
+Train route (``pipeline.ray_train``) calls the same ``sat_model.train_run.train_model`` per
+worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.stages.train", description=__doc__)
+    parser.add_argument("--params", default="params.yaml", help="params file (%(default)s)")
+    parser.add_argument(
+        "-S",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a param, e.g. -S train.soft.lr=2e-4",
+    )
+    parser.add_argument("--attention", choices=("soft", "hard"), required=True)
+    parser.add_argument("--resume-from", default=None, help="checkpoint folder to continue from")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    from sat_model.config import load_params
+    from sat_model.train_run import train_model
+    from sat_model.training import ProgressBar
+
+    params = load_params(args.params, args.overrides)
+    result = train_model(
+        params,
+        args.attention,
+        prepared_dir=Path(params.data.prepared_dir),
+        features_dir=Path(params.encoder.features_dir),
+        out_dir=Path(params.train.models_dir),
+        callbacks=() if args.no_progress else (ProgressBar(desc=args.attention),),
+        resume_from=args.resume_from,
+    )
+    print(json.dumps({"model_dir": str(result.model_dir), **result.metrics}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

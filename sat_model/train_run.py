@@ -1,0 +1,327 @@
+"""One machine's training run: params + prepared data + features -> a trained model folder.
+
+``train_model`` is what ``sat train`` runs in-process and what every Ray Train worker runs with
+its ``rank``/``world_size``; it builds everything from files (``vocab.json``,
+``captions.parquet``, ``{train,val}.arrow``) and, on rank 0, writes ``<out_dir>/<attention>/``:
+``model.pt`` + ``config.json`` + ``vocab.json`` (the best epoch so far, rewritten whenever
+validation BLEU-4 improves), ``train_metrics.json`` (flat keys) and ``curves.csv`` (epoch,
+train_loss, val_bleu_4, lr; for ``dvc plots``), both rewritten every epoch. The folder is
+complete after every epoch, so a callback may hand it to Ray as that epoch's checkpoint: the
+folder is written before the caller's callbacks run.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from sat_model.atomic import write_text_atomic
+from sat_model.batching import (
+    Batch,
+    CaptionDataset,
+    LengthGroupedBatchSampler,
+    load_caption_dataset,
+    load_references,
+)
+from sat_model.checkpoint import MODEL_FILE, load_checkpoint, save_checkpoint
+from sat_model.config import Params
+from sat_model.decoding import greedy
+from sat_model.features import FeatureStore
+from sat_model.losses import build_criterion
+from sat_model.metrics import score_captions
+from sat_model.model import ShowAttendTell, build_model
+from sat_model.training import (
+    Callback,
+    EpochState,
+    build_optimizer,
+    build_scheduler,
+    fit,
+)
+from sat_model.vocab import Vocab, load_vocab
+
+__all__ = ["CURVES_FILE", "METRICS_FILE", "TrainResult", "make_validator", "train_model"]
+
+METRICS_FILE, CURVES_FILE = "train_metrics.json", "curves.csv"
+CURVE_COLUMNS = ("epoch", "train_loss", "val_bleu_4", "lr")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    model_dir: Path  # <out_dir>/<attention>
+    metrics: dict[str, float]  # what train_metrics.json holds
+    best_epoch: int | None
+    epochs_completed: int
+    stopped_early: bool
+
+
+class _EpochBatches:
+    """This rank's batches of one epoch, collated lazily from the memory-mapped store."""
+
+    def __init__(self, dataset: CaptionDataset, batches: list[list[int]]) -> None:
+        self.dataset, self.batches = dataset, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return (self.dataset.collate(b) for b in self.batches)
+
+
+def make_validator(
+    store: FeatureStore,
+    references: dict[str, list[str]],
+    vocab: Vocab,
+    *,
+    max_images: int,
+    max_length: int,
+    batch_size: int,
+    device: torch.device | str,
+    mode: str = "expected",
+) -> Callable[[nn.Module], dict[str, float]]:
+    """``validate(model)``: BLEU of free-running greedy captions on the first val images.
+
+    Uses ``metrics.score_captions(..., metrics=("bleu",))``, the evaluation's own scorer.
+    """
+    ids = [i for i in store.ids if i in references]
+    ids = ids[:max_images] if max_images > 0 else ids
+    if not ids:
+        raise ValueError("no validation image has both features and reference captions")
+    rows = [store.index_of(i) for i in ids]
+    refs = {i: references[i] for i in ids}
+
+    def validate(model: nn.Module) -> dict[str, float]:
+        hypotheses: dict[str, str] = {}
+        for start in range(0, len(rows), batch_size):
+            feats = store.get_batch(rows[start : start + batch_size])  # (B, L, D) float16
+            annotations = torch.from_numpy(feats.astype(np.float32)).to(device)  # (B, L, D)
+            captions = greedy(model, annotations, max_length, mode=mode)
+            for image_id, caption in zip(ids[start : start + batch_size], captions, strict=True):
+                hypotheses[image_id] = " ".join(vocab.decode(caption.tokens))
+        return score_captions(hypotheses, refs, metrics=("bleu",))
+
+    return validate
+
+
+class _ModelDirWriter(Callback):
+    """Rank 0: the best checkpoint, metrics and curves under ``model_dir`` after each epoch."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        model: ShowAttendTell,
+        vocab: Vocab,
+        extra_config: dict[str, Any],
+        curves: list[dict[str, Any]],
+        counts: dict[str, float],
+    ) -> None:
+        self.model_dir, self.model, self.vocab = model_dir, model, vocab
+        self.extra_config, self.curves, self.counts = extra_config, curves, counts
+
+    def on_epoch_end(self, state: EpochState) -> None:
+        if state.is_best:
+            save_checkpoint(
+                self.model_dir,
+                model_config=self.model.config,
+                vocab=self.vocab,
+                extra_config=self.extra_config,
+                **state.checkpoint(),
+            )
+        val = state.val_metrics or {}
+        self.curves.append(
+            {
+                "epoch": state.epoch,
+                "train_loss": state.train_loss,
+                "val_bleu_4": val.get("bleu_4"),
+                "lr": state.lr,
+            }
+        )
+        _write_curves(self.model_dir / CURVES_FILE, self.curves)
+        metrics = _train_metrics(state, self.curves, self.counts)
+        write_text_atomic(self.model_dir / METRICS_FILE, json.dumps(metrics, indent=1) + "\n")
+
+
+def _write_curves(path: Path, rows: list[dict[str, Any]]) -> None:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=CURVE_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text_atomic(path, buffer.getvalue())
+
+
+def _read_curves(path: Path, up_to_epoch: int) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    with path.open(newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    out = []
+    for row in rows:
+        if int(row["epoch"]) <= up_to_epoch:
+            out.append(
+                {
+                    "epoch": int(row["epoch"]),
+                    "train_loss": float(row["train_loss"]),
+                    "val_bleu_4": float(row["val_bleu_4"]) if row["val_bleu_4"] else None,
+                    "lr": float(row["lr"]),
+                }
+            )
+    return out
+
+
+def _train_metrics(
+    state: EpochState, curves: list[dict[str, Any]], counts: dict[str, float]
+) -> dict[str, float]:
+    """Flat keys for ``dvc metrics``: the best epoch's validation BLEU, the last epoch's loss."""
+    best = next((c for c in curves if c["epoch"] == state.best_epoch), curves[-1])
+    metrics: dict[str, float] = {
+        "best_epoch": state.best_epoch or state.epoch,
+        "epochs": state.epoch,
+        "final_train_loss": state.train_loss,
+        "final_train_nll": state.train_nll,
+        "final_lr": state.lr,
+        "best_train_loss": best["train_loss"],
+    }
+    if state.best_score is not None:
+        metrics["best_val_bleu_4"] = state.best_score
+    if state.val_metrics:
+        metrics.update({f"final_val_{k}": v for k, v in state.val_metrics.items()})
+    metrics.update(counts)
+    return metrics
+
+
+def train_model(
+    params: Params,
+    attention: str,
+    prepared_dir: str | Path,
+    features_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    device: torch.device | str | None = None,
+    callbacks: Sequence[Callback] = (),
+    resume_from: str | Path | None = None,
+    wrap_model: Callable[[nn.Module], nn.Module] | None = None,
+) -> TrainResult:
+    """Train ``attention`` ("soft" | "hard") and write ``<out_dir>/<attention>/`` (rank 0)."""
+    if attention not in ("soft", "hard"):
+        raise ValueError(f"unknown attention {attention!r}; expected 'soft' or 'hard'")
+    cfg = params.train.soft if attention == "soft" else params.train.hard
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    prepared_dir, features_dir = Path(prepared_dir), Path(features_dir)
+    model_dir = Path(out_dir) / attention
+    vocab = load_vocab(prepared_dir / "vocab.json")
+    train_store = FeatureStore(features_dir / "train.arrow")
+    dataset, skipped = load_caption_dataset(
+        prepared_dir / "captions.parquet", "train", train_store, vocab
+    )
+    sampler = LengthGroupedBatchSampler(
+        dataset.lengths, cfg.batch_size, seed=params.train.seed, num_replicas=world_size, rank=rank
+    )
+    torch.manual_seed(params.train.seed)  # same initial weights on every rank and every run
+    model = build_model(
+        params.model,
+        vocab_size=len(vocab),
+        annotation_dim=train_store.meta.D,
+        num_locations=train_store.meta.L,
+        attention=attention,
+        **_semi_sampling(cfg),
+    ).to(device)  # before the optimiser exists, so resumed optimiser state lands on device too
+    criterion = build_criterion(attention, cfg)
+    optimizer = build_optimizer(model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay)
+    scheduler = build_scheduler(optimizer, cfg.lr_schedule, cfg.max_epochs, cfg.lr_decay)
+    start_epoch, best_score, best_epoch, curves = 0, None, None, []
+    if resume_from is not None:
+        start_epoch, best_score, best_epoch = _resume(
+            Path(resume_from), vocab, model, criterion, optimizer, scheduler
+        )
+        curves = _read_curves(Path(resume_from) / CURVES_FILE, start_epoch)
+    validate, extra_callbacks, num_val = None, [], 0
+    if rank == 0:
+        val_store = FeatureStore(features_dir / "val.arrow")
+        validate = make_validator(
+            val_store,
+            load_references(prepared_dir / "captions.parquet", "val"),
+            vocab,
+            max_images=params.train.val_images,
+            max_length=params.train.val_max_length,
+            batch_size=params.eval.batch_size,
+            device=device,
+            mode=params.eval.hard_decode if attention == "hard" else "expected",
+        )
+        num_val = min(len(val_store), params.train.val_images or len(val_store))
+        extra_config = {
+            "attention": attention,
+            "encoder": asdict(train_store.meta),
+            "train": {"seed": params.train.seed, **cfg.model_dump()},
+        }
+        counts = {
+            "train_captions": len(dataset),
+            "skipped_captions": len(skipped),
+            "val_images": num_val,
+            "world_size": world_size,
+        }
+        extra_callbacks = [_ModelDirWriter(model_dir, model, vocab, extra_config, curves, counts)]
+    result = fit(
+        model,
+        criterion,
+        optimizer,
+        scheduler,
+        lambda epoch: _EpochBatches(dataset, sampler.batches(epoch)),
+        validate,
+        [*extra_callbacks, *callbacks],
+        start_epoch=start_epoch,
+        max_epochs=cfg.max_epochs,
+        patience=cfg.patience,
+        device=device,
+        grad_clip=cfg.grad_clip,
+        wrap_model=wrap_model,
+        seed=params.train.seed * 1_000 + rank,
+        best_score=best_score,
+        best_epoch=best_epoch,
+    )
+    metrics = _read_metrics(model_dir) if rank == 0 else {}
+    return TrainResult(
+        model_dir, metrics, result.best_epoch, result.epochs_completed, result.stopped_early
+    )
+
+
+def _semi_sampling(cfg: Any) -> dict[str, Any]:
+    # only the hard section has the semi-sampling coin (Sec. 4.1)
+    if hasattr(cfg, "semi_sampling_p"):
+        return {"semi_sampling_p": cfg.semi_sampling_p, "semi_sampling_per": cfg.semi_sampling_per}
+    return {}
+
+
+def _resume(
+    directory: Path,
+    vocab: Vocab,
+    model: nn.Module,
+    criterion: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> tuple[int, float | None, int | None]:
+    """Load a checkpoint folder written by this module; returns (epoch, best score, best epoch)."""
+    ckpt = load_checkpoint(directory, vocab=vocab)
+    model.load_state_dict(ckpt.model_state)
+    criterion.load_state_dict(ckpt.criterion_state)
+    if ckpt.optimizer_state is not None:
+        optimizer.load_state_dict(ckpt.optimizer_state)
+    if ckpt.scheduler_state is not None:
+        scheduler.load_state_dict(ckpt.scheduler_state)
+    return ckpt.epoch, ckpt.best_score, ckpt.best_epoch
+
+
+def _read_metrics(model_dir: Path) -> dict[str, float]:
+    path = model_dir / METRICS_FILE
+    if not (model_dir / MODEL_FILE).is_file() or not path.is_file():
+        return {}
+    return json.loads(path.read_text(encoding="utf-8"))

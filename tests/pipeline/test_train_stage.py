@@ -1,0 +1,103 @@
+"""``python -m pipeline.stages.train``: params file in, models/<attention>/ out."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.stages import train
+from sat_model.config import ParamsError
+from sat_model.features import FeatureMeta, FeatureWriter
+from sat_model.vocab import build_vocab, save_vocab
+
+L, D = 4, 6
+needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="validation BLEU needs Java")
+
+
+def _write_inputs(root: Path) -> Path:
+    """A tiny prepared dir and feature store per ARCHITECTURE.md, and a params file using them."""
+    rows, feats = [], {"train": ([], []), "val": ([], [])}
+    rng = np.random.default_rng(1)
+    for split, n in (("train", 12), ("val", 3)):
+        for i in range(n):
+            image_id, colour = f"{split}{i}", ["red", "blue", "green"][i % 3]
+            vec = (rng.standard_normal((L, D)) * 0.1).astype(np.float16)
+            vec[:, i % 3] += 2.0
+            feats[split][0].append(image_id)
+            feats[split][1].append(vec)
+            rows.append((image_id, split, 0, f"a {colour} circle", ["a", colour, "circle"]))
+    prepared = root / "data" / "prepared"
+    prepared.mkdir(parents=True)
+    pq.write_table(
+        pa.table(
+            {
+                "image_id": [r[0] for r in rows],
+                "split": [r[1] for r in rows],
+                "file": [f"{r[0]}.png" for r in rows],
+                "caption_index": pa.array([r[2] for r in rows], pa.int32()),
+                "raw": [r[3] for r in rows],
+                "tokens": [r[4] for r in rows],
+            }
+        ),
+        prepared / "captions.parquet",
+    )
+    save_vocab(build_vocab([r[4] for r in rows], 1, 50, 20), prepared / "vocab.json")
+    meta = FeatureMeta("random", "none", 32, L, D, 2, 2, "0" * 64)
+    for split, (ids, vecs) in feats.items():
+        with FeatureWriter(root / "data" / "features" / f"{split}.arrow", meta) as writer:
+            writer.write(ids, np.stack(vecs))
+    params = root / "params.yaml"
+    params.write_text(
+        f"data:\n  prepared_dir: {prepared}\n"
+        f"encoder:\n  features_dir: {root / 'data' / 'features'}\n"
+        "model:\n  embed_dim: 8\n  hidden_dim: 16\n  attention_dim: 8\n"
+        f"train:\n  val_images: 3\n  val_max_length: 5\n  models_dir: {root / 'models'}\n"
+        "  soft:\n    batch_size: 4\n    max_epochs: 1\n"
+    )
+    return params
+
+
+@pytest.mark.slow
+@pytest.mark.java
+@needs_java
+def test_train_stage_writes_model_folder_and_resumes_from_it(tmp_path: Path) -> None:
+    params = _write_inputs(tmp_path)
+    assert train.main(["--params", str(params), "--attention", "soft", "--no-progress"]) == 0
+    model_dir = tmp_path / "models" / "soft"
+    for name in ("model.pt", "config.json", "vocab.json", "train_metrics.json", "curves.csv"):
+        assert (model_dir / name).is_file(), name
+    assert json.loads((model_dir / "train_metrics.json").read_text())["epochs"] == 1
+    # continue the same run for one more epoch, with -S raising the epoch budget
+    resumed = tmp_path / "resume"
+    shutil.copytree(model_dir, resumed)
+    code = train.main(
+        [
+            "--params",
+            str(params),
+            "--attention",
+            "soft",
+            "--no-progress",
+            "-S",
+            "train.soft.max_epochs=2",
+            "--resume-from",
+            str(resumed),
+        ]
+    )
+    assert code == 0
+    with (model_dir / "curves.csv").open() as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2]
+    assert json.loads((model_dir / "train_metrics.json").read_text())["epochs"] == 2
+
+
+def test_train_stage_rejects_a_bad_override_by_its_key(tmp_path: Path) -> None:
+    params = _write_inputs(tmp_path)
+    with pytest.raises(ParamsError, match=r"train\.soft\.lr"):
+        train.main(["--params", str(params), "--attention", "soft", "-S", "train.soft.lr=fast"])
+    assert not (tmp_path / "models").exists()
