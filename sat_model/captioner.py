@@ -5,11 +5,11 @@ annotation size.
 
 Used by ``sat caption`` and by the MLflow pyfunc model. A model folder (``models/soft``) holds
 everything needed: ``model.pt``, ``vocab.json`` and ``config.json``, whose ``encoder`` section
-describes the frozen encoder the features came from (``EncoderDescription`` fields plus
-``resize``). The encoder is rebuilt from that description with
-:func:`sat_model.encoders.build_encoder` (its weights come from installed packages, never from
-the model folder), and its weights checksum must match the one recorded, so a caption is never
-computed on features from a different network than the one the decoder was trained on.
+describes the frozen encoder the features came from (the feature store's metadata, or
+``EncoderDescription`` fields, plus ``resize``: when absent, the paper's 256/224 ratio). The
+encoder is rebuilt from that description with :func:`sat_model.encoders.build_encoder` (its
+weights come from installed packages, never from the model folder), and its weights checksum
+must match the one recorded: the decoder never reads features of another network.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ class EncoderSpec:
         try:
             size = int(enc["input_size"])
             return cls(
-                name=str(enc["name"]),
+                # the feature store's metadata calls it "encoder", EncoderDescription "name"
+                name=str(enc["name"] if "name" in enc else enc["encoder"]),
                 layer=str(enc["layer"]),
                 input_size=size,
                 resize=int(enc.get("resize") or round(size * _DEFAULT_RESIZE_RATIO)),

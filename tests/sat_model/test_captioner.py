@@ -157,3 +157,12 @@ def test_config_json_encoder_section_round_trips(model_dir):
     config = json.loads((model_dir / "config.json").read_text())
     spec = EncoderSpec.from_config(config, model_dir)
     assert (spec.name, spec.input_size, spec.resize, spec.grid_h) == ("random", 64, 72, 4)
+
+
+def test_encoder_section_written_from_feature_store_metadata_is_read():
+    # train_run records asdict(FeatureMeta): the encoder's name is under "encoder"
+    section = {"encoder": "random", "layer": "conv2", "input_size": 64, "L": 16, "D": 32}
+    section |= {"grid_h": 4, "grid_w": 4, "weights_sha256": "random-seed-0", "format_version": 1}
+    spec = EncoderSpec.from_config({"encoder": section}, "x")
+    assert (spec.name, spec.resize) == ("random", 73)  # round(64 * 256 / 224) = round(73.14)
+    assert spec.build().description.num_locations == 16
