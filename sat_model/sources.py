@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Literal
 
 import numpy as np
@@ -26,6 +26,7 @@ from sat_model.scenes import generate_scenes
 
 __all__ = [
     "EXCLUDED",
+    "LEAVES_FOLDER",
     "OK",
     "Box",
     "Skip",
@@ -42,6 +43,7 @@ __all__ = [
 
 EXCLUDED = "excluded"
 OK = "ok"
+LEAVES_FOLDER = "file name leaves the dataset folder"
 
 
 class SourceError(ValueError):
@@ -104,9 +106,16 @@ class _Images:
 
     def __init__(self) -> None:
         self.rows: list[SourceImage] = []
-        self.first: dict[str, SourceImage] = {}
+        self.first: dict[str, SourceImage] = {}  # id -> its usable row
+        self.best: dict[str, SourceImage] = {}  # id -> its usable row, else its first row
 
     def add(self, image: SourceImage) -> SourceImage:
+        if _leaves_folder(image.file):
+            image = SourceImage(image.image_id, image.split, image.file, LEAVES_FOLDER)
+        self.best.setdefault(image.image_id, image)
+        if image.status != OK:  # an unusable row never blocks a later valid one with its id
+            self.rows.append(image)
+            return image
         if image.image_id in self.first:
             prior = self.first[image.image_id]
             image = SourceImage(
@@ -117,9 +126,34 @@ class _Images:
                 f" in split {prior.split})",
             )
         else:
-            self.first[image.image_id] = image
+            self.first[image.image_id] = self.best[image.image_id] = image
         self.rows.append(image)
         return image
+
+
+def _leaves_folder(file: str) -> bool:
+    """True for a name that points outside the dataset folder (absolute, ``..``, a drive)."""
+    path = PurePosixPath(file)
+    return (
+        not file.strip()
+        or path.is_absolute()
+        or ".." in path.parts
+        or "\\" in file
+        or bool(PureWindowsPath(file).drive)
+    )
+
+
+def _attach(
+    row: SourceImage, raw: str, item: str, captions: list[SourceCaption], skipped: list[Skip]
+) -> None:
+    """Add a caption of ``row``; one of an unusable row is skipped, never given to another row
+    that shares its id (``../a.jpg`` and ``a.jpg`` both have the id ``a``)."""
+    if row.status == OK:
+        captions.append(SourceCaption(row.image_id, raw, item))
+    elif row.status.startswith(EXCLUDED):
+        skipped.append(Skip(item, row.status, "caption"))
+    else:
+        skipped.append(Skip(item, f"image skipped: {row.status}", "caption"))
 
 
 def _stem(name: str) -> str:
@@ -150,14 +184,17 @@ def read_flickr8k(
     root: Path, images_dir: str, token_file: str, split_lists: dict[str, str]
 ) -> SourceData:
     """Flickr8k as distributed: a ``name#n<TAB>caption`` token file and one list per split."""
-    images, split_of, skipped = _Images(), {}, []
+    images, skipped = _Images(), []
+    row_of: dict[str, SourceImage] = {}  # file name -> its first usable row (else first row)
     for split, rel in split_lists.items():
         for n, line in _lines(root / rel, f"{split} split list"):
             if line is None:
                 skipped.append(Skip(f"{rel} line {n}", "line is not UTF-8", "image"))
                 continue
-            row = images.add(SourceImage(_stem(line.strip()), split, line.strip()))
-            split_of.setdefault(row.image_id, split)
+            name = line.strip()
+            row = images.add(SourceImage(_stem(name), split, name))
+            if name not in row_of or (row.status == OK and row_of[name].status != OK):
+                row_of[name] = row
     captions: list[SourceCaption] = []
     for n, line in _lines(root / token_file, "token file"):
         item = f"{PurePosixPath(token_file).name} line {n}"
@@ -171,13 +208,9 @@ def read_flickr8k(
                 Skip(item, "malformed line: expected '<image>#<n><TAB><caption>'", "caption")
             )
             continue
-        image_id = _stem(name)
-        if image_id not in split_of:
-            if image_id not in images.first:
-                images.add(SourceImage(image_id, None, name, "image is in no split"))
-            skipped.append(Skip(item, f"image {name!r} is in no split", "caption"))
-            continue
-        captions.append(SourceCaption(image_id, raw, item))
+        if name not in row_of:
+            row_of[name] = images.add(SourceImage(_stem(name), None, name, "image is in no split"))
+        _attach(row_of[name], raw, item, captions, skipped)
     return SourceData(
         "flickr8k",
         (root / images_dir).resolve(),
@@ -219,10 +252,10 @@ def read_karpathy(
         for j, sentence in enumerate(entry.get("sentences", [])):
             item = f"{json_file} image {k} sentence {j}"
             raw = sentence.get("raw") if isinstance(sentence, dict) else None
-            if isinstance(raw, str):
-                captions.append(SourceCaption(row.image_id, raw, item))
-            else:
+            if not isinstance(raw, str):
                 skipped.append(Skip(item, "sentence has no raw text", "caption"))
+                continue
+            _attach(row, raw, item, captions, skipped)
     return SourceData(
         "karpathy",
         (root / images_dir).resolve(),
@@ -279,17 +312,16 @@ def read_coco(
             data.get("annotations", []), key=lambda a: (a.get("image_id", -1), a.get("id", 0))
         ):
             image_id, item = str(ann.get("image_id")), f"{ann_file} annotation {ann.get('id')}"
-            row = images.first.get(image_id)
+            row = images.best.get(image_id)
             if row is None:
-                skipped.append(
-                    Skip(item, f"image id {image_id} is not in the images list", "caption")
-                )
+                reason = f"image id {image_id} is not in the images list"
+                skipped.append(Skip(item, reason, "caption"))
             elif row.status == OK and per_image.get(image_id, 0) >= max_captions_per_image:
                 reason = f"{EXCLUDED}: beyond coco.max_captions_per_image={max_captions_per_image}"
                 skipped.append(Skip(item, reason, "caption"))
             else:
                 per_image[image_id] = per_image.get(image_id, 0) + 1
-                captions.append(SourceCaption(image_id, str(ann.get("caption", "")), item))
+                _attach(row, str(ann.get("caption", "")), item, captions, skipped)
     return SourceData("coco", root.resolve(), tuple(images.rows), tuple(captions), tuple(skipped))
 
 

@@ -8,6 +8,7 @@ import pytest
 from sat_model.config import DataConfig
 from sat_model.sources import (
     EXCLUDED,
+    LEAVES_FOLDER,
     OK,
     SourceError,
     read_coco,
@@ -67,7 +68,7 @@ def test_read_flickr8k_keeps_bad_lines_as_skips_with_reasons(tmp_path: Path) -> 
     assert reasons == {
         "Flickr8k.token.txt line 2": "line is not UTF-8",
         "Flickr8k.token.txt line 3": "malformed line: expected '<image>#<n><TAB><caption>'",
-        "Flickr8k.token.txt line 5": "image 'c.jpg' is in no split",
+        "Flickr8k.token.txt line 5": "image skipped: image is in no split",
     }
     statuses = [(i.image_id, i.split, i.status.split(" (")[0]) for i in src.images]
     assert statuses == [
@@ -118,7 +119,10 @@ def test_read_karpathy_marks_unknown_split_and_missing_raw(tmp_path: Path) -> No
     (tmp_path / "k.json").write_text(json.dumps(data))
     src = read_karpathy(tmp_path, "k.json", "imgs", restval_to_train=True)
     assert src.images[0].status == "image is in no split (split 'holdout')"
-    assert [s.reason for s in src.skipped] == ["sentence has no raw text"]
+    assert [s.reason for s in src.skipped] == [
+        "image skipped: image is in no split (split 'holdout')",
+        "sentence has no raw text",
+    ]
 
 
 def test_read_karpathy_names_a_file_that_is_not_json(tmp_path: Path) -> None:
@@ -221,3 +225,15 @@ def test_flickr8k_and_karpathy_readers_agree_on_the_shared_sample() -> None:
     }
     assert by_image(raw) == by_image(kar)
     assert raw.skipped == kar.skipped == ()
+
+
+def test_an_unsafe_name_never_shadows_a_valid_image_with_the_same_id(tmp_path: Path) -> None:
+    tokens = b"../a.jpg#0\toutside caption\na.jpg#0\tgood caption\n"
+    lists = write_flickr8k(tmp_path, tokens, train="../a.jpg\na.jpg\n")
+    src = read_flickr8k(tmp_path, "imgs", "Flickr8k_text/Flickr8k.token.txt", lists)
+    assert [(i.image_id, i.file, i.status) for i in src.images] == [
+        ("a", "../a.jpg", LEAVES_FOLDER),
+        ("a", "a.jpg", OK),
+    ]
+    assert [c.raw for c in src.captions] == ["good caption"]
+    assert [s.reason for s in src.skipped] == [f"image skipped: {LEAVES_FOLDER}"]
