@@ -149,6 +149,9 @@ class EncoderConfig(_Section):
     engine: Literal["local", "ray"] = "local"
     features_dir: str = "data/features"
     max_image_pixels: int = Field(50_000_000, ge=1)  # decompression-bomb guard
+    # threads of the encoder forward in both engines: CPU float results depend on the thread count,
+    # so the local and Ray engines write byte-identical stores only with the same value
+    torch_threads: int = Field(1, ge=1)
 
 
 # ---------------------------------------------------------------------------- model

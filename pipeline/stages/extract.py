@@ -1,0 +1,107 @@
+"""DVC stage ``extract``: prepared images → ``data/features/{split}.arrow`` and a report.
+
+    python -m pipeline.stages.extract [--params params.yaml] [-S encoder.engine=ray ...]
+
+``encoder.engine: local`` runs ``sat_model.extract`` in this process (DataLoader decoding
+workers); ``ray`` runs the same batches on Ray Data actors (``pipeline.ray_extract``) and writes
+a byte-identical store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from sat_model.config import Params, load_params
+from sat_model.encoders import build_encoder
+from sat_model.extract import ExtractReport, extract_features
+
+__all__ = ["main", "run_extract", "write_report"]
+
+REPORT_NAME = "extract_report.json"
+
+
+def _absolute(path: str, root: Path) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else (root / p).resolve()
+
+
+def _ray_runner(params: Params, weights: str | None, num_cpus_hint: int):
+    import ray
+
+    from pipeline.ray_extract import EncoderSpec, RaySplitRunner
+
+    cfg = params.encoder
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    # "auto" asks the cluster, not this driver: a laptop driver may reach a GPU cluster
+    use_gpu = gpus > 0 if params.ray.use_gpu == "auto" else params.ray.use_gpu == "true"
+    if use_gpu and not gpus:
+        raise ValueError("ray.use_gpu is 'true' but the Ray cluster has no GPU")
+    cpus = int(ray.cluster_resources().get("CPU", num_cpus_hint))
+    actors = gpus if use_gpu else max(1, cpus // cfg.torch_threads)
+    spec = EncoderSpec(
+        cfg.name, cfg.layer or "", weights, cfg.crop, seed=0, torch_threads=cfg.torch_threads
+    )
+    return RaySplitRunner(spec, num_actors=actors, use_gpu=use_gpu)
+
+
+def run_extract(params: Params, root: Path, progress: bool = True) -> ExtractReport:
+    """Build the encoder from ``params.encoder`` and extract every split (either engine)."""
+    cfg = params.encoder
+    torch.set_num_threads(cfg.torch_threads)  # decoding workers take the other cores
+    weights = str(_absolute(cfg.weights, root)) if cfg.weights else None
+    encoder = build_encoder(cfg.name, cfg.layer, weights, input_size=cfg.crop)
+    kwargs = dict(
+        images_table=_absolute(params.data.prepared_dir, root) / "images.parquet",
+        out_dir=_absolute(cfg.features_dir, root),
+        encoder=encoder,
+        resize=cfg.resize,
+        crop=cfg.crop,
+        batch_size=cfg.batch_size,
+        num_workers=cfg.num_workers,
+        max_image_pixels=cfg.max_image_pixels,
+        progress=progress,
+    )
+    if cfg.engine == "local":
+        return extract_features(**kwargs)
+    from pipeline.ray_runtime import ray_session
+
+    with ray_session(params.ray):
+        runner = _ray_runner(params, weights, params.ray.num_cpus)
+        return extract_features(**kwargs, run_split=runner, engine="ray")
+
+
+def write_report(report: ExtractReport, out_dir: Path) -> Path:
+    """Write ``extract_report.json`` atomically (temp file, then rename)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / REPORT_NAME
+    tmp = out_dir / f".{REPORT_NAME}.{os.getpid()}.partial"
+    tmp.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.stages.extract", description=__doc__)
+    parser.add_argument("--params", default="params.yaml", help="params file")
+    parser.add_argument(
+        "-S", "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a param, as in `dvc exp run -S` (repeatable)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    params = load_params(args.params, args.set)
+    root = Path.cwd()
+    report = run_extract(params, root)
+    path = write_report(report, _absolute(params.encoder.features_dir, root))
+    summary = {k: v for k, v in report.to_dict().items() if k not in ("skipped", "encoder")}
+    print(f"extract: {json.dumps(summary)} -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""The ``extract`` stage entry point, local and Ray engines, on a tiny prepared table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from pipeline.stages.extract import main
+from sat_model.features import FeatureStore
+
+ROWS = [  # (image_id, split, kind)
+    ("t0", "train", "png"),
+    ("t1", "train", "jpg"),
+    ("bad", "train", "corrupt"),
+    ("t2", "train", "png"),
+    ("t3", "train", "png"),
+    ("v0", "val", "png"),
+    ("v1", "val", "png"),
+]
+
+
+def _project(root: Path, encoder: str, crop: int, resize: int) -> Path:
+    """A project folder with params.yaml and data/prepared/images.parquet (contract schema)."""
+    prepared = root / "data" / "prepared"
+    (prepared / "images").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    files = []
+    for image_id, _, kind in ROWS:
+        path = prepared / "images" / f"{image_id}.{'jpg' if kind == 'jpg' else 'png'}"
+        if kind == "corrupt":
+            path.write_bytes(b"GIF89a" + bytes(20))
+        else:
+            pixels = rng.integers(0, 255, (int(rng.integers(70, 90)), 80, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(path)
+        files.append(path.relative_to(prepared).as_posix())
+    table = pa.table(
+        {
+            "image_id": [r[0] for r in ROWS],
+            "split": [r[1] for r in ROWS],
+            "file": files,
+            "width": pa.array([80] * len(ROWS), pa.int32()),
+            "height": pa.array([80] * len(ROWS), pa.int32()),
+            "status": ["ok"] * len(ROWS),
+        }
+    ).replace_schema_metadata({"image_root": str(prepared), "source": "synthetic"})
+    pq.write_table(table, prepared / "images.parquet")
+    params = {
+        "encoder": {"name": encoder, "resize": resize, "crop": crop, "batch_size": 2,
+                    "num_workers": 0, "torch_threads": 1},
+    }  # fmt: skip
+    (root / "params.yaml").write_text(json.dumps(params))  # JSON is YAML
+    return root
+
+
+def test_local_stage_writes_stores_and_report(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(_project(tmp_path, "random", 32, 40))
+    assert main(["-S", "encoder.num_workers=1"]) == 0
+    features = tmp_path / "data" / "features"
+    assert sorted(p.name for p in features.iterdir()) == [
+        "extract_report.json", "train.arrow", "val.arrow"
+    ]  # fmt: skip
+    assert FeatureStore(features / "train.arrow").ids == ["t0", "t1", "t2", "t3"]
+    report = json.loads((features / "extract_report.json").read_text())
+    assert report["engine"] == "local"
+    assert (report["images_extracted"], report["images_skipped"]) == (6, 1)
+    assert (report["extracted_train"], report["extracted_val"]) == (4, 2)
+    assert report["skipped"][0]["item"] == "bad" and report["skipped"][0]["reason"]
+    assert report["images_per_s"] > 0
+    assert report["encoder"]["weights_sha256"] == "random-seed-0"
+
+
+def test_stage_rejects_an_unknown_param_before_any_work(tmp_path: Path, monkeypatch) -> None:
+    from sat_model.config import ParamsError
+
+    monkeypatch.chdir(_project(tmp_path, "random", 32, 40))
+    with pytest.raises(ParamsError, match=r"encoder\.colour"):
+        main(["-S", "encoder.colour=1"])
+    assert not (tmp_path / "data" / "features").exists()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_engine_writes_byte_identical_stores(tmp_path: Path, monkeypatch, ray_local) -> None:
+    monkeypatch.chdir(_project(tmp_path, "efficientnet_lite0", 64, 72))
+    assert main(["-S", "encoder.features_dir=local"]) == 0
+    assert main(["-S", "encoder.features_dir=viaray", "-S", "encoder.engine=ray"]) == 0
+    for split in ("train", "val"):
+        local = (tmp_path / "local" / f"{split}.arrow").read_bytes()
+        assert local == (tmp_path / "viaray" / f"{split}.arrow").read_bytes()
+    local_report = json.loads((tmp_path / "local" / "extract_report.json").read_text())
+    ray_report = json.loads((tmp_path / "viaray" / "extract_report.json").read_text())
+    assert ray_report["engine"] == "ray"
+    assert ray_report["skipped"] == local_report["skipped"]
+    assert ray_local.is_initialized()  # the shared session cluster is left running
