@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from sat_model.config import RayConfig
+from sat_model.training import Callback, EpochState
 
 from .ray_runtime import loopback_env, resolve_use_gpu
 
@@ -35,10 +36,13 @@ __all__ = [
     "FitOutcome",
     "ScalingSpec",
     "TrainFn",
+    "TrainOutcome",
     "WorkerRun",
     "copy_checkpoint",
     "deterministic_run_name",
     "fit_on_ray",
+    "sat_train_fn",
+    "train_with_ray",
 ]
 
 
@@ -197,3 +201,144 @@ def copy_checkpoint(source: Path, destination: Path) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+# ------------------------------------------------------------------ the sat train stage on Ray
+@dataclass(frozen=True)
+class TrainOutcome:
+    """A trained model folder and where its run is recorded."""
+
+    model_dir: Path  # models/<attention>/ on the driver
+    run_name: str  # Ray Train run and MLflow run name
+    mlflow_run_id: str | None
+    metrics: dict[str, Any]  # train_metrics.json
+
+
+class _RayEpochReporter(Callback):
+    """``sat_model.training`` callback: each epoch to Ray (checkpoint from rank 0) and MLflow."""
+
+    def __init__(self, run: WorkerRun, model_dir: Path, logger: Any | None) -> None:
+        self.run, self.model_dir, self.logger = run, model_dir, logger
+
+    def on_epoch_start(self, epoch: int, num_batches: int | None) -> None:
+        hook = self.run.config.get("on_epoch_start")
+        if hook is not None:  # tests inject worker faults here
+            hook(self.run, epoch)
+
+    def on_epoch_end(self, state: EpochState) -> None:
+        metrics = {"train_loss": state.train_loss, "lr": state.lr}
+        metrics.update({f"val_{k}": v for k, v in (state.val_metrics or {}).items()})
+        if self.logger is not None:
+            self.logger.log_epoch(state.epoch, metrics)  # step=epoch, once across restarts
+        # train_model has rewritten model_dir (best checkpoint, metrics, curves) before this runs
+        self.run.report({"epoch": state.epoch, **metrics}, self.model_dir)
+
+
+def sat_train_fn(run: WorkerRun) -> None:
+    """Every worker: ``train_model`` on this rank's shard; rank 0 reports the model folder."""
+    from sat_model.train_run import train_model
+
+    from .tracking import EpochLogger, Tracking, flatten, log_params
+
+    cfg = run.config
+    params, attention = cfg["params"], cfg["attention"]
+    resume = run.resume_dir or (Path(cfg["resume_from"]) if cfg.get("resume_from") else None)
+    logger = None
+    if run.rank == 0 and cfg.get("tracking"):
+        tracking = Tracking(**cfg["tracking"])
+        log_params(tracking, cfg["mlflow_run_id"], flatten(cfg["logged_params"]))
+        logger = EpochLogger(tracking, cfg["mlflow_run_id"])
+    with tempfile.TemporaryDirectory(prefix="sat-train-") as out:
+        model_dir = Path(out) / attention
+        if run.rank == 0 and resume is not None:
+            # a resumed run may not beat the best epoch again: keep its files in what we report
+            shutil.copytree(resume, model_dir)
+        train_model(
+            params,
+            attention,
+            prepared_dir=cfg["prepared_dir"],
+            features_dir=cfg["features_dir"],
+            out_dir=out,
+            rank=run.rank,
+            world_size=run.world_size,
+            device=run.device,
+            callbacks=[_RayEpochReporter(run, model_dir, logger)],
+            resume_from=resume,
+            wrap_model=run.wrap_model,
+        )
+
+
+def _abs(path: str, root: Path) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else (root / p).resolve()
+
+
+def _data_fingerprint(prepared_dir: Path, features_dir: Path) -> dict[str, Any]:
+    """Cheap identity of the inputs (size, mtime): new data must not resume an old run."""
+    files = [prepared_dir / "captions.parquet", prepared_dir / "vocab.json"]
+    files += sorted(features_dir.glob("*.arrow"))
+    return {str(f): [f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.exists()}
+
+
+def train_with_ray(
+    params: Any,
+    attention: str,
+    *,
+    project_root: Path,
+    address: str | None = None,
+    resume_from: Path | None = None,
+    extra_config: Mapping[str, Any] | None = None,
+) -> TrainOutcome:
+    """The ``train`` stage: Ray Train over ``train_model``, MLflow run, ``models/<attention>/``.
+
+    ``project_root`` anchors every relative path in params (workers get absolute ones).
+    ``resume_from`` seeds a run that has no Ray checkpoint yet; ``extra_config`` reaches the
+    workers' ``train_loop_config`` (tests use it to inject faults).
+    """
+    from .ray_runtime import ray_session, resolve_storage_path
+    from .tracking import connect, find_or_create_run, lineage_tags
+
+    root = project_root.resolve()
+    prepared = _abs(params.data.prepared_dir, root)
+    features = _abs(params.encoder.features_dir, root)
+    lineage = lineage_tags(
+        root, prepared_dir=params.data.prepared_dir, features_dir=params.encoder.features_dir
+    )
+    trained = params.model_dump(mode="json", include={"data", "encoder", "model", "train"})
+    name = deterministic_run_name(
+        f"sat-{attention}", trained, lineage, _data_fingerprint(prepared, features)
+    )
+    tracking = connect(params.mlflow, root)
+    run_id = find_or_create_run(tracking, name, tags={"sat.attention": attention, **lineage})
+    config = {
+        "params": params,
+        "attention": attention,
+        "prepared_dir": str(prepared),
+        "features_dir": str(features),
+        "resume_from": str(resume_from.resolve()) if resume_from else None,
+        "tracking": tracking.__dict__,
+        "mlflow_run_id": run_id,
+        "logged_params": {"attention": attention, **trained},
+        **(extra_config or {}),
+    }
+    try:
+        with ray_session(params.ray, address=address):
+            outcome = fit_on_ray(
+                sat_train_fn,
+                config=config,
+                run_name=name,
+                storage_path=resolve_storage_path(params.ray, root),
+                scaling=ScalingSpec.from_params(params.ray),
+                max_failures=params.ray.max_failures,
+            )
+    except BaseException:
+        tracking.call(lambda c: c.set_terminated(run_id, "FAILED"), f"end run {run_id}")
+        raise
+    tracking.call(lambda c: c.set_terminated(run_id, "FINISHED"), f"end run {run_id}")
+    if outcome.checkpoint_dir is None:
+        raise RuntimeError(f"Ray Train run {name} finished without a checkpoint")
+    model_dir = _abs(params.train.models_dir, root) / attention
+    copy_checkpoint(outcome.checkpoint_dir, model_dir)
+    metrics_file = model_dir / "train_metrics.json"
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
+    return TrainOutcome(model_dir, name, run_id, metrics)

@@ -1,8 +1,9 @@
-"""Shared fixtures for the pipeline tests: one local Ray cluster per test session."""
+"""Shared pipeline test fixtures: one local Ray cluster and one tiny project per session."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,3 +26,75 @@ def ray_local() -> Iterator[Any]:
         import ray
 
         yield ray
+
+
+TINY_L, TINY_D = 4, 6
+
+
+def _write_tiny_inputs(root: Path) -> None:
+    """Prepared captions, vocab and a random-encoder feature store per ARCHITECTURE.md."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sat_model.features import FeatureMeta, FeatureWriter
+    from sat_model.vocab import build_vocab, save_vocab
+
+    rng = np.random.default_rng(1)
+    rows, feats = [], {}
+    for split, n in (("train", 16), ("val", 4)):
+        ids, vecs = [], []
+        for i in range(n):
+            image_id, colour = f"{split}{i}", ("red", "blue", "green", "white")[i % 4]
+            vec = (rng.standard_normal((TINY_L, TINY_D)) * 0.1).astype(np.float16)  # (L, D)
+            vec[:, i % 4] += 2.0  # the colour is readable from the features
+            ids.append(image_id)
+            vecs.append(vec)
+            for k, shape in enumerate(("circle", "square")):
+                rows.append((image_id, split, k, ["a", colour, shape]))
+        feats[split] = (ids, np.stack(vecs))  # (N, L, D)
+    prepared = root / "data" / "prepared"
+    prepared.mkdir(parents=True)
+    pq.write_table(
+        pa.table(
+            {
+                "image_id": [r[0] for r in rows],
+                "split": [r[1] for r in rows],
+                "file": [f"{r[0]}.png" for r in rows],
+                "caption_index": pa.array([r[2] for r in rows], pa.int32()),
+                "raw": [" ".join(r[3]) for r in rows],
+                "tokens": [r[3] for r in rows],
+            }
+        ),
+        prepared / "captions.parquet",
+    )
+    save_vocab(build_vocab([r[3] for r in rows], 1, 50, 20), prepared / "vocab.json")
+    meta = FeatureMeta("random", "none", 32, TINY_L, TINY_D, 2, 2, "0" * 64)
+    for split, (ids, vecs) in feats.items():
+        with FeatureWriter(root / "data" / "features" / f"{split}.arrow", meta) as writer:
+            writer.write(ids, vecs)
+
+
+TINY_PARAMS = """\
+model: {embed_dim: 8, hidden_dim: 16, attention_dim: 8, dropout: 0.0}
+train:
+  val_images: 4
+  val_max_length: 5
+  soft: {batch_size: 4, max_epochs: 2, lr: 0.01}
+  hard: {batch_size: 4, max_epochs: 2, lr: 0.01}
+ray: {num_cpus: 2, num_workers: 1, cpus_per_worker: 1, max_failures: 1}
+tune:
+  num_samples: 3
+  max_concurrent: 2
+  max_epochs: 2
+  grace_period: 1
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A project folder with tiny prepared data, features and a params.yaml (paths relative)."""
+    root = tmp_path_factory.mktemp("tiny_project")
+    _write_tiny_inputs(root)
+    (root / "params.yaml").write_text(TINY_PARAMS)
+    return root

@@ -9,6 +9,7 @@ the mean loss over the concatenated global batch.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,10 +24,11 @@ from pipeline.ray_train import (
     copy_checkpoint,
     deterministic_run_name,
     fit_on_ray,
+    train_with_ray,
 )
 from pipeline.tracking import EpochLogger, Tracking, connect, find_or_create_run
 from sat_model.batching import LengthGroupedBatchSampler
-from sat_model.config import MlflowConfig
+from sat_model.config import MlflowConfig, load_params
 
 # Ray workers cannot import this test module by name: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -215,3 +217,35 @@ def test_storage_path_must_be_absolute(tmp_path: Path) -> None:
             scaling=ScalingSpec(1, 1, False),
             max_failures=0,
         )
+
+
+@pytest.mark.ray
+@pytest.mark.mlflow
+@pytest.mark.java
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("java") is None, reason="validation BLEU needs Java")
+def test_train_with_ray_writes_the_model_folder_and_logs_each_epoch(
+    ray_local: object, tiny_project: Path
+) -> None:
+    params = load_params(tiny_project / "params.yaml")
+    outcome = train_with_ray(params, "soft", project_root=tiny_project)
+    model_dir = tiny_project / "models" / "soft"
+    assert outcome.model_dir == model_dir
+    for name in ("model.pt", "config.json", "vocab.json", "train_metrics.json", "curves.csv"):
+        assert (model_dir / name).is_file(), name
+    assert outcome.metrics["epochs"] == 2
+    assert outcome.run_name.startswith("sat-soft-")
+    tracking = connect(params.mlflow, tiny_project)
+    run = tracking.client().get_run(outcome.mlflow_run_id)
+    assert run.info.run_name == outcome.run_name
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["sat.attention"] == "soft"
+    assert run.data.params["train.soft.max_epochs"] == "2"
+    for key in ("train_loss", "val_bleu_4", "lr"):
+        steps = [m.step for m in tracking.client().get_metric_history(run.info.run_id, key)]
+        assert sorted(steps) == [1, 2], key
+    # the same params and data name the same run: a re-run resumes it and trains nothing new
+    again = train_with_ray(params, "soft", project_root=tiny_project)
+    assert (again.run_name, again.mlflow_run_id) == (outcome.run_name, outcome.mlflow_run_id)
+    steps = tracking.client().get_metric_history(run.info.run_id, "train_loss")
+    assert sorted(m.step for m in steps) == [1, 2]
