@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -40,6 +41,7 @@ __all__ = [
     "generate_scene",
     "generate_scenes",
     "ground_tokens",
+    "objects_from_boxes",
     "render_scene",
     "scene_captions",
     "scene_id",
@@ -370,6 +372,18 @@ def generate_scenes(
 
 
 # ----------------------------------------------------------------------------- grounding
+def objects_from_boxes(boxes: Sequence[Mapping[str, Any]]) -> tuple[SceneObject, ...]:
+    """Objects from an ``images.parquet`` ``boxes`` cell (shape, colour, size, x0..y1 fields).
+
+    The drawn fill is not stored, so ``rgb`` is the named colour; ``footprint`` is the box.
+    """
+    out = []
+    for b in boxes:
+        box = (float(b["x0"]), float(b["y0"]), float(b["x1"]), float(b["y1"]))
+        out.append(SceneObject(b["shape"], b["colour"], b["size"], box, box, COLOURS[b["colour"]]))
+    return tuple(out)
+
+
 def ground_tokens(tokens: Sequence[str], objects: Sequence[SceneObject]) -> list[tuple[int, ...]]:
     """For each token, the indices of ``objects`` it names (empty for other words).
 

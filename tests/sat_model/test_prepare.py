@@ -19,7 +19,8 @@ from sat_model.prepare import (
     check_image,
     prepare_dataset,
 )
-from sat_model.scenes import generate_scene
+from sat_model.scenes import generate_scene, ground_tokens, objects_from_boxes
+from sat_model.text import tokenize
 
 OUTPUTS = ("images.parquet", "captions.parquet", "vocab.json", "prepare_report.json")
 
@@ -298,3 +299,19 @@ def test_a_symlink_out_of_the_dataset_folder_is_refused(tmp_path: Path) -> None:
     out = prepare_dataset(cfg).prepared_dir
     status = {r["file"]: r["status"] for r in read_rows(out / "images.parquet")}
     assert status == {"ok.png": "ok", "link.png": "file name leaves the dataset folder"}
+
+
+def test_objects_rebuilt_from_the_boxes_column_ground_like_the_scene(tmp_path: Path) -> None:
+    cfg = DataConfig(
+        prepared_dir=str(tmp_path / "p"),
+        synthetic={"seed": 4, "train_images": 6, "val_images": 1, "test_images": 1},
+    )
+    out = prepare_dataset(cfg, workers=1).prepared_dir
+    for row in read_rows(out / "images.parquet"):
+        split, index = row["image_id"].split("_")
+        scene = generate_scene(4, split, int(index))
+        rebuilt = objects_from_boxes(row["boxes"])
+        for caption in scene.captions:
+            tokens = tokenize(caption)
+            assert ground_tokens(tokens, rebuilt) == ground_tokens(tokens, scene.objects)
+        assert np.allclose([o.box for o in rebuilt], [o.box for o in scene.objects])
