@@ -119,7 +119,7 @@ def test_same_seed_gives_identical_parameters_after_an_epoch() -> None:
 
 def test_training_lowers_the_loss_on_a_fixed_batch_set() -> None:
     rec = Recorder()
-    _fit(_model(), callbacks=[rec], max_epochs=6)
+    _fit(_model(), callbacks=[rec], max_epochs=4)
     assert rec.states[-1].train_loss < rec.states[0].train_loss
 
 
