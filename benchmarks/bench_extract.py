@@ -1,0 +1,180 @@
+"""Extraction throughput and feature-store memory, measured side by side in one run.
+
+Writes JSON to stdout and ``benchmarks/results/extract.json``:
+
+- ``forward_only``: the encoder on pre-decoded tensors (images/s), per torch thread count;
+- ``stage``: the whole local engine (decode in DataLoader workers + forward + write), per
+  (torch_threads, num_workers), and its ratio to the forward-only rate at the same thread count;
+- ``layers``: forward cost and store bytes per image for each EfficientNet-Lite0 feature layer;
+- ``store_rss``: peak anonymous RSS while iterating a feature store of N and 10·N rows, each in
+  a fresh interpreter (memory-mapped pages are page cache, reported apart as ``rss_file``).
+
+Images: the Flickr8k sample JPEGs when present (real decode cost), else generated PNGs.
+
+    .venv/bin/python benchmarks/bench_extract.py [--images 96] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from PIL import Image
+
+from sat_model.encoders import ENCODER_LAYERS, build_encoder
+from sat_model.extract import extract_features, read_image_table
+from sat_model.features import FeatureMeta, FeatureWriter
+from sat_model.images import load_image, preprocess
+
+__all__ = ["main"]
+
+RESULTS = Path(__file__).resolve().parent / "results" / "extract.json"
+FLICKR = Path(__file__).resolve().parents[1].parent / "shared/data/flickr8k-sample/Flickr8k_Dataset"
+
+
+def _image_table(work: Path, count: int) -> tuple[Path, str]:
+    if FLICKR.is_dir():
+        root, files = FLICKR, sorted(p.name for p in FLICKR.glob("*.jpg"))[:count]
+        source = "flickr8k-sample"
+    else:
+        root, source = work / "images", "generated-png"
+        root.mkdir()
+        rng = np.random.default_rng(0)
+        files = []
+        for i in range(count):
+            Image.fromarray(rng.integers(0, 255, (224, 224, 3), dtype=np.uint8)).save(
+                root / f"{i}.png"
+            )
+            files.append(f"{i}.png")
+    table = pa.table(
+        {"image_id": files, "split": ["train"] * len(files), "file": files,
+         "status": ["ok"] * len(files)}
+    ).replace_schema_metadata({"image_root": str(root)})  # fmt: skip
+    pq.write_table(table, work / "images.parquet")
+    return work / "images.parquet", source
+
+
+def _forward_rate(encoder, images: torch.Tensor, batch_size: int) -> float:
+    with torch.inference_mode():
+        encoder(images[:batch_size])  # warm-up
+        start = time.perf_counter()
+        for i in range(0, len(images), batch_size):
+            encoder(images[i : i + batch_size])
+    return len(images) / (time.perf_counter() - start)
+
+
+def _stage_rate(table: Path, out: Path, encoder, batch_size: int, workers: int) -> float:
+    start = time.perf_counter()
+    report = extract_features(
+        table, out, encoder, resize=256, crop=224, batch_size=batch_size,
+        num_workers=workers, max_image_pixels=50_000_000, progress=False,
+    )  # fmt: skip
+    return report.to_dict()["images_extracted"] / (time.perf_counter() - start)
+
+
+def _throughput(table: Path, work: Path, batch_size: int, configs) -> dict[str, object]:
+    encoder = build_encoder("efficientnet_lite0")
+    d = encoder.description
+    items = read_image_table(table)["train"]
+    images = torch.stack(
+        [preprocess(load_image(i.path, min_side=256), 256, 224, d.mean, d.std) for i in items]
+    )  # (N, 3, 224, 224)
+    forward, stage = {}, []
+    for threads in sorted({t for t, _ in configs}):
+        torch.set_num_threads(threads)
+        forward[threads] = round(_forward_rate(encoder, images, batch_size), 2)
+    for threads, workers in configs:
+        torch.set_num_threads(threads)
+        rate = _stage_rate(table, work / f"f{threads}{workers}", encoder, batch_size, workers)
+        stage.append(
+            {"torch_threads": threads, "num_workers": workers, "images_per_s": round(rate, 2),
+             "ratio_to_forward": round(rate / forward[threads], 3)}
+        )  # fmt: skip
+    return {"forward_only_images_per_s": forward, "stage": stage, "images": len(items)}
+
+
+def _layers(batch: int) -> list[dict[str, object]]:
+    torch.set_num_threads(1)
+    x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    rows = []
+    for layer in ENCODER_LAYERS["efficientnet_lite0"]:
+        encoder = build_encoder("efficientnet_lite0", layer)
+        d = encoder.description
+        rows.append(
+            {"layer": layer, "grid": f"{d.grid_h}x{d.grid_w}", "L": d.num_locations,
+             "D": d.annotation_dim, "images_per_s": round(_forward_rate(encoder, x, batch), 2),
+             "store_kib_per_image": round(d.num_locations * d.annotation_dim * 2 / 1024, 1)}
+        )  # fmt: skip
+    return rows
+
+
+_ITERATE = """
+import sys, numpy as np
+from sat_model.features import FeatureStore
+def mem():
+    f = dict(l.split(':', 1) for l in open('/proc/self/status'))
+    return int(f['RssAnon'].split()[0]), int(f['RssFile'].split()[0])
+store = FeatureStore(sys.argv[1]); peak_anon = peak_file = 0; total = 0.0
+for start in range(0, len(store), 64):
+    batch = store.get_batch(np.arange(start, min(start + 64, len(store))))  # (B, L, D)
+    total += float(batch[:, 0, 0].astype(np.float32).sum())
+    anon, file = mem(); peak_anon = max(peak_anon, anon); peak_file = max(peak_file, file)
+print(peak_anon, peak_file)
+"""
+
+
+def _store_rss(work: Path, rows: int) -> dict[str, object]:
+    meta = FeatureMeta("random", "conv2", 224, 196, 112, 14, 14, "random-seed-0")
+    path = work / f"store{rows}.arrow"
+    rng = np.random.default_rng(0)
+    with FeatureWriter(path, meta) as writer:
+        for start in range(0, rows, 250):
+            n = min(250, rows - start)
+            ids = [str(i) for i in range(start, start + n)]
+            writer.write(ids, rng.standard_normal((n, 196, 112), dtype=np.float32))
+    out = subprocess.run(
+        [sys.executable, "-c", _ITERATE, str(path)], capture_output=True, text=True, check=True
+    ).stdout.split()
+    return {"rows": rows, "file_mib": round(path.stat().st_size / 2**20, 1),
+            "peak_rss_anon_mib": round(int(out[0]) / 1024, 1),
+            "peak_rss_file_mib": round(int(out[1]) / 1024, 1)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--images", type=int, default=96)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="fewer configurations and rows")
+    args = parser.parse_args(argv)
+    configs = [(1, 1)] if args.quick else [(1, 1), (1, 2), (2, 1), (2, 2)]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        table, source = _image_table(work, args.images)
+        result = {
+            "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform()},
+            "image_source": source,
+            "batch_size": args.batch_size,
+            "throughput": _throughput(table, work, args.batch_size, configs),
+            "layers": _layers(16),
+            "store_rss": [
+                _store_rss(work, n) for n in ((100, 1000) if args.quick else (300, 3000))
+            ],
+        }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
