@@ -13,8 +13,12 @@ from pathlib import Path
 __all__ = ["write_bytes_atomic", "write_text_atomic"]
 
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically, creating the parent folder if needed."""
+def write_bytes_atomic(path: str | Path, data: bytes, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically, creating the parent folder if needed.
+
+    ``durable=False`` skips the fsync: still all-or-nothing for readers, but a power cut may
+    lose the file; fine for many small files that are cheap to regenerate.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -22,8 +26,9 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
         os.fchmod(fd, 0o644)  # mkstemp makes 0600; outputs are shared data, readable by all
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
