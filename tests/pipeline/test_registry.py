@@ -1,0 +1,191 @@
+"""The registry: the promotion rule (table), checkpoint hashing, and register/promote/caption
+against a real ``mlflow server`` process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import io
+import math
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from PIL import Image
+
+from pipeline.registry import (
+    CHAMPION_ALIAS,
+    checkpoint_sha256,
+    decide_promotion,
+    list_versions,
+    log_and_register,
+    promote,
+    promote_if_better,
+)
+from sat_model.checkpoint import save_checkpoint
+from sat_model.config import ModelParams
+from sat_model.encoders import build_encoder
+from sat_model.model import build_model
+from sat_model.vocab import Vocab
+
+NAME = "sat-captioner"
+
+
+@pytest.mark.parametrize(
+    ("candidate", "champion", "promote_it"),
+    [
+        (0.30, 0.20, True),  # better
+        (0.10, 0.20, False),  # worse
+        (0.20, 0.20, False),  # equal: the incumbent stays
+        (0.10, None, True),  # no champion yet
+        (None, 0.20, False),  # the candidate has no value
+        (math.nan, None, False),  # nor does a NaN
+        (0.10, math.nan, True),  # a champion without the metric is beaten by any value
+    ],
+)
+def test_promotion_rule(candidate, champion, promote_it):
+    assert decide_promotion(candidate, champion).promote is promote_it
+
+
+def save_tiny_model(directory: Path, seed: int = 0) -> Path:
+    """A tiny soft-attention model over the seeded `random` encoder (64 px crop, 4x4 grid)."""
+    torch.manual_seed(seed)
+    vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", "a", "red", "circle"), 1, 100, 20)
+    d = build_encoder("random", input_size=64).description
+    model = build_model(
+        ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
+        vocab_size=len(vocab), annotation_dim=d.annotation_dim, num_locations=d.num_locations,
+        attention="soft",
+    )  # fmt: skip
+    save_checkpoint(
+        directory, model_config=model.config, vocab=vocab, model_state=model.state_dict(),
+        extra_config={"attention": "soft", "encoder": {**d.to_dict(), "resize": 72}},
+    )  # fmt: skip
+    return directory
+
+
+def test_checkpoint_hash_follows_the_files_not_the_folder(tmp_path):
+    a = save_tiny_model(tmp_path / "a", seed=0)
+    copy = Path(shutil.copytree(a, tmp_path / "copy"))
+    other = save_tiny_model(tmp_path / "b", seed=1)
+    assert checkpoint_sha256(a) == checkpoint_sha256(copy)
+    assert checkpoint_sha256(a) != checkpoint_sha256(other)
+    (copy / "vocab.json").write_text((copy / "vocab.json").read_text() + " ")
+    assert checkpoint_sha256(a) != checkpoint_sha256(copy)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(url: str, process: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[:4]} exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
+
+
+def start_mlflow_server(root: Path) -> tuple[str, subprocess.Popen]:
+    """A real tracking server (SQLite backend, local artifact store) on a free loopback port."""
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "mlflow", "server",
+        "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination", str(root / "mlartifacts"),
+        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+    ]  # fmt: skip
+    log = (root / "server.log").open("wb")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for(f"{uri}/health", process)
+    except BaseException:
+        stop(process)
+        raise
+    return uri, process
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow_server")
+    uri, process = start_mlflow_server(root)
+    yield uri
+    stop(process)
+
+
+def _register(client, model_dir, bleu_4, experiment_id):
+    return log_and_register(
+        client, model_dir=model_dir, model_name=NAME, experiment_id=experiment_id,
+        metrics={"bleu_4": bleu_4, "cider": 0.5}, params={"model.embed_dim": "8"},
+        tags={"attention": "soft", "lineage.git_commit": "abc"}, run_name="t",
+    )  # fmt: skip
+
+
+@pytest.mark.mlflow
+@pytest.mark.slow
+def test_register_dedup_promote_and_caption_over_http(server, tmp_path, monkeypatch):
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+    client = MlflowClient(server)
+    experiment_id = client.create_experiment("sat-test")
+    first = _register(client, save_tiny_model(tmp_path / "m1", 1), 0.20, experiment_id)
+    assert (first.version, first.reused) == ("1", False)
+    assert promote_if_better(client, NAME, first.version, "bleu_4").promoted  # no champion yet
+
+    # a retry of the same checkpoint (copied elsewhere) reuses version 1
+    again = _register(client, Path(shutil.copytree(tmp_path / "m1", tmp_path / "m1b")), 0.2,
+                      experiment_id)  # fmt: skip
+    assert (again.version, again.reused) == ("1", True)
+
+    worse = _register(client, save_tiny_model(tmp_path / "m2", 2), 0.10, experiment_id)
+    kept = promote_if_better(client, NAME, worse.version, "bleu_4")
+    assert (kept.promoted, kept.champion) == (False, "1")
+    better = _register(client, save_tiny_model(tmp_path / "m3", 3), 0.30, experiment_id)
+    moved = promote_if_better(client, NAME, better.version, "bleu_4")
+    assert (moved.promoted, moved.previous_champion, moved.champion) == (True, "1", "3")
+
+    rows = list_versions(client, NAME)
+    assert [r.version for r in rows] == ["1", "2", "3"]
+    assert [r.aliases for r in rows] == [(), (), (CHAMPION_ALIAS,)]
+    assert [r.metrics["bleu_4"] for r in rows] == [0.2, 0.1, 0.3]
+    v1 = client.get_model_version(NAME, "1")
+    assert v1.tags["attention"] == "soft" and v1.tags["lineage.git_commit"] == "abc"
+
+    assert promote(client, NAME, "bleu_4", version="2").champion == "2"  # the user's choice
+    assert promote(client, NAME, "bleu_4").champion == "3"  # the best again
+
+    mlflow.set_tracking_uri(server)
+    model = mlflow.pyfunc.load_model(f"models:/{NAME}@{CHAMPION_ALIAS}")
+    buffer = io.BytesIO()
+    Image.new("RGB", (90, 60), (200, 30, 30)).save(buffer, format="PNG")
+    out = model.predict(pd.DataFrame({"image": [buffer.getvalue()]}))
+    assert isinstance(out["caption"][0], str)
+    assert set(out["caption"][0].split()) <= {"a", "red", "circle", "<unk>"}
+    with pytest.raises(MlflowException, match="not a usable image"):
+        model.predict(pd.DataFrame({"image": ["definitely not an image"]}))
