@@ -106,8 +106,144 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# ------------------------------------------------- caption, models, promote, evaluate
+def _params_or_defaults(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    # outside a project (no params.yaml) the defaults and MLFLOW_TRACKING_URI still work
+    from sat_model.config import Params, load_params
+
+    if not Path(args.params).exists() and not args.overrides:
+        return Params()
+    return load_params(args.params, args.overrides)
+
+
+def _mlflow_cfg(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    return _params_or_defaults(args).mlflow
+
+
+def _tracking_uri(args: argparse.Namespace) -> str:
+    from pipeline.tracking import resolve_tracking_uri
+
+    return resolve_tracking_uri(_mlflow_cfg(args), Path.cwd())
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    return args.name or _mlflow_cfg(args).model_name
+
+
+def _caption(args: argparse.Namespace) -> int:
+    """Caption each image; a bad image gets its own message and the others still run."""
+    import tempfile
+
+    from pipeline.stages.evaluate import resolve_model_dir
+    from sat_model.captioner import Captioner, decode_image_input
+    from sat_model.images import ImageError
+    from sat_model.visualize import write_word_overlays
+
+    model = args.model or f"models:/{_model_name(args)}@champion"
+    with tempfile.TemporaryDirectory() as tmp:
+        uri = None if Path(model).exists() else _tracking_uri(args)
+        ev = _params_or_defaults(args).eval
+        captioner = Captioner.from_dir(
+            resolve_model_dir(model, Path(tmp), uri),
+            beam_size=ev.beam_size,
+            max_length=ev.max_length,
+            mode=ev.hard_decode,
+        )
+    ok = 0
+    for path in args.images:
+        try:
+            image = decode_image_input(Path(path))
+        except ImageError as e:
+            print(f"{path}: error: {e.reason}", file=sys.stderr)
+            continue
+        (result,) = captioner.caption([image], args.beam_size)
+        print(f"{path}: {result.text}")
+        ok += 1
+        if args.attention_out:
+            write_word_overlays(
+                result.crop, result.words, result.alphas, grid_h=result.grid_h,
+                grid_w=result.grid_w, out_dir=args.attention_out, stem=Path(path).stem,
+            )  # fmt: skip
+    return 0 if ok else 1
+
+
+def _models(args: argparse.Namespace) -> int:
+    from mlflow import MlflowClient
+
+    from pipeline.registry import list_versions
+
+    rows = list_versions(MlflowClient(_tracking_uri(args)), _model_name(args))
+    if not rows:
+        print(f"no registered version of {_model_name(args)!r}")
+        return 1
+    print(f"{'version':>7}  {'attention':<9} {'bleu_4':>7} {'meteor':>7} {'cider':>7}  aliases")
+    for r in rows:
+        cells = " ".join(
+            f"{r.metrics.get(k, float('nan')):7.4f}" for k in ("bleu_4", "meteor", "cider")
+        )
+        print(f"{r.version:>7}  {r.attention or '-':<9} {cells}  {','.join(r.aliases)}")
+    return 0
+
+
+def _promote(args: argparse.Namespace) -> int:
+    from mlflow import MlflowClient
+
+    from pipeline.registry import RegistryError, promote
+
+    metric = args.metric or _mlflow_cfg(args).champion_metric
+    try:
+        out = promote(MlflowClient(_tracking_uri(args)), _model_name(args), metric, args.version)
+    except RegistryError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    moved = "moved" if out.promoted else "stays"
+    print(
+        f"champion {moved}: {out.model_name} version {out.champion} "
+        f"({metric} {out.candidate_value}); previously {out.previous_champion} ({out.reason})"
+    )
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from pipeline.stages import evaluate
+
+    extra = ["--attention", args.attention]
+    for flag, value in (("--model", args.model), ("--split", args.split), ("--out", args.out)):
+        extra += [flag, value] if value else []
+    return evaluate.main([*_forward_params(args), *extra]) or 0
+
+
 def _register_more(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Subcommands for evaluation, the registry and captioning (caption, models, promote...)."""
+    p = sub.add_parser("caption", help="caption image files; write per-word attention overlays")
+    _add_params_args(p)
+    p.add_argument("images", nargs="+", metavar="IMAGE")
+    p.add_argument("--model", default=None, help="models:/NAME@ALIAS URI or a model folder "
+                   "(default: models:/<mlflow.model_name>@champion)")  # fmt: skip
+    p.add_argument("--name", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--beam-size", type=int, default=None)
+    p.add_argument("--attention-out", default=None, metavar="DIR")
+    p.set_defaults(handler=_caption)
+
+    p = sub.add_parser("models", help="registered versions with metrics and aliases")
+    _add_params_args(p)
+    p.add_argument("--name", default=None, help="registered model (default: mlflow.model_name)")
+    p.set_defaults(handler=_models)
+
+    p = sub.add_parser("promote", help="move the champion alias to the best (or named) version")
+    _add_params_args(p)
+    p.add_argument("--name", default=None, help="registered model (default: mlflow.model_name)")
+    p.add_argument("--metric", default=None, help="default: mlflow.champion_metric")
+    p.add_argument("--version", default=None)
+    p.set_defaults(handler=_promote)
+
+    p = sub.add_parser("evaluate", help="the evaluate stage on any model folder or URI and split")
+    _add_params_args(p)
+    p.add_argument("--model", default=None, help="model folder or models:/ URI")
+    p.add_argument("--attention", choices=["soft", "hard"], default="soft")
+    p.add_argument("--split", default=None)
+    p.add_argument("--out", default=None, help="report folder")
+    p.set_defaults(handler=_evaluate)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

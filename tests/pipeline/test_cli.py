@@ -1,0 +1,145 @@
+"""The `sat` commands and the evaluate/register stages on a tiny project in tmp_path.
+
+The project has a prepared test split with boxes, a feature store, and a tiny model over the
+seeded `random` encoder; MLflow is the project's default SQLite store (no server).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from pipeline.cli import main
+from pipeline.stages import register
+from sat_model.checkpoint import save_checkpoint
+from sat_model.config import ModelParams
+from sat_model.encoders import build_encoder
+from sat_model.features import FeatureMeta, FeatureWriter
+from sat_model.model import build_model
+from sat_model.vocab import Vocab
+
+IDS = ["t0", "t1", "t2"]
+PARAMS = """\
+encoder: {name: random, resize: 72, crop: 64}
+eval: {beam_size: 2, max_length: 4, gallery_images: 2, meteor_timeout_s: 120.0}
+"""
+
+
+def _write_model(directory, seed=0):
+    torch.manual_seed(seed)
+    vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", "a", "red", "circle"), 1, 100, 20)
+    encoder = build_encoder("random", input_size=64)
+    d = encoder.description
+    model = build_model(
+        ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
+        vocab_size=len(vocab), annotation_dim=d.annotation_dim, num_locations=d.num_locations,
+        attention="soft",
+    )  # fmt: skip
+    with torch.no_grad():
+        model.out.bias[:4] = -1e4  # always max_length real words
+    save_checkpoint(
+        directory, model_config=model.config, vocab=vocab, model_state=model.state_dict(),
+        extra_config={"attention": "soft", "encoder": {**d.to_dict(), "resize": 72}},
+    )  # fmt: skip
+    return encoder
+
+
+def _write_project(root):
+    images = root / "data" / "prepared" / "images"
+    images.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    box = dict(label="large red circle", shape="circle", colour="red", size="large",
+               x0=0.0, y0=0.0, x1=80.0, y1=60.0)  # fmt: skip
+    rows, pixels = [], []
+    for image_id in IDS:
+        photo = Image.fromarray(rng.integers(0, 256, (60, 80, 3), dtype=np.uint8))
+        photo.save(images / f"{image_id}.png")
+        rows.append(dict(image_id=image_id, split="test", file=f"{image_id}.png", width=80,
+                         height=60, status="ok", boxes=[box]))  # fmt: skip
+        pixels.append(photo)
+    table = pa.Table.from_pylist(rows).replace_schema_metadata(
+        {"image_root": str(images), "source": "synthetic"}
+    )
+    pq.write_table(table, root / "data" / "prepared" / "images.parquet")
+    caps = [dict(image_id=i, split="test", file=f"{i}.png", caption_index=0, raw="a red circle",
+                 tokens=["a", "red", "circle"]) for i in IDS]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(caps), root / "data" / "prepared" / "captions.parquet")
+    encoder = _write_model(root / "models" / "soft")
+    from sat_model.images import preprocess
+
+    d = encoder.description
+    batch = torch.stack([preprocess(p, 72, 64, d.mean, d.std) for p in pixels])  # (B, 3, S, S)
+    meta = FeatureMeta(d.name, d.layer, 64, d.num_locations, d.annotation_dim, d.grid_h,
+                       d.grid_w, d.weights_sha256)  # fmt: skip
+    with FeatureWriter(root / "data" / "features" / "test.arrow", meta) as writer:
+        writer.write(IDS, encoder(batch).detach().numpy())
+    (root / "params.yaml").write_text(PARAMS)
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    _write_project(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path
+
+
+def test_caption_with_a_model_folder_reports_bad_images_and_keeps_going(project, capsys):
+    bad = project / "bad.jpg"
+    bad.write_bytes(b"not a jpeg")
+    good = project / "data" / "prepared" / "images" / "t0.png"
+    code = main(["caption", str(good), str(bad), "--model", "models/soft", "--attention-out",
+                 "overlays"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0
+    (line,) = out.strip().splitlines()
+    words = line.split(": ", 1)[1].split()
+    assert len(words) == 4 and set(words) <= {"a", "red", "circle"}
+    assert "bad.jpg: error: cannot decode" in err
+    assert len(list((project / "overlays").glob("t0_*.png"))) == 4  # one per word
+
+
+def test_caption_fails_when_no_image_is_usable(project, capsys):
+    assert main(["caption", "missing.png", "--model", "models/soft"]) == 1
+    assert "missing.png: error: file not found" in capsys.readouterr().err
+
+
+@pytest.mark.java
+@pytest.mark.mlflow
+@pytest.mark.slow
+def test_evaluate_register_models_promote_and_caption_the_champion(project, capsys):
+    assert main(["evaluate", "--attention", "soft"]) == 0
+    metrics = json.loads((project / "reports/soft/metrics.json").read_text())
+    assert {"bleu_4", "meteor", "rouge_l", "cider", "pointing_accuracy"} <= set(metrics)
+    # the one box covers the whole photo, so every 'circle' hits
+    assert metrics["pointing_accuracy"] == 1.0 or metrics["pointing_words"] == 0
+    gallery = (project / "reports/soft/attention/index.html").read_text()
+    assert gallery.count("<figcaption>") == 2 * (1 + 4)  # gallery_images x (photo + 4 words)
+
+    assert register.main([]) == 0
+    report = json.loads((project / "reports/registry.json").read_text())
+    assert report["champion"] == "1" and report["versions"][0]["reused"] is False
+    assert report["skipped"] == [{"item": "hard", "reason": "no model or no metrics"}]
+    assert register.main([]) == 0  # the same checkpoint again: no second version
+    report = json.loads((project / "reports/registry.json").read_text())
+    assert report["versions"][0] == {**report["versions"][0], "version": "1", "reused": True}
+
+    capsys.readouterr()
+    assert main(["models"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 2 and table[1].split()[0] == "1" and table[1].endswith("champion")
+    assert f"{metrics['bleu_4']:7.4f}".strip() in table[1]
+
+    assert main(["promote", "--metric", "cider"]) == 0
+    assert "version 1" in capsys.readouterr().out
+    assert main(["promote", "--version", "7"]) == 1
+
+    image = project / "data" / "prepared" / "images" / "t1.png"
+    assert main(["caption", str(image)]) == 0  # default: models:/sat-captioner@champion
+    assert capsys.readouterr().out.startswith(f"{image}: ")
