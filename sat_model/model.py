@@ -153,8 +153,9 @@ class SoftAttention(nn.Module):
 
     def scores(self, projected: Tensor, hidden: Tensor) -> Tensor:
         """e_ti (Eq. 4): (B, L)."""
-        pre = torch.tanh(projected + self.hidden_proj(hidden).unsqueeze(1))  # (B, L, A)
-        return self.score(pre).squeeze(-1)  # (B, L)
+        pre = projected + self.hidden_proj(hidden).unsqueeze(1)  # (B, L, A)
+        # in place: the largest tensor of the step, one allocation instead of two
+        return self.score(pre.tanh_()).squeeze(-1)  # (B, L)
 
     def forward(
         self, annotations: Tensor, projected: Tensor, hidden: Tensor, mode: str = "expected"

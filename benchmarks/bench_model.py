@@ -1,0 +1,190 @@
+"""Model throughput: training captions/s (soft, hard) and batched against per-image beam search.
+
+Writes JSON to stdout and ``benchmarks/results/model.json``. Dimensions as in PAPER.md: ``B``
+batch, ``T`` caption steps, ``L`` locations, ``D`` annotation size, ``m``/``n``/``A``
+embedding/LSTM/attention sizes, ``K`` vocabulary size.
+
+The fraction of peak compares the step's matmul FLOPs (counted analytically, backward taken as
+twice the forward) with a large float32 matmul measured in the same run on the same threads.
+
+    .venv/bin/python benchmarks/bench_model.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from sat_model.config import HardTrainConfig, ModelParams, SoftTrainConfig, load_params
+from sat_model.decoding import beam_search
+from sat_model.losses import build_criterion
+from sat_model.model import END_ID, PAD_ID, START_ID, ModelConfig, ShowAttendTell, build_model
+
+__all__ = ["Dims", "main", "matmul_peak_flops", "train_step_flops"]
+
+RESULTS = Path(__file__).resolve().parent / "results" / "model.json"
+
+
+@dataclass(frozen=True)
+class Dims:
+    name: str
+    L: int
+    D: int
+    m: int
+    n: int
+    A: int
+    K: int
+
+
+def matmul_peak_flops(size: int = 2048, repeats: int = 5) -> float:
+    """Best FLOP/s of a (size x size) @ (size x size) float32 matmul."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)  # warm-up
+    return 2 * size**3 / _best_time(lambda: torch.mm(a, b), repeats)
+
+
+def train_step_flops(d: Dims, batch: int, steps: int) -> float:
+    """Matmul FLOPs of one forward + backward over a batch (backward = 2 x forward)."""
+    per_image = 2 * d.L * d.D * d.A + 2 * 2 * d.D * d.n  # W_a a once; h_0, c_0
+    return 3.0 * batch * (per_image + steps * _step_flops(d))
+
+
+def _step_flops(d: Dims) -> int:
+    """Forward matmul FLOPs of one decoder step for one row."""
+    return (
+        2 * d.n * d.A  # W_h h_{t-1}
+        + 2 * d.L * d.A  # w_att^T tanh(...)
+        + 2 * d.L * d.D  # Σ α a
+        + 2 * d.n  # f_β
+        + 2 * (d.m + d.D + d.n) * 4 * d.n  # LSTM, Eq. 1
+        + 2 * (d.n + d.D) * d.m  # L_h, L_z
+        + 2 * d.m * d.K  # L_o
+    )
+
+
+def _best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Fastest of ``repeats`` runs: the machine may be shared, and interference only adds."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _captions(batch: int, steps: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, T+1) with lengths spread over [T/2, T], like a length-bucketed minibatch."""
+    words = torch.randint(END_ID + 2, vocab, (batch, steps + 1), generator=gen)
+    words[:, 0] = START_ID
+    lengths = torch.randint(steps // 2, steps + 1, (batch,), generator=gen)  # tokens after start
+    for b, n in enumerate(lengths.tolist()):
+        words[b, n] = END_ID
+        words[b, n + 1 :] = PAD_ID
+    return words
+
+
+def bench_training(d: Dims, attention: str, batch: int, steps: int, iters: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    params = ModelParams(embed_dim=d.m, hidden_dim=d.n, attention_dim=d.A)
+    model = build_model(params, vocab_size=d.K, annotation_dim=d.D, num_locations=d.L,
+                        attention=attention)  # fmt: skip
+    cfg = SoftTrainConfig() if attention == "soft" else HardTrainConfig()
+    criterion = build_criterion(attention, cfg)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    annotations = torch.randn(batch, d.L, d.D, generator=gen)
+    captions = _captions(batch, steps, d.K, gen)
+
+    def one_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        criterion(model(annotations, captions), captions).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+        optimizer.step()
+
+    one_step()  # warm-up
+    seconds = _best_time(one_step, iters)
+    return {
+        "dims": d.name,
+        "attention": attention,
+        "batch": batch,
+        "steps": steps,
+        "seconds_per_batch": seconds,
+        "captions_per_s": batch / seconds,
+        "matmul_flops_per_s": train_step_flops(d, batch, steps) / seconds,
+    }
+
+
+def bench_beam(d: Dims, images: int, beam: int, max_length: int) -> dict:
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=d.K, annotation_dim=d.D, num_locations=d.L, embed_dim=d.m,
+                         hidden_dim=d.n, attention_dim=d.A, dropout=0.5, gate=True,
+                         attention="soft")  # fmt: skip
+    model = ShowAttendTell(config)
+    with torch.no_grad():
+        model.out.bias[END_ID] = -1e4  # every caption runs to max_length: equal work both ways
+    annotations = torch.randn(images, d.L, d.D)
+    beam_search(model, annotations[:2], beam, max_length)  # warm-up
+    batched = beam_search(model, annotations, beam, max_length)
+    single = [beam_search(model, a.unsqueeze(0), beam, max_length)[0] for a in annotations]
+    batched_s = _best_time(lambda: beam_search(model, annotations, beam, max_length), 3)
+    single_s = _best_time(
+        lambda: [beam_search(model, a.unsqueeze(0), beam, max_length) for a in annotations], 3
+    )
+    same = all(x.tokens == y.tokens for x, y in zip(batched, single, strict=True))
+    return {
+        "dims": d.name,
+        "images": images,
+        "beam_size": beam,
+        "max_length": max_length,
+        "batched_captions_per_s": images / batched_s,
+        "one_at_a_time_captions_per_s": images / single_s,
+        "speedup": single_s / batched_s,
+        # all B*k rows run every step (<end> is unreachable here)
+        "batched_matmul_flops_per_s": images * beam * max_length * _step_flops(d) / batched_s,
+        "same_captions": same,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer iterations, default dims only")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    mp = load_params(args.params).model
+    dims = [Dims("default", 196, 112, mp.embed_dim, mp.hidden_dim, mp.attention_dim, 100)]
+    if not args.quick:
+        dims.append(Dims("paper", 196, 512, 512, 1800, 512, 10_000))
+    peak = matmul_peak_flops()
+    training = []
+    for d in dims:
+        iters = 3 if args.quick or d.name == "paper" else 5
+        for attention in ("soft", "hard"):
+            row = bench_training(d, attention, batch=64, steps=16, iters=iters)
+            row["fraction_of_matmul_peak"] = row["matmul_flops_per_s"] / peak
+            training.append(row)
+    result = {
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "matmul_peak_flops_per_s": peak,
+        "dims": [asdict(d) for d in dims],
+        "training": training,
+        "beam_search": bench_beam(dims[0], images=32, beam=3, max_length=20),
+    }
+    beam = result["beam_search"]
+    beam["batched_fraction_of_matmul_peak"] = beam["batched_matmul_flops_per_s"] / peak
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
