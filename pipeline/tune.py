@@ -1,0 +1,220 @@
+"""Ray Tune sweep over the loss weights and learning rate, each trial a Ray Train run.
+
+The pattern of Ray Train V2 (Ray >= 2.43): a Tune *function trainable* per trial builds and fits a
+``TorchTrainer``; Train's per-epoch reports reach Tune through ``TuneReportCallback``. ASHA stops
+weak trials early on validation BLEU-4 (``val_bleu_4``, time attribute ``epoch``). Searched:
+the learning rate (log-uniform) and λ (Eq. 14) for soft attention; λ_r, λ_e and the
+semi-sampling probability (Sec. 4.1) for hard attention. Bounds come from the ``tune`` params.
+
+MLflow: one parent run per sweep, one child run per trial (``mlflow.parentRunId``) holding that
+trial's sampled values as params and its per-epoch metrics. The best trial's values go to
+``<tune.output_dir>/best_params.yaml`` as ``-S``-ready dotted keys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sat_model.config import Params, TuneConfig
+
+from .ray_runtime import ray_session, resolve_storage_path
+from .ray_train import ScalingSpec, deterministic_run_name, fit_on_ray, sat_train_fn
+from .tracking import Tracking, connect, find_or_create_run, lineage_tags, log_params
+
+__all__ = ["METRIC", "TuneOutcome", "run_tune", "search_space"]
+
+METRIC, MODE = "val_bleu_4", "max"
+
+
+@dataclass(frozen=True)
+class TuneOutcome:
+    """The sweep's winner and where it is written down."""
+
+    best_params: dict[str, float]  # dotted keys, e.g. {"train.soft.lr": 0.0007}
+    best_score: float  # the best trial's last val_bleu_4
+    best_params_file: Path
+    parent_run_id: str
+    num_trials: int
+
+
+def search_space(cfg: TuneConfig) -> dict[str, Any]:
+    """Tune's param space, keyed by the dotted params key each value overrides."""
+    from ray import tune
+
+    section = f"train.{cfg.attention}"
+    space: dict[str, Any] = {f"{section}.lr": tune.loguniform(*cfg.lr)}
+    if cfg.attention == "soft":
+        space[f"{section}.doubly_stochastic"] = tune.uniform(*cfg.doubly_stochastic)  # λ
+    else:
+        space[f"{section}.lambda_r"] = tune.loguniform(*cfg.lambda_r)
+        space[f"{section}.lambda_e"] = tune.uniform(*cfg.lambda_e)
+        space[f"{section}.semi_sampling_p"] = tune.uniform(*cfg.semi_sampling_p)
+    return space
+
+
+def _with_overrides(params: Params, values: dict[str, Any], max_epochs: int) -> Params:
+    """``params`` with dotted-key values set (re-validated, so bounds still hold)."""
+    raw = params.model_dump(mode="json")
+    for key, value in {**values, f"train.{params.tune.attention}.max_epochs": max_epochs}.items():
+        *parents, leaf = key.split(".")
+        node = raw
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return Params.model_validate_json(json.dumps(raw))
+
+
+def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
+    """One trial (a Tune function trainable): a child MLflow run around a Ray Train fit."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    values = dict(config)
+    params: Params = _with_overrides(fixed["params"], values, fixed["max_epochs"])
+    trial_id = tune.get_context().get_trial_id()
+    tracking = Tracking(**fixed["tracking"])
+    run_id = find_or_create_run(
+        tracking,
+        f"{fixed['sweep_name']}-{trial_id}",
+        tags={"sat.attention": params.tune.attention, "sat.trial_id": trial_id},
+        parent_run_id=fixed["parent_run_id"],
+    )
+    log_params(tracking, run_id, {k: repr(v) for k, v in values.items()})
+    status = "FAILED"
+    try:
+        fit_on_ray(
+            sat_train_fn,
+            config={
+                **fixed["worker"],
+                "params": params,
+                "tracking": fixed["tracking"],
+                "mlflow_run_id": run_id,
+                "logged_params": {},
+            },
+            run_name=f"{fixed['sweep_name']}-{trial_id}",
+            storage_path=Path(fixed["storage_path"]),
+            scaling=fixed["scaling"],
+            max_failures=params.ray.max_failures,
+            callbacks=[TuneReportCallback()],
+        )
+        status = "FINISHED"
+    finally:  # ASHA stopping a trial also lands here (as KILLED would, but MLflow has no such)
+        tracking.call(lambda c: c.set_terminated(run_id, status), f"end run {run_id}")
+
+
+def _search_alg(cfg: TuneConfig) -> Any:
+    if cfg.search_alg == "random":
+        return None  # Tune's BasicVariantGenerator: random sampling, no extra package
+    try:
+        if cfg.search_alg == "hyperopt":
+            from ray.tune.search.hyperopt import HyperOptSearch
+
+            return HyperOptSearch(metric=METRIC, mode=MODE)
+        from ray.tune.search.optuna import OptunaSearch
+
+        return OptunaSearch(metric=METRIC, mode=MODE)
+    except (ImportError, AssertionError) as err:
+        raise RuntimeError(
+            f"tune.search_alg {cfg.search_alg!r} needs the {cfg.search_alg} package, which is not"
+            " installed; use tune.search_alg: random or install it"
+        ) from err
+
+
+def run_tune(
+    params: Params,
+    *,
+    address: str | None = None,
+    project_root: Path | None = None,
+) -> TuneOutcome:
+    """Run the sweep described by ``params.tune``; ``address`` connects to a Ray cluster.
+
+    ``project_root`` (default: cwd) anchors relative paths: data, features, ray storage, MLflow.
+    """
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    root = (project_root or Path.cwd()).resolve()
+    cfg = params.tune
+    prepared = root / params.data.prepared_dir
+    features = root / params.encoder.features_dir
+    lineage = lineage_tags(
+        root, prepared_dir=params.data.prepared_dir, features_dir=params.encoder.features_dir
+    )
+    sweep_name = deterministic_run_name(
+        f"sweep-{cfg.attention}", params.model_dump(mode="json", exclude={"ray", "mlflow"}), lineage
+    )
+    tracking = connect(params.mlflow, root)
+    parent_id = find_or_create_run(
+        tracking, sweep_name, tags={"sat.attention": cfg.attention, "sat.sweep": "1", **lineage}
+    )
+    log_params(tracking, parent_id, {f"tune.{k}": str(v) for k, v in cfg.model_dump().items()})
+    storage = resolve_storage_path(params.ray, root)
+    fixed = {
+        "params": params,
+        "max_epochs": cfg.max_epochs,
+        "sweep_name": sweep_name,
+        "parent_run_id": parent_id,
+        "tracking": tracking.__dict__,
+        "storage_path": str(storage),
+        "scaling": ScalingSpec.from_params(params.ray),
+        "worker": {
+            "attention": cfg.attention,
+            "prepared_dir": str(prepared.resolve()),
+            "features_dir": str(features.resolve()),
+        },
+    }
+    scheduler = ASHAScheduler(
+        time_attr="epoch", max_t=cfg.max_epochs, grace_period=cfg.grace_period, reduction_factor=2
+    )
+    with ray_session(params.ray, address=address):
+        tuner = tune.Tuner(
+            # the trial only drives Ray Train: its workers hold the CPUs. Tune refuses an empty
+            # request, and any CPU share held by drivers would starve a worker of a full CPU.
+            tune.with_resources(
+                tune.with_parameters(_trial, fixed=fixed), {"cpu": 0, "memory": 1 << 20}
+            ),
+            param_space=search_space(cfg),
+            tune_config=tune.TuneConfig(
+                metric=METRIC,
+                mode=MODE,
+                num_samples=cfg.num_samples,
+                max_concurrent_trials=cfg.max_concurrent,
+                scheduler=scheduler,
+                search_alg=_search_alg(cfg),
+            ),
+            run_config=tune.RunConfig(name=sweep_name, storage_path=str(storage), verbose=0),
+        )
+        results = tuner.fit()
+    return _record_best(results, cfg, root, tracking, parent_id)
+
+
+def _record_best(
+    results: Any, cfg: TuneConfig, root: Path, tracking: Tracking, parent_id: str
+) -> TuneOutcome:
+    best = results.get_best_result(metric=METRIC, mode=MODE, scope="last")
+    if best is None or best.metrics is None or METRIC not in best.metrics:
+        tracking.call(lambda c: c.set_terminated(parent_id, "FAILED"), "end sweep")
+        raise RuntimeError(f"no trial of the sweep reported {METRIC}; see the Ray logs")
+    values = {k: float(v) for k, v in best.config.items()}
+    score = float(best.metrics[METRIC])
+    out_dir = root / cfg.output_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "best_params.yaml"
+    doc = {"attention": cfg.attention, "metric": METRIC, "score": score, "params": values}
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(doc, sort_keys=True), encoding="utf-8")
+    tmp.replace(path)  # atomic: a reader sees the old file or the new one
+    tracking.call(
+        lambda c: c.log_metric(parent_id, f"best_{METRIC}", score), "log best score of the sweep"
+    )
+    log_params(tracking, parent_id, {f"best.{k}": repr(v) for k, v in values.items()})
+    tracking.call(lambda c: c.set_terminated(parent_id, "FINISHED"), "end sweep")
+    print(
+        f"best {METRIC} = {score:.4f} with " + ", ".join(f"{k}={v:.4g}" for k, v in values.items())
+    )
+    return TuneOutcome(values, score, path, parent_id, len(results))
