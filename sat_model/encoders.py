@@ -105,7 +105,9 @@ class Encoder(nn.Module):
 
     def __init__(self, trunk: nn.Module, description: EncoderDescription) -> None:
         super().__init__()
-        self.trunk = trunk.eval().requires_grad_(False)
+        # channels_last: depthwise and 1x1 convolutions run about 1.8x faster on CPU (measured
+        # with one thread in benchmarks/bench_extract.py); the values are unchanged
+        self.trunk = trunk.eval().requires_grad_(False).to(memory_format=torch.channels_last)
         self.description = description
 
     def train(self, mode: bool = True) -> Encoder:
@@ -113,7 +115,7 @@ class Encoder(nn.Module):
         return super().train(False)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        grid = self.trunk(images)  # (B, D, h, w)
+        grid = self.trunk(images.contiguous(memory_format=torch.channels_last))  # (B, D, h, w)
         return grid.flatten(2).transpose(1, 2)  # (B, L, D)
 
 

@@ -260,7 +260,9 @@ def train_model(
         num_val = min(len(val_store), params.train.val_images or len(val_store))
         extra_config = {
             "attention": attention,
-            "encoder": asdict(train_store.meta),
+            # the store records the crop (input_size); the shorter-side resize that preceded it is
+            # needed to preprocess new images the same way (sat caption, the served model)
+            "encoder": {**asdict(train_store.meta), "resize": params.encoder.resize},
             "train": {"seed": params.train.seed, **cfg.model_dump()},
         }
         counts = {

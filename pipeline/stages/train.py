@@ -1,8 +1,9 @@
 """DVC stage ``train@<attention>``: features + prepared captions -> ``models/<attention>/``.
 
-For now it trains in this process (one rank, GPU when present) with a progress bar; the Ray
-Train route (``pipeline.ray_train``) calls the same ``sat_model.train_run.train_model`` per
-worker.
+By default it trains through Ray Train (``pipeline.ray_train.train_with_ray``: a local Ray with
+``ray.num_cpus``, or the cluster at ``ray.address``/``RAY_ADDRESS``), with an MLflow run per
+deterministic run name. ``--in-process`` runs the same ``sat_model.train_run.train_model`` in
+this process with a progress bar and no Ray or MLflow (debugging, profiling).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--attention", choices=("soft", "hard"), required=True)
     parser.add_argument("--resume-from", default=None, help="checkpoint folder to continue from")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--in-process", action="store_true", help="train here, without Ray Train or MLflow"
+    )
+    parser.add_argument("--address", default=None, help="Ray cluster (default: RAY_ADDRESS)")
     return parser.parse_args(argv)
 
 
@@ -40,6 +45,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sat_model.training import ProgressBar
 
     params = load_params(args.params, args.overrides)
+    if not args.in_process:
+        from pipeline.ray_train import train_with_ray
+
+        outcome = train_with_ray(
+            params,
+            args.attention,
+            project_root=Path(args.params).resolve().parent,
+            address=args.address,
+            resume_from=Path(args.resume_from) if args.resume_from else None,
+        )
+        print(json.dumps({"model_dir": str(outcome.model_dir), **outcome.metrics}, indent=1))
+        return 0
     result = train_model(
         params,
         args.attention,

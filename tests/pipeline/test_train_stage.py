@@ -69,7 +69,8 @@ def _write_inputs(root: Path) -> Path:
 @needs_java
 def test_train_stage_writes_model_folder_and_resumes_from_it(tmp_path: Path) -> None:
     params = _write_inputs(tmp_path)
-    assert train.main(["--params", str(params), "--attention", "soft", "--no-progress"]) == 0
+    args = ["--params", str(params), "--attention", "soft", "--no-progress", "--in-process"]
+    assert train.main(args) == 0
     model_dir = tmp_path / "models" / "soft"
     for name in ("model.pt", "config.json", "vocab.json", "train_metrics.json", "curves.csv"):
         assert (model_dir / name).is_file(), name
@@ -84,6 +85,7 @@ def test_train_stage_writes_model_folder_and_resumes_from_it(tmp_path: Path) -> 
             "--attention",
             "soft",
             "--no-progress",
+            "--in-process",
             "-S",
             "train.soft.max_epochs=2",
             "--resume-from",

@@ -1,0 +1,76 @@
+"""dvc.yaml's deps list every project module a stage runs, so a code change re-runs the stage.
+
+The modules a stage runs are found from its command (``python -m pipeline.stages.X``) by
+following the project's own imports (including imports inside functions) through the AST.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("sat_model", "pipeline")
+
+
+def _module_path(name: str) -> Path | None:
+    path = ROOT / (name.replace(".", "/") + ".py")
+    return path if path.exists() else None
+
+
+def _imports(path: Path) -> set[str]:
+    package = path.relative_to(ROOT).parent.as_posix().replace("/", ".")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            found.add(module)
+            found |= {f"{module}.{a.name}" for a in node.names}
+    return {n for n in found if n.split(".")[0] in PACKAGES}
+
+
+def project_closure(module: str) -> set[str]:
+    """Relative paths of every project module ``module`` imports, transitively."""
+    seen: set[Path] = set()
+    todo = [module]
+    while todo:
+        path = _module_path(todo.pop())
+        if path is None or path in seen:
+            continue
+        seen.add(path)
+        todo += _imports(path)
+    return {p.relative_to(ROOT).as_posix() for p in seen if p.name != "__init__.py"}
+
+
+def _stages(dvc_file: Path) -> list[tuple[str, dict]]:
+    spec = yaml.safe_load(dvc_file.read_text(encoding="utf-8"))
+    return list(spec["stages"].items())
+
+
+STAGES = [
+    (f"{f.relative_to(ROOT)}:{name}", stage)
+    for f in (ROOT / "dvc.yaml", ROOT / "sweeps" / "dvc.yaml")
+    if f.exists()
+    for name, stage in _stages(f)
+]
+
+
+@pytest.mark.parametrize(("name", "stage"), STAGES, ids=[n for n, _ in STAGES])
+def test_stage_deps_list_every_project_module_it_runs(name: str, stage: dict) -> None:
+    match = re.search(r"python -m ([\w.]+)", stage["cmd"])
+    assert match, f"{name}: command does not run a project module: {stage['cmd']}"
+    needed = project_closure(match.group(1))
+    assert needed, f"{name}: {match.group(1)} not found"
+    deps = {d if isinstance(d, str) else next(iter(d)) for d in stage.get("deps", [])}
+    # a directory dep covers every module under it
+    missing = sorted(n for n in needed - deps if not any(n.startswith(f"{d}/") for d in deps))
+    assert not missing, f"{name} runs these modules but does not list them as deps: {missing}"
+    stale = sorted(d for d in deps if d.endswith(".py") and not (ROOT / d).exists())
+    # a dep on a module the stage never imports is allowed (e.g. copied into a model) but not a
+    # module that does not exist
+    assert not stale, f"{name} lists modules that do not exist: {stale}"
