@@ -33,7 +33,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format .
 
 bench: $(VENV)/.installed
-	$(BIN)/python -m benchmarks.run_all
+	$(BIN)/python benchmarks/run_all.py
 
 clean:
 	rm -rf data models reports ray_results mlflow.db mlartifacts

@@ -74,3 +74,29 @@ def test_stage_deps_list_every_project_module_it_runs(name: str, stage: dict) ->
     # a dep on a module the stage never imports is allowed (e.g. copied into a model) but not a
     # module that does not exist
     assert not stale, f"{name} lists modules that do not exist: {stale}"
+
+
+def _has_key(tree: dict, dotted: str) -> bool:
+    node = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+@pytest.mark.parametrize(("name", "stage"), STAGES, ids=[n for n, _ in STAGES])
+def test_every_stage_param_is_written_out_in_params_yaml(name: str, stage: dict) -> None:
+    # DVC reads params.yaml itself, not our defaults: a declared key must be in the file
+    params = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))
+    keys = []
+    for entry in stage.get("params", []):
+        keys += [entry] if isinstance(entry, str) else next(iter(entry.values()))
+    attentions = stage.get("matrix", {}).get("attention", [None])
+    missing = [
+        key.replace("${item.attention}", str(a))
+        for key in keys
+        for a in attentions
+        if not _has_key(params, key.replace("${item.attention}", str(a)))
+    ]
+    assert not missing, f"{name}: params.yaml lacks {missing}"

@@ -1,0 +1,165 @@
+"""The whole pipeline as a DVC user runs it, in a temporary git clone with tiny params.
+
+One clone per module: `dvc repro` once, then the behaviours DVC users rely on (nothing re-runs
+when nothing changed; a soft-model param re-runs only its branch; `dvc exp run -S` and
+`dvc metrics`). Real DVC, Ray (local, started by the train stage) and MLflow (SQLite).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sat_model.config import apply_overrides, read_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+METRIC_KEYS = {"bleu_1", "bleu_2", "bleu_3", "bleu_4", "meteor", "rouge_l", "cider"}
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.ray,
+    pytest.mark.mlflow,
+    pytest.mark.java,
+    pytest.mark.skipif(shutil.which("java") is None, reason="METEOR and PTB need Java"),
+]
+
+# applied to the project's own params.yaml, so every key a stage declares stays present
+TINY = [
+    "data.synthetic.train_images=24",
+    "data.synthetic.val_images=8",
+    "data.synthetic.test_images=8",
+    "data.vocab.min_count=1",
+    "encoder.name=random",
+    "encoder.batch_size=8",
+    "encoder.num_workers=0",
+    "encoder.torch_threads=1",
+    "model.embed_dim=16",
+    "model.hidden_dim=32",
+    "model.attention_dim=16",
+    "train.val_images=4",
+    "train.soft.max_epochs=1",
+    "train.soft.batch_size=16",
+    "train.hard.max_epochs=1",
+    "train.hard.batch_size=16",
+    "eval.beam_size=2",
+    "eval.gallery_images=2",
+    "ray.num_cpus=2",
+    "ray.num_workers=1",
+    "ray.cpus_per_worker=1",
+]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RAY_ADDRESS"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    return env
+
+
+def dvc(project: Path, *args: str) -> str:
+    """Run a dvc command in ``project``; return its output, failing with it on error."""
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "dvc"), *args],
+        cwd=project,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, f"dvc {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout + out.stderr
+
+
+def stages_run(output: str) -> set[str]:
+    return set(re.findall(r"Running stage '([^']+)'", output))
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A git clone of this repository's HEAD with tiny params, after one `dvc repro`."""
+    path = tmp_path_factory.mktemp("clone") / "sat"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(path)], check=True)
+    raw = read_yaml((path / "params.yaml").read_text())
+    (path / "params.yaml").write_text(yaml.safe_dump(apply_overrides(raw, TINY), sort_keys=False))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "commit", "-qam", "tiny params"], cwd=path, check=True)
+    first = dvc(path, "repro")
+    (path / "first_repro.log").write_text(first)
+    yield path
+
+
+def test_repro_runs_every_stage_and_writes_every_output(project: Path) -> None:
+    ran = stages_run((project / "first_repro.log").read_text())
+    assert ran == {
+        "prepare",
+        "extract",
+        "train@soft",
+        "train@hard",
+        "evaluate@soft",
+        "evaluate@hard",
+        "register",
+    }
+    for rel in (
+        "data/prepared/captions.parquet",
+        "data/prepared/images.parquet",
+        "data/prepared/vocab.json",
+        "data/features/train.arrow",
+        "data/features/test.arrow",
+        "models/soft/model.pt",
+        "models/hard/model.pt",
+        "reports/soft/captions.json",
+        "reports/hard/attention/index.html",
+    ):
+        assert (project / rel).is_file(), rel
+    for attention in ("soft", "hard"):
+        metrics = json.loads((project / f"reports/{attention}/metrics.json").read_text())
+        assert metrics.keys() >= METRIC_KEYS
+        assert "pointing_accuracy" in metrics  # generated scenes carry boxes
+
+
+def test_repro_registers_both_models_and_a_champion(project: Path) -> None:
+    from mlflow import MlflowClient
+
+    registry = json.loads((project / "reports/registry.json").read_text())
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    versions = client.search_model_versions("name='sat-captioner'")
+    assert len(versions) == 2
+    assert {v.tags.get("attention") for v in versions} == {"soft", "hard"}
+    champion = client.get_model_version_by_alias("sat-captioner", "champion")
+    assert champion.version in {v.version for v in versions}
+    assert str(registry["champion"]) == str(champion.version)
+
+
+def test_second_repro_runs_nothing(project: Path) -> None:
+    assert stages_run(dvc(project, "repro")) == set()
+
+
+def test_soft_param_change_reruns_only_the_soft_branch_and_register(project: Path) -> None:
+    params = project / "params.yaml"
+    raw = read_yaml(params.read_text())
+    params.write_text(
+        yaml.safe_dump(apply_overrides(raw, ["train.soft.lr=0.001"]), sort_keys=False)
+    )
+    assert stages_run(dvc(project, "repro")) == {"train@soft", "evaluate@soft", "register"}
+
+
+def test_exp_run_makes_an_experiment_and_metrics_list_every_score(project: Path) -> None:
+    out = dvc(project, "exp", "run", "-S", "train.soft.lr=0.002")
+    assert stages_run(out) == {"train@soft", "evaluate@soft", "register"}
+    assert "experiment" in out.lower()
+    shown = json.loads(dvc(project, "metrics", "show", "--json"))
+    workspace = next(iter(shown.values()))["data"]
+    for attention in ("soft", "hard"):
+        assert workspace[f"reports/{attention}/metrics.json"]["data"].keys() >= METRIC_KEYS
+    diff = dvc(project, "metrics", "diff", "HEAD", "--all")
+    for key in METRIC_KEYS:
+        assert key in diff
