@@ -127,7 +127,10 @@ class RaySplitRunner:
         ray.data.DataContext.get_current().execution_options.preserve_order = True
         slices = batch_slices(len(items), batch_size)
         rows = [
-            {"batch_index": k, "items": json.dumps([[i.image_id, i.path] for i in items[s]])}
+            {
+                "batch_index": k,
+                "items": json.dumps([[i.image_id, i.path, i.refused] for i in items[s]]),
+            }
             for k, s in enumerate(slices)
         ]
         ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 64)))

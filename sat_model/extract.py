@@ -53,6 +53,7 @@ class ExtractError(RuntimeError):
 class ImageItem:
     image_id: str
     path: str  # absolute: Ray workers do not share the driver's working directory
+    refused: str = ""  # why the file is never opened (a path outside the image root), or ""
 
 
 @dataclass(frozen=True)
@@ -130,9 +131,17 @@ def read_image_table(path: str | Path) -> dict[str, list[ImageItem]]:
     items: dict[str, list[ImageItem]] = {}
     for row in table.to_pylist():
         if row["status"] == "ok" and row["split"] is not None:
-            item = ImageItem(row["image_id"], str(root / row["file"]))
-            items.setdefault(row["split"], []).append(item)
+            items.setdefault(row["split"], []).append(_item(row["image_id"], row["file"], root))
     return {s: items[s] for s in sorted(items, key=_split_order)}
+
+
+def _item(image_id: str, file: str, root: Path) -> ImageItem:
+    # A table edited by hand (or by an attacker) may hold "../x.jpg", an absolute path or a
+    # symlink out of the root: such a file is never opened, the row is skipped with the reason.
+    path = (root / file).resolve()
+    if not path.is_relative_to(root):
+        return ImageItem(image_id, str(path), f"path {file!r} escapes the image root {root}")
+    return ImageItem(image_id, str(path))
 
 
 def _split_order(split: str) -> tuple[int, str]:
@@ -158,6 +167,8 @@ def decode_batch(items: Sequence[ImageItem], prep: Preprocessing) -> DecodedBatc
 
 
 def _decode_one(item: ImageItem, prep: Preprocessing) -> tuple[str, torch.Tensor | None, str]:
+    if item.refused:
+        return item.image_id, None, item.refused
     try:
         return item.image_id, prep.tensor(item.path), ""
     except ImageError as e:
