@@ -78,6 +78,7 @@ class ImageRecord:
     width: int
     height: int
     boxes: tuple[dict[str, Any], ...]
+    refused: str = ""  # why the photo is never opened (its path leaves the image root), or ""
 
 
 @dataclass(frozen=True)
@@ -94,16 +95,20 @@ def read_image_records(images_path: str | Path, split: str) -> dict[str, ImageRe
     root_bytes = (table.schema.metadata or {}).get(b"image_root")
     if root_bytes is None:
         raise EvaluationError(f"{images_path} lacks the 'image_root' schema metadata")
-    root = Path(root_bytes.decode())
+    root = Path(root_bytes.decode()).resolve()
     records = {}
     for row in table.to_pylist():
         if row["split"] == split and row["status"] == "ok":
+            path = (root / row["file"]).resolve()
+            # "../x", an absolute path or a symlink out of the root: never opened (gallery skip)
+            escapes = not path.is_relative_to(root)
             records[row["image_id"]] = ImageRecord(
                 row["image_id"],
-                root / row["file"],
+                path,
                 int(row["width"]),
                 int(row["height"]),
                 tuple(row.get("boxes") or ()),
+                f"path {row['file']!r} escapes the image root {root}" if escapes else "",
             )
     return records
 
@@ -283,6 +288,9 @@ def write_attention_gallery(
         record = records.get(c.image_id)
         if record is None:
             skipped.append({"item": c.image_id, "reason": "not in the image table"})
+            continue
+        if record.refused:
+            skipped.append({"item": c.image_id, "reason": record.refused})
             continue
         try:
             photo = centre_crop(load_image(record.path), resize, crop)
