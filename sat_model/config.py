@@ -156,9 +156,9 @@ class EncoderConfig(_Section):
 
 # ---------------------------------------------------------------------------- model
 class ModelParams(_Section):
-    embed_dim: int = Field(256, ge=1)  # m
-    hidden_dim: int = Field(512, ge=1)  # n
-    attention_dim: int = Field(256, ge=1)
+    embed_dim: int = Field(128, ge=1)  # m (paper: 512)
+    hidden_dim: int = Field(256, ge=1)  # n (paper: 1800)
+    attention_dim: int = Field(64, ge=1)  # hidden size of f_att (Eq. 4)
     dropout: float = Field(0.5, ge=0.0, lt=1.0)
     # gating scalar β_t = σ(f_β(h_{t-1})), Sec. 4.2.1
     gate: bool = True
@@ -167,11 +167,11 @@ class ModelParams(_Section):
 # ---------------------------------------------------------------------------- train
 class _OptimFields(_Section):
     optimizer: Literal["adam", "rmsprop"] = "adam"
-    lr: float = Field(4e-4, gt=0)
+    lr: float = Field(2e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     lr_schedule: Literal["constant", "cosine", "step"] = "constant"
     lr_decay: float = Field(0.8, gt=0, le=1)  # factor per epoch for "step"
-    max_epochs: int = Field(10, ge=1)
+    max_epochs: int = Field(5, ge=1)
     batch_size: int = Field(64, ge=1)
     grad_clip: float = Field(5.0, gt=0)
     patience: int = Field(3, ge=1)  # epochs without a better val BLEU-4 before stopping
