@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from sat_model.config import Params
 
-__all__ = ["params_table", "update_readme"]
+__all__ = ["params_table", "replace_between", "update_readme"]
 
 START, END = "<!-- params:start -->", "<!-- params:end -->"
 _FIELD = re.compile(r"^\s+(\w+):[^#]*?(?:#\s*(.*))?$")
@@ -76,13 +76,18 @@ def params_table() -> str:
     return "\n".join(lines)
 
 
+def replace_between(text: str, start: str, end: str, body: str) -> str:
+    """Return ``text`` with what lies between the ``start`` and ``end`` markers set to ``body``."""
+    head, sep, rest = text.partition(start)
+    _, sep2, tail = rest.partition(end)
+    if not (sep and sep2):
+        raise ValueError(f"README lacks the markers {start} ... {end}")
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
 def update_readme(text: str) -> str:
     """Return README text with the table between the params markers replaced."""
-    head, sep, rest = text.partition(START)
-    _, sep2, tail = rest.partition(END)
-    if not (sep and sep2):
-        raise ValueError(f"README lacks the markers {START} ... {END}")
-    return f"{head}{START}\n{params_table()}\n{END}{tail}"
+    return replace_between(text, START, END, params_table())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

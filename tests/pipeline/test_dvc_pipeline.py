@@ -153,7 +153,7 @@ def test_soft_param_change_reruns_only_the_soft_branch_and_register(project: Pat
 
 
 def test_exp_run_makes_an_experiment_and_metrics_list_every_score(project: Path) -> None:
-    out = dvc(project, "exp", "run", "-S", "train.soft.lr=0.002")
+    out = dvc(project, "exp", "run", "-S", "train.soft.lr=0.003")
     assert stages_run(out) == {"train@soft", "evaluate@soft", "register"}
     assert "experiment" in out.lower()
     shown = json.loads(dvc(project, "metrics", "show", "--json"))

@@ -27,3 +27,17 @@ def test_table_lists_every_leaf_key_of_the_params_models() -> None:
 def test_readme_params_reference_is_up_to_date() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert update_readme(text) == text, "run `python -m pipeline.params_doc --write`"
+
+
+def test_results_section_shows_our_scores_in_percent_beside_the_paper(tmp_path: Path) -> None:
+    import json
+
+    from pipeline.results_doc import results_section
+
+    (tmp_path / "soft").mkdir()
+    scores = {"bleu_1": 0.5, "bleu_4": 0.25, "meteor": 0.125, "pointing_accuracy": 0.875}
+    (tmp_path / "soft" / "metrics.json").write_text(json.dumps(scores))
+    section = results_section(tmp_path)
+    assert "| generated scenes | soft | 50.0 | – | – | 25.0 | 12.5 | – | – | 87.5 |" in section
+    assert "| Flickr8k (paper) | hard | 67 | 45.7 | 31.4 | 21.3 | 20.3 |" in section
+    assert "generated scenes | hard" not in section  # no report, no row
