@@ -8,12 +8,17 @@ through :class:`EpochLogger`, which skips epochs the run already holds so a rest
 never logs an epoch twice.
 
 Every call to the tracking store goes through :func:`with_retries`: SQLite under concurrent
-writers and a restarting tracking server both fail transiently.
+writers and a restarting tracking server both fail transiently. MLflow's HTTP client retries on
+its own too (by default 7 times with doubling waits and 120 s timeouts: minutes per call), so
+:func:`connect` bounds it unless the user set those variables: a server that is down gives a
+clear error within about half a minute. Tracking URIs may carry credentials
+(``http://user:token@host``); :func:`redact` removes them from anything printed.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -32,11 +37,13 @@ __all__ = [
     "EpochLogger",
     "Tracking",
     "artifact_location",
+    "bound_http_retries",
     "connect",
     "find_or_create_run",
     "flatten",
     "lineage_tags",
     "log_params",
+    "redact",
     "resolve_tracking_uri",
     "with_retries",
 ]
@@ -56,6 +63,27 @@ _TRANSIENT_CODES = frozenset(
         "REQUEST_LIMIT_EXCEEDED",
     }
 )
+
+
+# setdefault, never overwrite: MLflow's own per-request retries, bounded (see module docstring).
+# 2 retries with backoff factor 1 wait about 1 + 2 s (+ jitter) per call; with_retries multiplies.
+_HTTP_BOUNDS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
+}
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the ``user:password@`` part of every URL replaced by ``***@``."""
+    return _USERINFO.sub(r"\g<scheme>***@", text)
+
+
+def bound_http_retries() -> None:
+    """Cap MLflow's HTTP retries and timeout for this process (user settings win)."""
+    for key, value in _HTTP_BOUNDS.items():
+        os.environ.setdefault(key, value)
 
 
 def resolve_tracking_uri(cfg: MlflowConfig, project_root: Path) -> str:
@@ -114,7 +142,11 @@ class Tracking:
 
 def connect(cfg: MlflowConfig, project_root: Path, experiment: str | None = None) -> Tracking:
     """Resolve the store and get or create the experiment (artifacts under the project)."""
+    bound_http_retries()
     uri = resolve_tracking_uri(cfg, project_root)
+    if redact(uri) != uri:
+        # MLflow prints "View run at <tracking URI>/#/..." when a run ends: not with a secret
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     name = experiment or cfg.experiment
     client = MlflowClient(tracking_uri=uri)
 

@@ -75,6 +75,25 @@ class FeatureMeta:
         )
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, owned by another user
+    return True
+
+
+def _remove_stale_partials(path: Path) -> None:
+    """Delete ``.<name>.<pid>.partial`` files left by writers that were killed (SIGKILL, OOM):
+    they are never read, but would waste disk and end up inside DVC's hash of the folder."""
+    for tmp in path.parent.glob(f".{path.name}.*.partial"):
+        pid = tmp.name[len(path.name) + 2 : -len(".partial")]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
 class FeatureWriter:
     """Write a feature store batch by batch; the file appears only when :meth:`close` succeeds.
 
@@ -85,6 +104,7 @@ class FeatureWriter:
         self.path = Path(path)
         self.meta = meta
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(self.path)
         # hidden, same folder (rename is atomic only within one file system)
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
         self._schema = meta.schema()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -83,13 +84,32 @@ def register_models(params, project_root: Path) -> dict:  # type: ignore[no-unty
     return report
 
 
+def _fail(err: BaseException) -> int:
+    """Print a tracking failure (retries spent) without the traceback, credentials redacted:
+    DVC keeps stage output in logs, and the tracking URI may hold a token."""
+    from pipeline.tracking import redact
+
+    notes = "; ".join(getattr(err, "__notes__", []))
+    print(f"register: error: {redact(str(err))} ({redact(notes)})", file=sys.stderr)
+    print("register: local models and reports are unchanged; re-run when the server is up",
+          file=sys.stderr)  # fmt: skip
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     from sat_model.atomic import write_text_atomic
     from sat_model.config import load_params
 
     params = load_params(args.params, args.overrides)
-    report = register_models(params, Path.cwd())
+    from mlflow.exceptions import MlflowException
+
+    try:
+        report = register_models(params, Path.cwd())
+    except FileNotFoundError:
+        raise  # nothing to register: a local problem, its message is already clear
+    except (MlflowException, OSError) as e:  # the tracking store, after with_retries gave up
+        return _fail(e)
     out = Path(args.out or Path(params.eval.reports_dir) / "registry.json")
     write_text_atomic(out, json.dumps(report, indent=1) + "\n")
     for p in report["promotions"]:
