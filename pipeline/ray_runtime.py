@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ __all__ = [
     "RaySession",
     "loopback_env",
     "ray_session",
+    "remove_orphaned_placement_groups",
     "resolve_address",
     "resolve_storage_path",
     "resolve_use_gpu",
@@ -115,3 +117,54 @@ def ray_session(
         yield RaySession(address=target, started_here=True)
     finally:
         ray.shutdown()
+
+
+def _actor_created_groups() -> list[tuple[bytes, bool]]:
+    """(id, creator dead) of this job's live, non-detached groups that an actor created."""
+    import ray
+    from ray._private.state import state
+    from ray._raylet import ActorID, JobID
+    from ray.core.generated import gcs_pb2
+
+    job = ray.get_runtime_context().get_job_id()
+    groups = []
+    for blob in state._connect_and_get_accessor().get_placement_group_table():
+        group = gcs_pb2.PlacementGroupTableData.FromString(blob)
+        if (
+            group.state != gcs_pb2.PlacementGroupTableData.REMOVED
+            and not group.is_detached
+            and JobID(group.creator_job_id).hex() == job
+            and not ActorID(group.creator_actor_id).is_nil()
+        ):
+            groups.append((group.placement_group_id, group.creator_actor_dead))
+    return groups
+
+
+def remove_orphaned_placement_groups(*, wait_s: float = 0.0) -> list[str]:
+    """Remove this job's placement groups whose creating actor has died; returns their ids.
+
+    Ray Train V2's controller (an actor under each Tune trial) creates its workers' placement
+    group. When Tune stops a trial (ASHA, or ``max_t`` reached before ``fit`` returned) it ends
+    the trial actor and the controller dies with it without removing that group; Ray frees a
+    group only once both its creating actor *and* its job are dead, so the CPUs stay reserved
+    while the driver lives and the next trial waits for them forever. Train's own
+    ``PlacementGroupCleaner`` should catch this but asks the state API, which needs the dashboard
+    and a single Ray instance on the machine ("Found multiple active Ray instances" otherwise).
+    Groups a driver created (Tune's trial groups) and detached or other jobs' groups are left
+    alone. ``wait_s`` > 0 keeps polling until no actor-created group of this job is left (the
+    end of a sweep, while the last trials' controllers are still dying) or the time is up.
+    """
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    removed: list[str] = []
+    deadline = time.monotonic() + wait_s
+    while True:
+        groups = _actor_created_groups()
+        for group_id, creator_dead in groups:
+            if creator_dead:
+                remove_placement_group(PlacementGroup(PlacementGroupID(group_id)))
+                removed.append(group_id.hex())
+        if all(dead for _, dead in groups) or time.monotonic() >= deadline:
+            return removed
+        time.sleep(0.5)

@@ -14,6 +14,8 @@ trial's sampled values as params and its per-epoch metrics. The best trial's val
 from __future__ import annotations
 
 import json
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,13 +24,14 @@ import yaml
 
 from sat_model.config import Params, TuneConfig
 
-from .ray_runtime import ray_session, resolve_storage_path
+from .ray_runtime import ray_session, remove_orphaned_placement_groups, resolve_storage_path
 from .ray_train import ScalingSpec, deterministic_run_name, fit_on_ray, sat_train_fn
 from .tracking import Tracking, connect, find_or_create_run, lineage_tags, log_params
 
 __all__ = ["METRIC", "TuneOutcome", "run_tune", "search_space"]
 
 METRIC, MODE = "val_bleu_4", "max"
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -110,19 +113,27 @@ def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
 def _search_alg(cfg: TuneConfig) -> Any:
     if cfg.search_alg == "random":
         return None  # Tune's BasicVariantGenerator: random sampling, no extra package
-    try:
-        if cfg.search_alg == "hyperopt":
-            from ray.tune.search.hyperopt import HyperOptSearch
+    # the Literal admits only what works with the pinned packages (hyperopt, optuna: absent)
+    raise ValueError(f"unknown tune.search_alg {cfg.search_alg!r}; expected 'random'")
 
-            return HyperOptSearch(metric=METRIC, mode=MODE)
-        from ray.tune.search.optuna import OptunaSearch
 
-        return OptunaSearch(metric=METRIC, mode=MODE)
-    except (ImportError, AssertionError) as err:
-        raise RuntimeError(
-            f"tune.search_alg {cfg.search_alg!r} needs the {cfg.search_alg} package, which is not"
-            " installed; use tune.search_alg: random or install it"
-        ) from err
+def _placement_group_reaper() -> Any:
+    """A Tune callback freeing the worker CPUs of trials that ASHA stopped, else later trials
+    wait for them forever (see :func:`pipeline.ray_runtime.remove_orphaned_placement_groups`)."""
+    from ray.tune import Callback
+
+    class PlacementGroupReaper(Callback):
+        def __init__(self) -> None:
+            self.last = 0.0
+
+        def on_step_begin(self, iteration: int, trials: list[Any], **info: Any) -> None:
+            if time.monotonic() - self.last >= 1.0:  # a GCS round trip: not on every step
+                self.last = time.monotonic()
+                freed = remove_orphaned_placement_groups()
+                if freed:
+                    _log.info("freed the placement groups of stopped trials: %s", freed)
+
+    return PlacementGroupReaper()
 
 
 def run_tune(
@@ -187,9 +198,17 @@ def run_tune(
                 scheduler=scheduler,
                 search_alg=_search_alg(cfg),
             ),
-            run_config=tune.RunConfig(name=sweep_name, storage_path=str(storage), verbose=0),
+            run_config=tune.RunConfig(
+                name=sweep_name,
+                storage_path=str(storage),
+                verbose=0,
+                callbacks=[_placement_group_reaper()],
+            ),
         )
         results = tuner.fit()
+        # the last trials' controllers die after fit returns: free their groups too, or a
+        # cluster that outlives this sweep (a shared one, --address) keeps them reserved
+        remove_orphaned_placement_groups(wait_s=30.0)
     return _record_best(results, cfg, root, tracking, parent_id)
 
 

@@ -218,7 +218,8 @@ class TuneConfig(_Section):
     attention: Literal["soft", "hard"] = "soft"
     num_samples: int = Field(8, ge=1)
     max_concurrent: int = Field(2, ge=1)
-    search_alg: Literal["random", "hyperopt", "optuna"] = "random"
+    # only what works with the pinned packages: hyperopt and optuna are not dependencies
+    search_alg: Literal["random"] = "random"
     max_epochs: int = Field(4, ge=1)
     grace_period: int = Field(1, ge=1)  # ASHA
     lr: tuple[float, float] = (1e-4, 2e-3)  # log-uniform bounds

@@ -5,7 +5,7 @@ its ``rank``/``world_size``; it builds everything from files (``vocab.json``,
 ``captions.parquet``, ``{train,val}.arrow``) and, on rank 0, writes ``<out_dir>/<attention>/``:
 ``model.pt`` + ``config.json`` + ``vocab.json`` (the best epoch so far, rewritten whenever
 validation BLEU-4 improves), ``train_metrics.json`` (flat keys) and ``curves.csv`` (epoch,
-train_loss, val_bleu_4, lr; for ``dvc plots``), both rewritten every epoch. The folder is
+train_loss, val_bleu_4, val_cider, lr; for ``dvc plots``), both rewritten every epoch. The folder is
 complete after every epoch, so a callback may hand it to Ray as that epoch's checkpoint: the
 folder is written before the caller's callbacks run.
 """
@@ -48,10 +48,19 @@ from sat_model.training import (
 )
 from sat_model.vocab import Vocab, load_vocab
 
-__all__ = ["CURVES_FILE", "METRICS_FILE", "TrainResult", "make_validator", "train_model"]
+__all__ = [
+    "CURVES_FILE",
+    "METRICS_FILE",
+    "VALIDATION_METRICS",
+    "TrainResult",
+    "make_validator",
+    "train_model",
+]
 
 METRICS_FILE, CURVES_FILE = "train_metrics.json", "curves.csv"
-CURVE_COLUMNS = ("epoch", "train_loss", "val_bleu_4", "lr")
+CURVE_COLUMNS = ("epoch", "train_loss", "val_bleu_4", "val_cider", "lr")
+# BLEU drives early stopping; CIDEr is logged beside it (no Java, milliseconds on val_images)
+VALIDATION_METRICS = ("bleu", "cider")
 
 
 @dataclass(frozen=True)
@@ -87,9 +96,10 @@ def make_validator(
     device: torch.device | str,
     mode: str = "expected",
 ) -> Callable[[nn.Module], dict[str, float]]:
-    """``validate(model)``: BLEU of free-running greedy captions on the first val images.
-
-    Uses ``metrics.score_captions(..., metrics=("bleu",))``, the evaluation's own scorer.
+    """``validate(model)``: BLEU and CIDEr of free-running greedy captions on the first val
+    images, by ``metrics.score_captions(..., metrics=VALIDATION_METRICS)``, the evaluation's own
+    scorer (CIDEr's idf comes from these images' references only, so it is comparable across
+    epochs of one run, not with the test-set figure).
     """
     ids = [i for i in store.ids if i in references]
     ids = ids[:max_images] if max_images > 0 else ids
@@ -106,7 +116,7 @@ def make_validator(
             captions = greedy(model, annotations, max_length, mode=mode)
             for image_id, caption in zip(ids[start : start + batch_size], captions, strict=True):
                 hypotheses[image_id] = " ".join(vocab.decode(caption.tokens))
-        return score_captions(hypotheses, refs, metrics=("bleu",))
+        return score_captions(hypotheses, refs, metrics=VALIDATION_METRICS)
 
     return validate
 
@@ -141,6 +151,7 @@ class _ModelDirWriter(Callback):
                 "epoch": state.epoch,
                 "train_loss": state.train_loss,
                 "val_bleu_4": val.get("bleu_4"),
+                "val_cider": val.get("cider"),
                 "lr": state.lr,
             }
         )
@@ -169,11 +180,16 @@ def _read_curves(path: Path, up_to_epoch: int) -> list[dict[str, Any]]:
                 {
                     "epoch": int(row["epoch"]),
                     "train_loss": float(row["train_loss"]),
-                    "val_bleu_4": float(row["val_bleu_4"]) if row["val_bleu_4"] else None,
+                    "val_bleu_4": _optional_float(row.get("val_bleu_4")),
+                    "val_cider": _optional_float(row.get("val_cider")),  # absent in older files
                     "lr": float(row["lr"]),
                 }
             )
     return out
+
+
+def _optional_float(text: str | None) -> float | None:
+    return float(text) if text else None
 
 
 def _train_metrics(

@@ -319,8 +319,10 @@ def test_train_model_writes_a_loadable_model_metrics_and_curves(
     with (model_dir / "curves.csv").open() as f:
         curves = list(csv.DictReader(f))
     assert [int(r["epoch"]) for r in curves] == [1, 2]
-    assert set(curves[0]) == {"epoch", "train_loss", "val_bleu_4", "lr"}
+    assert set(curves[0]) == {"epoch", "train_loss", "val_bleu_4", "val_cider", "lr"}
     assert 0.0 <= float(curves[0]["val_bleu_4"]) <= 1.0
+    assert 0.0 <= float(curves[0]["val_cider"]) <= 10.0  # CIDEr-D: 10 x a mean cosine
+    assert metrics["final_val_cider"] == pytest.approx(float(curves[-1]["val_cider"]))
     model, vocab, config = load_model(model_dir)
     assert config.attention == attention and config.annotation_dim == D
     assert not model.training

@@ -1,0 +1,40 @@
+"""Ray runtime helpers: freeing the placement groups that a dead actor left reserved."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pipeline.ray_runtime import remove_orphaned_placement_groups
+
+
+@pytest.mark.ray
+def test_orphaned_placement_group_is_removed_and_live_or_driver_groups_are_kept(
+    ray_local: Any,
+) -> None:
+    ray = ray_local
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    @ray.remote(num_cpus=0)
+    class Creator:  # stands for Ray Train's controller, which creates the workers' group
+        def make(self) -> str:
+            group = placement_group([{"CPU": 1}])
+            ray.get(group.ready())
+            return group.id.hex()
+
+    driver_group = placement_group([{"CPU": 0.5}])  # as Tune's trial groups: made by a driver
+    ray.get(driver_group.ready())
+    creator = Creator.remote()
+    orphan = ray.get(creator.make.remote())
+    try:
+        assert remove_orphaned_placement_groups() == []  # its creator is alive: in use
+        ray.kill(creator)  # as Tune ending a trial actor: Ray keeps the group while the job lives
+        assert remove_orphaned_placement_groups(wait_s=20.0) == [orphan]
+        table = placement_group_table()
+        assert table[orphan]["state"] == "REMOVED"
+        assert table[driver_group.id.hex()]["state"] == "CREATED"
+    finally:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(driver_group)
