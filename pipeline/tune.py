@@ -26,7 +26,14 @@ from sat_model.config import Params, TuneConfig
 
 from .ray_runtime import ray_session, remove_orphaned_placement_groups, resolve_storage_path
 from .ray_train import ScalingSpec, deterministic_run_name, fit_on_ray, sat_train_fn
-from .tracking import Tracking, connect, find_or_create_run, lineage_tags, log_params
+from .tracking import (
+    PARENT_TAG,
+    Tracking,
+    connect,
+    find_or_create_run,
+    lineage_tags,
+    log_params,
+)
 
 __all__ = ["METRIC", "TuneOutcome", "run_tune", "search_space"]
 
@@ -106,7 +113,7 @@ def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
             callbacks=[TuneReportCallback()],
         )
         status = "FINISHED"
-    finally:  # ASHA stopping a trial also lands here (as KILLED would, but MLflow has no such)
+    finally:  # an error lands here; a trial Tune stops is ended from outside (no finally runs)
         tracking.call(lambda c: c.set_terminated(run_id, status), f"end run {run_id}")
 
 
@@ -209,7 +216,29 @@ def run_tune(
         # the last trials' controllers die after fit returns: free their groups too, or a
         # cluster that outlives this sweep (a shared one, --address) keeps them reserved
         remove_orphaned_placement_groups(wait_s=30.0)
+    _close_stopped_children(results, tracking, parent_id)
     return _record_best(results, cfg, root, tracking, parent_id)
+
+
+def _close_stopped_children(results: Any, tracking: Tracking, parent_id: str) -> None:
+    """Set each child run's status from Tune's verdict on its trial.
+
+    Tune stops a trial (ASHA, or ``max_t`` reached before ``fit`` returned) by ending its actor:
+    ``_trial``'s ``finally`` then either never runs (the run stays RUNNING) or runs while the
+    Train controller is being torn down and records FAILED. Stopping on a schedule is a normal
+    end, so a trial without an error in Tune's results is FINISHED, any other FAILED.
+    """
+    succeeded = {r.metrics.get("trial_id") for r in results if r.error is None and r.metrics}
+
+    def close(client: Any) -> None:
+        children = client.search_runs(
+            [tracking.experiment_id], f"tags.`{PARENT_TAG}` = '{parent_id}'"
+        )
+        for child in children:
+            ok = child.data.tags.get("sat.trial_id") in succeeded
+            client.set_terminated(child.info.run_id, "FINISHED" if ok else "FAILED")
+
+    tracking.call(close, "set the child runs' status")
 
 
 def _record_best(

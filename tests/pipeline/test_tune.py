@@ -10,8 +10,8 @@ import yaml
 
 from pipeline.stages import tune as tune_stage
 from pipeline.tracking import PARENT_TAG, connect
-from pipeline.tune import search_space
-from sat_model.config import TuneConfig, load_params
+from pipeline.tune import _with_overrides, search_space
+from sat_model.config import Params, TuneConfig, load_params
 
 
 def test_search_space_covers_lambda_for_soft_and_the_reinforce_weights_for_hard() -> None:
@@ -27,6 +27,20 @@ def test_search_space_covers_lambda_for_soft_and_the_reinforce_weights_for_hard(
     lo, hi = TuneConfig().lr
     samples = [soft["train.soft.lr"].sample() for _ in range(200)]
     assert all(lo <= s <= hi for s in samples)
+
+
+def test_a_hard_trial_overrides_its_sampled_values_and_the_sweep_epochs_only() -> None:
+    params = Params(tune=TuneConfig(attention="hard", max_epochs=3))
+    sampled = {k: v.sample() for k, v in search_space(params.tune).items()}
+    trial = _with_overrides(params, sampled, params.tune.max_epochs)
+    assert trial.train.hard.lr == sampled["train.hard.lr"]
+    assert trial.train.hard.lambda_r == sampled["train.hard.lambda_r"]
+    assert trial.train.hard.lambda_e == sampled["train.hard.lambda_e"]
+    assert trial.train.hard.semi_sampling_p == sampled["train.hard.semi_sampling_p"]
+    assert trial.train.hard.max_epochs == 3
+    assert trial.train.soft == params.train.soft and trial.model == params.model
+    with pytest.raises(ValueError, match="semi_sampling_p"):  # re-validated: bounds still hold
+        _with_overrides(params, {"train.hard.semi_sampling_p": 1.5}, 3)
 
 
 @pytest.mark.ray
@@ -56,6 +70,7 @@ def test_tiny_sweep_records_parent_and_child_runs_and_best_params(
     assert len(children) == 3
     scores = []
     for child in children:
+        assert child.info.status == "FINISHED"  # also those Tune stopped (ASHA, max_t)
         assert set(child.data.params) == {"train.soft.lr", "train.soft.doubly_stochastic"}
         lam = float(child.data.params["train.soft.doubly_stochastic"])
         assert 0.0 <= lam <= 2.0
