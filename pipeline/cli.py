@@ -13,24 +13,11 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pipeline.stages import add_params_args
+
 __all__ = ["main"]
 
 Handler = Callable[[argparse.Namespace], int]
-
-
-def _add_params_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--params", default="params.yaml", help="params file (default: %(default)s)"
-    )
-    parser.add_argument(
-        "-S",
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a param with dvc exp run's dotted syntax, e.g. -S train.soft.lr=2e-4",
-    )
 
 
 def _forward_params(args: argparse.Namespace) -> list[str]:
@@ -92,12 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_summary)
 
     p = sub.add_parser("train", help="train one model (soft or hard attention) through Ray Train")
-    _add_params_args(p)
+    add_params_args(p)
     p.add_argument("--attention", choices=["soft", "hard"], required=True)
     p.set_defaults(handler=_train)
 
     p = sub.add_parser("tune", help="Ray Tune sweep; each trial an MLflow child run")
-    _add_params_args(p)
+    add_params_args(p)
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS)")
     p.set_defaults(handler=_tune)
 
@@ -216,7 +203,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 def _register_more(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Subcommands for evaluation, the registry and captioning (caption, models, promote...)."""
     p = sub.add_parser("caption", help="caption image files; write per-word attention overlays")
-    _add_params_args(p)
+    add_params_args(p)
     p.add_argument("images", nargs="+", metavar="IMAGE")
     p.add_argument("--model", default=None, help="models:/NAME@ALIAS URI or a model folder "
                    "(default: models:/<mlflow.model_name>@champion)")  # fmt: skip
@@ -226,19 +213,19 @@ def _register_more(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.set_defaults(handler=_caption)
 
     p = sub.add_parser("models", help="registered versions with metrics and aliases")
-    _add_params_args(p)
+    add_params_args(p)
     p.add_argument("--name", default=None, help="registered model (default: mlflow.model_name)")
     p.set_defaults(handler=_models)
 
     p = sub.add_parser("promote", help="move the champion alias to the best (or named) version")
-    _add_params_args(p)
+    add_params_args(p)
     p.add_argument("--name", default=None, help="registered model (default: mlflow.model_name)")
     p.add_argument("--metric", default=None, help="default: mlflow.champion_metric")
     p.add_argument("--version", default=None)
     p.set_defaults(handler=_promote)
 
     p = sub.add_parser("evaluate", help="the evaluate stage on any model folder or URI and split")
-    _add_params_args(p)
+    add_params_args(p)
     p.add_argument("--model", default=None, help="model folder or models:/ URI")
     p.add_argument("--attention", choices=["soft", "hard"], default="soft")
     p.add_argument("--split", default=None)

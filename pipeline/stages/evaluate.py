@@ -16,16 +16,13 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
+from pipeline.stages import stage_parser
+
 __all__ = ["main", "resolve_model_dir"]
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.stages.evaluate", description=__doc__)
-    parser.add_argument("--params", default="params.yaml", help="params file (%(default)s)")
-    parser.add_argument(
-        "-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a param, e.g. -S eval.beam_size=5",
-    )  # fmt: skip
+    parser = stage_parser(__name__, __doc__)
     parser.add_argument("--attention", choices=("soft", "hard"), default="soft")
     parser.add_argument("--model", default=None, help="model folder or models:/ URI")
     parser.add_argument("--split", default=None, help="split to evaluate (default: eval.split)")

@@ -9,7 +9,6 @@ a byte-identical store.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from collections.abc import Sequence
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.stages import stage_parser
 from sat_model.config import Params, load_params
 from sat_model.encoders import build_encoder
 from sat_model.extract import ExtractReport, extract_features
@@ -87,14 +87,9 @@ def write_report(report: ExtractReport, out_dir: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.stages.extract", description=__doc__)
-    parser.add_argument("--params", default="params.yaml", help="params file")
-    parser.add_argument(
-        "-S", "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="override a param, as in `dvc exp run -S` (repeatable)",
-    )  # fmt: skip
+    parser = stage_parser(__name__, __doc__)
     args = parser.parse_args(argv)
-    params = load_params(args.params, args.set)
+    params = load_params(args.params, args.overrides)
     root = Path.cwd()
     report = run_extract(params, root)
     path = write_report(report, _absolute(params.encoder.features_dir, root))

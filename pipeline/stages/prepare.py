@@ -8,12 +8,12 @@ once. Relative paths resolve against the current directory (the project root und
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipeline.stages import stage_parser
 from sat_model.config import ParamsError, load_params
 from sat_model.prepare import REPORT_KEYS, PrepareError, prepare_dataset
 from sat_model.sources import SourceError
@@ -22,15 +22,10 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.stages.prepare", description=__doc__)
-    parser.add_argument("--params", default="params.yaml", help="params file")
-    parser.add_argument(
-        "-S", "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="override a param, as in `dvc exp run -S` (repeatable)",
-    )  # fmt: skip
+    parser = stage_parser(__name__, __doc__)
     args = parser.parse_args(argv)
     try:
-        params = load_params(args.params, args.set)
+        params = load_params(args.params, args.overrides)
         result = prepare_dataset(params.data, base_dir=Path.cwd())
     except (ParamsError, PrepareError, SourceError) as e:
         print(f"prepare: error: {e}", file=sys.stderr)

@@ -16,18 +16,15 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from pipeline.stages import stage_parser
+
 __all__ = ["main", "register_models"]
 
 ATTENTIONS = ("soft", "hard")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.stages.register", description=__doc__)
-    parser.add_argument("--params", default="params.yaml", help="params file (%(default)s)")
-    parser.add_argument(
-        "-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a param, e.g. -S mlflow.champion_metric=cider",
-    )  # fmt: skip
+    parser = stage_parser(__name__, __doc__)
     parser.add_argument("--out", default=None, help="default: <eval.reports_dir>/registry.json")
     return parser.parse_args(argv)
 

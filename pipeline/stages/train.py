@@ -13,21 +13,13 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipeline.stages import stage_parser
+
 __all__ = ["main"]
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.stages.train", description=__doc__)
-    parser.add_argument("--params", default="params.yaml", help="params file (%(default)s)")
-    parser.add_argument(
-        "-S",
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a param, e.g. -S train.soft.lr=2e-4",
-    )
+    parser = stage_parser(__name__, __doc__)
     parser.add_argument("--attention", choices=("soft", "hard"), required=True)
     parser.add_argument("--resume-from", default=None, help="checkpoint folder to continue from")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

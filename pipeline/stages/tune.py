@@ -11,21 +11,13 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipeline.stages import stage_parser
+
 __all__ = ["main"]
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.stages.tune", description=__doc__)
-    parser.add_argument("--params", default="params.yaml", help="params file (%(default)s)")
-    parser.add_argument(
-        "-S",
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a param, e.g. -S tune.num_samples=16",
-    )
+    parser = stage_parser(__name__, __doc__)
     parser.add_argument("--address", default=None, help="Ray cluster (default: RAY_ADDRESS)")
     return parser.parse_args(argv)
 
