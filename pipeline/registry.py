@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,6 +319,28 @@ def _staged_checkpoint(model_dir: Path, tmp: Path) -> Path:
     return out
 
 
+@contextmanager
+def _fluent_tracking_uri(uri: str) -> Iterator[None]:
+    """Point MLflow's fluent API at ``uri`` for a block, then put back what was there.
+
+    ``mlflow.set_tracking_uri`` also exports ``MLFLOW_TRACKING_URI`` to the process
+    environment; left behind, it would silently redirect every later ``connect()`` here.
+    """
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    previous, previous_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(previous)  # type: ignore[arg-type]  # None unsets it
+        if previous_env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = previous_env
+
+
 def log_and_register(
     client: MlflowClient,
     *,
@@ -344,9 +368,9 @@ def log_and_register(
     existing = find_version_by_checkpoint(client, model_name, sha)
     if existing is not None:
         return RegisteredVersion(model_name, str(existing.version), existing.run_id, sha, True)
-    mlflow.set_tracking_uri(client.tracking_uri)
     version_tags = {**tags, CHECKPOINT_TAG: sha}
     with (
+        _fluent_tracking_uri(client.tracking_uri),
         tempfile.TemporaryDirectory() as tmp,
         mlflow.start_run(
             experiment_id=experiment_id, run_name=run_name, tags=dict(version_tags)

@@ -339,7 +339,9 @@ def test_training_on_a_truncated_feature_store_names_the_file(
     from sat_model.features import FeatureStoreError
     from sat_model.train_run import train_model
 
-    project = Path(shutil.copytree(tiny_project, tmp_path / "p"))
+    # inputs only: other tests may already have trained into the shared project's models/
+    keep_inputs = shutil.ignore_patterns("models", "mlflow.db", "mlartifacts", "ray_results")
+    project = Path(shutil.copytree(tiny_project, tmp_path / "p", ignore=keep_inputs))
     store = project / "data" / "features" / "train.arrow"
     store.write_bytes(store.read_bytes()[: store.stat().st_size // 2])
     params = load_params(project / "params.yaml")

@@ -74,7 +74,8 @@ def test_encoder_features_are_the_classifier_trunk_features(lite0_classifier) ->
     x = torch.randn(1, 3, 96, 96, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         expected = lite0_classifier.forward_features(x).flatten(2).transpose(1, 2)  # (1, L, D)
-        assert torch.allclose(encoder(x), expected, atol=1e-5)
+        # the encoder runs channels_last, which reorders float sums: ~2e-5 on values up to ~5
+        assert torch.allclose(encoder(x), expected, atol=1e-4)
 
 
 def test_map_by_order_renames_every_tensor() -> None:
