@@ -120,15 +120,28 @@ def bench_training(d: Dims, attention: str, batch: int, steps: int, iters: int) 
     }
 
 
-def bench_beam(d: Dims, images: int, beam: int, max_length: int) -> dict:
+def bench_attention_nonlinearity(d: Dims, rows: int, repeats: int = 20) -> dict:
+    """f_att's largest tensor (rows, L, A): torch.tanh against the 2σ(2u) form model.py uses."""
+    u = torch.randn(rows, d.L, d.A)
+    tanh_s = _best_time(lambda: torch.tanh(u), repeats)
+    sigmoid_s = _best_time(lambda: torch.sigmoid(u * 2.0), repeats)
+    return {
+        "shape": [rows, d.L, d.A],
+        "tanh_ms": tanh_s * 1e3,
+        "sigmoid_of_2u_ms": sigmoid_s * 1e3,
+        "tanh_over_sigmoid": tanh_s / sigmoid_s,
+    }
+
+
+def bench_beam(d: Dims, images: int, beam: int, max_length: int, device: str = "cpu") -> dict:
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=d.K, annotation_dim=d.D, num_locations=d.L, embed_dim=d.m,
                          hidden_dim=d.n, attention_dim=d.A, dropout=0.5, gate=True,
                          attention="soft")  # fmt: skip
-    model = ShowAttendTell(config)
+    model = ShowAttendTell(config).to(device)
     with torch.no_grad():
         model.out.bias[END_ID] = -1e4  # every caption runs to max_length: equal work both ways
-    annotations = torch.randn(images, d.L, d.D)
+    annotations = torch.randn(images, d.L, d.D, device=device)
     beam_search(model, annotations[:2], beam, max_length)  # warm-up
     batched = beam_search(model, annotations, beam, max_length)
     single = [beam_search(model, a.unsqueeze(0), beam, max_length)[0] for a in annotations]
@@ -138,6 +151,7 @@ def bench_beam(d: Dims, images: int, beam: int, max_length: int) -> dict:
     )
     same = all(x.tokens == y.tokens for x, y in zip(batched, single, strict=True))
     return {
+        "device": device,
         "dims": d.name,
         "images": images,
         "beam_size": beam,
@@ -155,8 +169,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations, default dims only")
     parser.add_argument("--params", default="params.yaml")
+    parser.add_argument(
+        "--beam-images", type=int, default=None, help="images per batch (default eval.batch_size)"
+    )
     args = parser.parse_args(argv)
-    mp = load_params(args.params).model
+    params = load_params(args.params)
+    mp = params.model
+    beam_images = args.beam_images or params.eval.batch_size
     dims = [Dims("default", 196, 112, mp.embed_dim, mp.hidden_dim, mp.attention_dim, 100)]
     if not args.quick:
         dims.append(Dims("paper", 196, 512, 512, 1800, 512, 10_000))
@@ -176,10 +195,15 @@ def main(argv: list[str] | None = None) -> dict:
         "matmul_peak_flops_per_s": peak,
         "dims": [asdict(d) for d in dims],
         "training": training,
-        "beam_search": bench_beam(dims[0], images=32, beam=3, max_length=20),
+        "attention_nonlinearity": bench_attention_nonlinearity(dims[0], rows=beam_images * 3),
+        "beam_search": bench_beam(dims[0], images=beam_images, beam=3, max_length=20),
     }
     beam = result["beam_search"]
     beam["batched_fraction_of_matmul_peak"] = beam["batched_matmul_flops_per_s"] / peak
+    if torch.cuda.is_available():  # the same comparison where a GPU is present
+        result["beam_search_gpu"] = bench_beam(
+            dims[0], images=beam_images, beam=3, max_length=20, device="cuda"
+        )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(result, indent=2))

@@ -131,11 +131,20 @@ def beam_search(
 
 @dataclass(frozen=True)
 class _Beams:
-    tokens: Tensor  # (B*k, t)
-    alphas: Tensor  # (B*k, t, L)
-    scores: Tensor  # (B, k)
-    finished: Tensor  # (B*k,) bool
+    """The live beams after some steps; the history is kept as back-pointers (``_Step``), so a
+    step costs the same whatever its index (no re-copying of every past token and α)."""
+
+    scores: Tensor  # (B, k) summed log-probabilities
+    finished: Tensor  # (B*k,) bool, <end> emitted
+    length: Tensor  # (B*k,) long, tokens emitted up to and including the first <end>
     state: DecoderState
+
+
+@dataclass(frozen=True)
+class _Step:
+    token: Tensor  # (B*k,) the token each beam emitted at this step
+    parent: Tensor  # (B*k,) the row (of the previous step's beams) it extends
+    alpha: Tensor  # (B*k, L) α of the previous step's rows: row parent[j] is beam j's
 
 
 def _beam_search(
@@ -146,30 +155,33 @@ def _beam_search(
     length_normalization: bool,
     mode: str,
 ) -> list[Caption]:
-    B, L, _ = annotations.shape
+    B = annotations.size(0)
     device = annotations.device
     # W_a a and h_0, c_0 once per image, then copied to the image's k rows: (B*k, …)
     state = model.init_state(annotations).repeat(k)
     scores = torch.full((B, k), float("-inf"), device=device)
     scores[:, 0] = 0.0  # one live beam per image at first, or the k beams would be duplicates
     beams = _Beams(
-        tokens=torch.empty(B * k, 0, dtype=torch.long, device=device),
-        alphas=torch.empty(B * k, 0, L, device=device),
         scores=scores,
         finished=torch.zeros(B * k, dtype=torch.bool, device=device),
+        length=torch.zeros(B * k, dtype=torch.long, device=device),
         state=state,
     )
     prev = torch.full((B * k,), START_ID, dtype=torch.long, device=device)
+    history: list[_Step] = []
     for _ in range(max_length):
-        beams = _advance(model, beams, prev, k, mode)
-        prev = beams.tokens[:, -1]
+        beams, step = _advance(model, beams, prev, k, mode)
+        history.append(step)
+        prev = step.token
         # one sync per step buys stopping as soon as every beam has ended
         if bool(beams.finished.all()):
             break
-    return _best_captions(beams, k, length_normalization)
+    return _best_captions(beams, history, k, length_normalization)
 
 
-def _advance(model: ShowAttendTell, beams: _Beams, prev: Tensor, k: int, mode: str) -> _Beams:
+def _advance(
+    model: ShowAttendTell, beams: _Beams, prev: Tensor, k: int, mode: str
+) -> tuple[_Beams, _Step]:
     """One step for all B*k rows: extend, keep the k best of k*K per image, reorder."""
     out = model.step(prev, beams.state, mode)
     log_probs = torch.log_softmax(out.logits.float(), dim=-1)  # (B*k, K)
@@ -184,29 +196,36 @@ def _advance(model: ShowAttendTell, beams: _Beams, prev: Tensor, k: int, mode: s
     parent = torch.div(flat, K, rounding_mode="floor")  # (B, k), beam index within the image
     token = (flat % K).view(B * k)  # (B*k,)
     rows = (torch.arange(B, device=flat.device).unsqueeze(1) * k + parent).view(B * k)  # (B*k,)
-    return _Beams(
-        tokens=torch.cat([beams.tokens[rows], token.unsqueeze(1)], dim=1),  # (B*k, t+1)
-        alphas=torch.cat([beams.alphas[rows], out.alpha[rows].unsqueeze(1)], dim=1),
+    was_finished = beams.finished[rows]
+    beams = _Beams(
         scores=scores,
-        finished=beams.finished[rows] | (token == END_ID),
+        finished=was_finished | (token == END_ID),
+        length=beams.length[rows] + (~was_finished).long(),
         state=out.state.reorder(rows),
     )
+    return beams, _Step(token=token, parent=rows, alpha=out.alpha)
 
 
-def _best_captions(beams: _Beams, k: int, length_normalization: bool) -> list[Caption]:
-    """The best hypothesis of each image, as a Caption."""
+def _best_captions(
+    beams: _Beams, history: list[_Step], k: int, length_normalization: bool
+) -> list[Caption]:
+    """The best hypothesis of each image, read back along its back-pointers, as a Caption."""
     B = beams.scores.size(0)
-    tokens = beams.tokens.cpu().numpy()  # (B*k, t)
-    is_end = tokens == END_ID
-    finished = is_end.any(1)  # (B*k,)
-    # emitted length: the words before the first <end>, plus that <end>
-    length = np.where(finished, is_end.argmax(1) + 1, tokens.shape[1]).reshape(B, k)
-    finished = finished.reshape(B, k)
-    scores = beams.scores.float().cpu().numpy()  # (B, k)
-    rank = scores / length if length_normalization else scores
+    finished = beams.finished.view(B, k)
+    length = beams.length.view(B, k).to(beams.scores.dtype)
+    rank = beams.scores / length.clamp(min=1) if length_normalization else beams.scores
     # prefer finished hypotheses; fall back to unfinished ones only where none finished
-    eligible = finished | ~finished.any(1, keepdims=True)
-    best = np.where(eligible, rank, -np.inf).argmax(1)  # (B,)
-    rows = np.arange(B) * k + best  # (B,)
-    alphas = beams.alphas[torch.as_tensor(rows, device=beams.alphas.device)]  # (B, t, L)
-    return _captions(tokens[rows], alphas.float().cpu().numpy(), scores[np.arange(B), best])
+    eligible = finished | ~finished.any(1, keepdim=True)
+    best = torch.where(eligible, rank, float("-inf")).argmax(1)  # (B,)
+    row = torch.arange(B, device=best.device) * k + best  # (B,) rows of the last step
+    score = beams.scores.gather(1, best.unsqueeze(1)).squeeze(1)  # (B,)
+    tokens, alphas = [], []
+    for step in reversed(history):
+        tokens.append(step.token[row])
+        row = step.parent[row]
+        alphas.append(step.alpha[row])
+    return _captions(
+        torch.stack(tokens[::-1], 1).cpu().numpy(),  # (B, t)
+        torch.stack(alphas[::-1], 1).float().cpu().numpy(),  # (B, t, L)
+        score.float().cpu().numpy(),
+    )

@@ -26,6 +26,7 @@ __all__ = [
     "FeatureStore",
     "FeatureStoreError",
     "FeatureWriter",
+    "channel_statistics",
 ]
 
 FEATURES_FORMAT_VERSION = 1
@@ -209,3 +210,24 @@ class FeatureStore:
     def close(self) -> None:
         self._blocks = []
         self._source.close()
+
+
+def channel_statistics(
+    store: FeatureStore, max_images: int = 1000, chunk: int = 64
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and standard deviation (D,) over every location of up to ``max_images``
+    images spread evenly over the store, accumulated in float64 (deterministic for a store)."""
+    if len(store) == 0:
+        raise ValueError(f"{store.path}: no features to compute statistics from")
+    rows = np.unique(np.linspace(0, len(store) - 1, min(max_images, len(store))).round())
+    total = np.zeros(store.meta.D)
+    squares = np.zeros(store.meta.D)
+    for start in range(0, len(rows), chunk):
+        block = store.get_batch(rows[start : start + chunk].astype(int)).astype(np.float64)
+        flat = block.reshape(-1, block.shape[-1])  # (B*L, D)
+        total += flat.sum(0)
+        squares += (flat * flat).sum(0)
+    count = len(rows) * store.meta.L
+    mean = total / count
+    std = np.sqrt(np.maximum(squares / count - mean * mean, 0.0))
+    return mean.astype(np.float32), std.astype(np.float32)

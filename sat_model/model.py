@@ -16,6 +16,7 @@ location).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,16 @@ class ModelConfig:
     # image (paper text) or once per minibatch (authors' code)
     semi_sampling_p: float = 0.5
     semi_sampling_per: str = "image"
+    # beyond the paper: append each cell's (x, y) centre, in [-1, 1], to its annotation vector
+    # (D -> D + 2), so that α and ẑ_t say *where* the model looks. Convolutional features are
+    # translation-equivariant and carry almost no position, which captions that name objects left
+    # to right and their relations ("above", "to the left of") need. Off in older checkpoints.
+    coordinates: bool = False
+    grid_w: int = 0  # columns of the row-major L = grid_h × grid_w grid (needed for coordinates)
+    # standardise every channel of a_i with the training features' mean and std (buffers in the
+    # state dict, set by set_feature_statistics): raw CNN activations have std ~5 and means up to
+    # ~±8 per channel, which saturates σ/tanh in f_att and the LSTM at the default init
+    normalize_features: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "annotation_dim", "num_locations", "embed_dim", "hidden_dim"):
@@ -82,6 +93,11 @@ class ModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 <= self.semi_sampling_p <= 1.0:
             raise ValueError(f"semi_sampling_p must be in [0, 1], got {self.semi_sampling_p}")
+        if self.coordinates and (self.grid_w < 1 or self.num_locations % self.grid_w):
+            raise ValueError(
+                f"coordinates need grid_w dividing num_locations={self.num_locations}, "
+                f"got grid_w={self.grid_w}"
+            )
         if self.semi_sampling_per not in SEMI_SAMPLING_PER:
             raise ValueError(
                 f"unknown semi_sampling_per {self.semi_sampling_per!r}; "
@@ -152,10 +168,16 @@ class SoftAttention(nn.Module):
         return self.annotation_proj(annotations)
 
     def scores(self, projected: Tensor, hidden: Tensor) -> Tensor:
-        """e_ti (Eq. 4): (B, L)."""
+        """e_ti (Eq. 4) up to a shift that is the same at every location: (B, L).
+
+        tanh(u) = 2σ(2u) - 1, so w_att^T tanh(u) = 2 w_att^T σ(2u) - Σ w_att: the last term is
+        the same for every i and cancels in the softmax of Eq. 5, so α is exactly Eq. 4-5's.
+        σ, because torch's CPU tanh is several times slower than its sigmoid on this, the
+        largest tensor of the step (benchmarks/bench_model.py, "attention_nonlinearity").
+        """
         pre = projected + self.hidden_proj(hidden).unsqueeze(1)  # (B, L, A)
-        # in place: the largest tensor of the step, one allocation instead of two
-        return self.score(pre.tanh_()).squeeze(-1)  # (B, L)
+        # in place: one allocation for the step's largest tensor instead of three
+        return 2.0 * self.score(pre.mul_(2.0).sigmoid_()).squeeze(-1)  # (B, L)
 
     def forward(
         self, annotations: Tensor, projected: Tensor, hidden: Tensor, mode: str = "expected"
@@ -234,6 +256,17 @@ class ShowAttendTell(nn.Module):
         super().__init__()
         self.config = config
         D, m, n, K = config.annotation_dim, config.embed_dim, config.hidden_dim, config.vocab_size
+        if config.normalize_features:
+            self.register_buffer("feature_mean", torch.zeros(D))
+            self.register_buffer("feature_std", torch.ones(D))
+        else:
+            self.feature_mean = self.feature_std = None
+        if config.coordinates:
+            # derived from the config, so not part of the state dict
+            self.register_buffer("coords", _cell_coordinates(config), persistent=False)
+            D += 2
+        else:
+            self.coords = None
         self.embedding = nn.Embedding(K, m)  # E
         attention_cls = HardAttention if config.attention == "hard" else SoftAttention
         self.attention = attention_cls(D, n, config.attention_dim)
@@ -248,9 +281,26 @@ class ShowAttendTell(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.out = nn.Linear(m, K)  # L_o (Eq. 7)
 
+    @torch.no_grad()
+    def set_feature_statistics(self, mean: Tensor, std: Tensor) -> None:
+        """The per-channel mean and std (D,) of the training features (``normalize_features``)."""
+        if self.feature_mean is None or self.feature_std is None:
+            raise RuntimeError("this model was built with normalize_features=False")
+        D = self.config.annotation_dim
+        if tuple(mean.shape) != (D,) or tuple(std.shape) != (D,):
+            raise ValueError(f"statistics must have shape ({D},), got {tuple(mean.shape)}")
+        self.feature_mean.copy_(mean)
+        # a constant channel (std 0) is only centred, not blown up
+        self.feature_std.copy_(torch.where(std > 1e-6, std, torch.ones_like(std)))
+
     def init_state(self, annotations: Tensor) -> DecoderState:
         """h_0, c_0 (Sec. 3.1.2) and W_a a, computed once per image."""
         self._check_annotations(annotations)
+        if self.feature_mean is not None:
+            annotations = (annotations - self.feature_mean) / self.feature_std  # (B, L, D)
+        if self.coords is not None:
+            coords = self.coords.to(annotations.dtype).expand(annotations.size(0), -1, -1)
+            annotations = torch.cat([annotations, coords], dim=2)  # (B, L, D + 2)
         mean = annotations.mean(dim=1)  # (B, D)
         return DecoderState(
             h=torch.tanh(self.init_h(mean)),  # (B, n)
@@ -367,6 +417,15 @@ class ShowAttendTell(nn.Module):
             )
 
 
+def _cell_coordinates(config: ModelConfig) -> Tensor:
+    """(x, y) of every cell centre in [-1, 1], row-major as the feature map is flattened: (L, 2)."""
+    grid_h, grid_w = config.num_locations // config.grid_w, config.grid_w
+    ys = (torch.arange(grid_h, dtype=torch.float32) + 0.5) / grid_h * 2 - 1  # (grid_h,)
+    xs = (torch.arange(grid_w, dtype=torch.float32) + 0.5) / grid_w * 2 - 1  # (grid_w,)
+    y, x = torch.meshgrid(ys, xs, indexing="ij")  # (grid_h, grid_w) each
+    return torch.stack([x.reshape(-1), y.reshape(-1)], dim=1)  # (L, 2)
+
+
 def _stack_optional(values: list[Tensor | None]) -> Tensor | None:
     return None if values[0] is None else torch.stack(values, dim=1)  # type: ignore[arg-type]
 
@@ -385,10 +444,12 @@ def build_model(
     attention: str,
     semi_sampling_p: float = 0.5,
     semi_sampling_per: str = "image",
+    grid_w: int | None = None,
 ) -> ShowAttendTell:
-    """The factory: ``params.model`` plus what the data fixes (K, D, L) and the variant.
+    """The factory: ``params.model`` plus what the data fixes (K, D, L, the grid) and the variant.
 
     ``semi_sampling_p``/``semi_sampling_per`` come from ``params.train.hard`` (ignored for soft).
+    ``grid_w`` is the feature grid's width; None means a square grid (the encoders' crops are).
     """
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
@@ -404,5 +465,8 @@ def build_model(
         attention=attention,
         semi_sampling_p=semi_sampling_p,
         semi_sampling_per=semi_sampling_per,
+        coordinates=model_params.coordinates,
+        normalize_features=model_params.normalize_features,
+        grid_w=grid_w if grid_w is not None else math.isqrt(num_locations),
     )
     return ShowAttendTell(config)

@@ -35,7 +35,7 @@ from sat_model.batching import (
 from sat_model.checkpoint import MODEL_FILE, load_checkpoint, save_checkpoint
 from sat_model.config import Params
 from sat_model.decoding import greedy
-from sat_model.features import FeatureStore
+from sat_model.features import FeatureStore, channel_statistics
 from sat_model.losses import build_criterion
 from sat_model.metrics import score_captions
 from sat_model.model import ShowAttendTell, build_model
@@ -248,9 +248,14 @@ def train_model(
         vocab_size=len(vocab),
         annotation_dim=train_store.meta.D,
         num_locations=train_store.meta.L,
+        grid_w=train_store.meta.grid_w,
         attention=attention,
         **_semi_sampling(cfg),
-    ).to(device)  # before the optimiser exists, so resumed optimiser state lands on device too
+    )
+    if model.config.normalize_features:
+        mean, std = channel_statistics(train_store)
+        model.set_feature_statistics(torch.from_numpy(mean), torch.from_numpy(std))
+    model.to(device)  # before the optimiser exists, so resumed optimiser state lands on device too
     criterion = build_criterion(attention, cfg)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.lr_schedule, cfg.max_epochs, cfg.lr_decay)

@@ -84,7 +84,8 @@ def test_hard_attention_outputs_path_log_probs_and_entropy_when_sampling() -> No
 def test_every_trainable_parameter_gets_a_gradient(attention: str) -> None:
     torch.manual_seed(0)
     model = tiny_model(attention, dropout=0.3, semi_sampling_p=0.5)
-    cfg = SoftTrainConfig() if attention == "soft" else HardTrainConfig()
+    # λ > 0: the doubly stochastic term of Eq. 14 is part of the graph too
+    cfg = SoftTrainConfig(doubly_stochastic=1.0) if attention == "soft" else HardTrainConfig()
     criterion = build_criterion(attention, cfg)
     annotations, captions = tiny_batch()
     criterion(model(annotations, captions), captions).loss.backward()
@@ -197,11 +198,45 @@ def test_state_dict_round_trips_and_config_is_json() -> None:
 
 
 def test_build_model_reads_model_params() -> None:
-    params = ModelParams(embed_dim=6, hidden_dim=10, attention_dim=5, dropout=0.1, gate=False)
+    params = ModelParams(
+        embed_dim=6, hidden_dim=10, attention_dim=5, dropout=0.1, gate=False, coordinates=False
+    )
     model = build_model(params, vocab_size=K, annotation_dim=D, num_locations=L, attention="hard")
     assert model.config.embed_dim == 6 and model.config.hidden_dim == 10
     assert model.config.attention == "hard" and model.gate is None
     assert model.lstm.input_size == 6 + D  # [E y_{t-1}; ẑ_t], Eq. 1
+
+
+def test_coordinates_widen_the_annotations_by_x_and_y() -> None:
+    params = ModelParams(embed_dim=6, hidden_dim=10, attention_dim=5, coordinates=True)
+    model = build_model(
+        params, vocab_size=K, annotation_dim=D, num_locations=L, attention="soft", grid_w=3
+    )
+    assert model.lstm.input_size == 6 + D + 2
+    # a 2 x 3 grid, row-major: cell centres at x in {-2/3, 0, 2/3}, y in {-1/2, 1/2}
+    expected = [[x, y] for y in (-0.5, 0.5) for x in (-2 / 3, 0.0, 2 / 3)]
+    torch.testing.assert_close(model.coords, torch.tensor(expected))
+    assert "coords" not in model.state_dict()  # rebuilt from the config, never saved
+
+
+def test_coordinates_tell_apart_cells_with_identical_features() -> None:
+    """Without coordinates, attending to either of two identical cells gives the same ẑ_t;
+    with them, the context vector says which cell it came from."""
+    annotations = torch.zeros(1, L, D)
+    annotations[0, 0] = annotations[0, L - 1] = 1.0  # the same object in two corners
+    first, last = torch.zeros(1, L), torch.zeros(1, L)
+    first[0, 0], last[0, L - 1] = 1.0, 1.0
+    for coordinates, differ in ((False, False), (True, True)):
+        model = tiny_model(coordinates=coordinates, grid_w=3)
+        state = model.init_state(annotations)
+        z_first = torch.bmm(first.unsqueeze(1), state.annotations)
+        z_last = torch.bmm(last.unsqueeze(1), state.annotations)
+        assert (not torch.equal(z_first, z_last)) is differ
+
+
+def test_coordinates_need_a_grid_that_tiles_the_locations() -> None:
+    with pytest.raises(ValueError, match="grid_w"):
+        tiny_model(coordinates=True, grid_w=4)  # 4 columns cannot tile L = 6
 
 
 def test_build_model_rejects_unknown_attention() -> None:
