@@ -55,7 +55,7 @@ class _Section(BaseModel):
 class SyntheticConfig(_Section):
     seed: int = 0
     train_images: int = Field(4000, ge=1)
-    val_images: int = Field(500, ge=1)
+    val_images: int = Field(250, ge=1)  # what train.val_images scores each epoch
     test_images: int = Field(500, ge=1)
     image_size: int = Field(224, ge=64)
     captions_per_image: int = Field(5, ge=1)

@@ -14,6 +14,7 @@ from sat_model.model import (
     END_ID,
     PAD_ID,
     START_ID,
+    HardAttention,
     ModelConfig,
     ShowAttendTell,
     SoftAttention,
@@ -274,3 +275,20 @@ def test_a_tiny_batch_is_overfit(attention: str) -> None:
     nll = criterion(model(annotations, captions), captions).nll
     # start: log K ≈ 2.5 nats per token
     assert nll < 0.05, f"mean per-token NLL {float(nll):.3f} after 300 steps"
+
+
+def test_sampled_locations_follow_alpha() -> None:
+    """s̃_t ~ Multinoulli(α_t) (Eq. 8): with a_i = e_i the context is the one-hot of s̃_t, so
+    location frequencies over many draws must match α within Monte-Carlo error."""
+    torch.manual_seed(0)
+    att = HardAttention(annotation_dim=L, hidden_dim=3, attention_dim=4)
+    rows = 20_000
+    annotations = torch.eye(L).expand(rows, L, L)  # (rows, L, D=L), a_i = e_i
+    hidden = torch.randn(1, 3).expand(rows, 3)  # the same α in every row
+    out = att(annotations, att.project(annotations), hidden, mode="sample")
+    frequency = out.context.mean(0)  # (L,)
+    alpha = out.alpha[0]
+    # 5 standard errors of a frequency estimated from `rows` draws
+    tolerance = 5 * torch.sqrt(alpha * (1 - alpha) / rows) + 1e-4
+    assert ((frequency - alpha).abs() <= tolerance).all(), (frequency, alpha)
+    assert torch.equal(out.context.sum(1), torch.ones(rows))  # exactly one location per draw
