@@ -172,8 +172,9 @@ class SoftAttention(nn.Module):
 
         tanh(u) = 2σ(2u) - 1, so w_att^T tanh(u) = 2 w_att^T σ(2u) - Σ w_att: the last term is
         the same for every i and cancels in the softmax of Eq. 5, so α is exactly Eq. 4-5's.
-        σ, because torch's CPU tanh is several times slower than its sigmoid on this, the
-        largest tensor of the step (benchmarks/bench_model.py, "attention_nonlinearity").
+        σ, because the pinned torch's CPU tanh ran 5-9x slower than its sigmoid on this, the
+        step's largest tensor, on the 2-core CI machine (benchmarks/bench_model.py,
+        "attention_nonlinearity"; builds where tanh is the faster one lose little).
         """
         pre = projected + self.hidden_proj(hidden).unsqueeze(1)  # (B, L, A)
         # in place: one allocation for the step's largest tensor instead of three
