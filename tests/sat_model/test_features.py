@@ -8,7 +8,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from sat_model.features import FeatureMeta, FeatureStore, FeatureStoreError, FeatureWriter
+from sat_model.features import (
+    FeatureMeta,
+    FeatureStore,
+    FeatureStoreError,
+    FeatureWriter,
+    channel_statistics,
+)
 
 META = FeatureMeta(
     encoder="random",
@@ -134,3 +140,12 @@ def test_an_arrow_file_without_feature_metadata_is_refused(tmp_path: Path) -> No
 def test_missing_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(FeatureStoreError, match="feature file not found"):
         FeatureStore(tmp_path / "test.arrow")
+
+
+def test_channel_statistics_equal_numpy_over_every_location(tmp_path: Path) -> None:
+    _write(tmp_path / "f.arrow")  # 6 images (L=4, D=3), read back in chunks of 4
+    store = FeatureStore(tmp_path / "f.arrow")
+    mean, std = channel_statistics(store, chunk=4)
+    flat = _features(6).reshape(-1, 3).astype(np.float64)  # (images*L, D)
+    np.testing.assert_allclose(mean, flat.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(std, flat.std(0), rtol=1e-6)

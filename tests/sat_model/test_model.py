@@ -292,3 +292,21 @@ def test_sampled_locations_follow_alpha() -> None:
     tolerance = 5 * torch.sqrt(alpha * (1 - alpha) / rows) + 1e-4
     assert ((frequency - alpha).abs() <= tolerance).all(), (frequency, alpha)
     assert torch.equal(out.context.sum(1), torch.ones(rows))  # exactly one location per draw
+
+
+def test_feature_standardisation_feeds_the_decoder_standardised_annotations() -> None:
+    annotations, captions = tiny_batch()
+    mean, std = torch.linspace(-2, 2, D), torch.linspace(0.5, 3, D)
+    torch.manual_seed(0)
+    normalised = tiny_model("soft", normalize_features=True)
+    normalised.set_feature_statistics(mean, std)
+    torch.manual_seed(0)
+    plain = tiny_model("soft")  # same weights, no standardisation
+    normalised.eval(), plain.eval()
+    torch.testing.assert_close(
+        normalised(annotations, captions).logits,
+        plain((annotations - mean) / std, captions).logits,
+    )
+    state = normalised.state_dict()  # the statistics travel with the checkpoint
+    torch.testing.assert_close(state["feature_mean"], mean)
+    torch.testing.assert_close(state["feature_std"], std)
