@@ -115,12 +115,16 @@ class AttentionOutput:
 
 @dataclass(frozen=True)
 class DecoderState:
-    """LSTM state plus the per-image tensors that do not change over the caption."""
+    """LSTM state plus the per-image tensors that do not change over the caption.
 
-    h: Tensor  # (B, n)
-    c: Tensor  # (B, n)
+    The LSTM state has ``k`` rows per image, consecutive (``k`` = 1 in training, the beam size in
+    beam search); the per-image tensors are held once per image and shared by its rows.
+    """
+
+    h: Tensor  # (B*k, n)
+    c: Tensor  # (B*k, n)
     annotations: Tensor  # (B, L, D)
-    projected: Tensor  # (B, L, A), W_a a_i + b, computed once per image (Eq. 4)
+    projected: Tensor  # (B, L, A), 2(W_a a_i + b) (Eq. 4, scaled for σ(2u)), once per image
 
     def reorder(self, index: Tensor) -> DecoderState:
         """Select rows of the LSTM state; beam search only moves beams within an image, whose
@@ -128,8 +132,11 @@ class DecoderState:
         return dataclasses.replace(self, h=self.h[index], c=self.c[index])
 
     def repeat(self, k: int) -> DecoderState:
-        """Each image's state ``k`` times in a row: (B, …) -> (B*k, …), for beam search."""
-        return DecoderState(*(t.repeat_interleave(k, dim=0) for t in dataclasses.astuple(self)))
+        """``k`` rows of LSTM state per image, for beam search: (B, n) -> (B*k, n). The image's
+        annotations are not copied: the attention reads them once for all its rows."""
+        return dataclasses.replace(
+            self, h=self.h.repeat_interleave(k, dim=0), c=self.c.repeat_interleave(k, dim=0)
+        )
 
 
 @dataclass(frozen=True)
@@ -164,11 +171,13 @@ class SoftAttention(nn.Module):
         self.score = nn.Linear(attention_dim, 1, bias=False)  # w_att
 
     def project(self, annotations: Tensor) -> Tensor:
-        """W_a a_i + b for every location: (B, L, D) -> (B, L, A), once per image."""
-        return self.annotation_proj(annotations)
+        """2(W_a a_i + b) for every location: (B, L, D) -> (B, L, A), once per image; the factor
+        2 is that of σ(2u) in ``scores``, paid here once rather than on every step."""
+        return 2.0 * self.annotation_proj(annotations)
 
     def scores(self, projected: Tensor, hidden: Tensor) -> Tensor:
-        """e_ti (Eq. 4) up to a shift that is the same at every location: (B, L).
+        """e_ti (Eq. 4) up to a shift that is the same at every location: (B*k, L), for
+        ``projected`` (B, L, A) from ``project`` and ``hidden`` (B*k, n) with k rows per image.
 
         tanh(u) = 2σ(2u) - 1, so w_att^T tanh(u) = 2 w_att^T σ(2u) - Σ w_att: the last term is
         the same for every i and cancels in the softmax of Eq. 5, so α is exactly Eq. 4-5's.
@@ -176,9 +185,12 @@ class SoftAttention(nn.Module):
         step's largest tensor, on the 2-core CI machine (benchmarks/bench_model.py,
         "attention_nonlinearity"; builds where tanh is the faster one lose little).
         """
-        pre = projected + self.hidden_proj(hidden).unsqueeze(1)  # (B, L, A)
-        # in place: one allocation for the step's largest tensor instead of three
-        return 2.0 * self.score(pre.mul_(2.0).sigmoid_()).squeeze(-1)  # (B, L)
+        B, L, A = projected.shape
+        k = hidden.size(0) // B  # rows per image (beams)
+        hidden = 2.0 * self.hidden_proj(hidden)  # (B*k, A)
+        pre = projected.unsqueeze(1) + hidden.view(B, k, 1, A)  # (B, k, L, A): 2u
+        # in place: one allocation for the step's largest tensor instead of two
+        return 2.0 * self.score(pre.sigmoid_()).view(B * k, L)  # (B*k, L)
 
     def forward(
         self, annotations: Tensor, projected: Tensor, hidden: Tensor, mode: str = "expected"
@@ -221,8 +233,10 @@ class HardAttention(SoftAttention):
 
 
 def _expected_context(annotations: Tensor, alpha: Tensor) -> Tensor:
-    """Σ_i α_i a_i (Sec. 4.2): (B, L, D), (B, L) -> (B, D)."""
-    return torch.bmm(alpha.unsqueeze(1), annotations).squeeze(1)
+    """Σ_i α_i a_i (Sec. 4.2): (B, L, D), (B*k, L) -> (B*k, D); the k rows of an image in one
+    matrix product, so its annotations are read once, not once per beam."""
+    B, L, D = annotations.shape
+    return torch.bmm(alpha.view(B, -1, L), annotations).view(-1, D)
 
 
 def _pick_location(alpha: Tensor, mode: str) -> Tensor:
@@ -239,9 +253,11 @@ def _pick_location(alpha: Tensor, mode: str) -> Tensor:
 
 
 def _gather_location(annotations: Tensor, location: Tensor) -> Tensor:
-    """a_{s̃}: (B, L, D), (B,) -> (B, D); the one-hot sum of Eq. 9 without the multiply."""
-    index = location.view(-1, 1, 1).expand(-1, 1, annotations.size(2))  # (B, 1, D)
-    return annotations.gather(1, index).squeeze(1)
+    """a_{s̃}: (B, L, D), (B*k,) -> (B*k, D); the one-hot sum of Eq. 9 without the multiply."""
+    B, L, D = annotations.shape
+    k = location.size(0) // B
+    image = torch.arange(B, device=location.device).repeat_interleave(k)  # (B*k,)
+    return annotations.reshape(B * L, D)[image * L + location]
 
 
 @dataclass(frozen=True)

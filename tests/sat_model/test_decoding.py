@@ -101,12 +101,15 @@ def test_unreachable_end_returns_max_length_captions(beam_size: int) -> None:
             assert np.isfinite(c.score)
 
 
-def test_batched_beam_search_equals_one_image_at_a_time() -> None:
-    model = random_model(4, end_bias=2.0)
+@pytest.mark.parametrize(("attention", "mode"), [("soft", "expected"), ("hard", "argmax")])
+def test_batched_beam_search_equals_one_image_at_a_time(attention: str, mode: str) -> None:
+    # the k beams of an image share one copy of its annotations: each beam must attend to (and,
+    # with argmax, pick a location of) its own image's annotations, never a neighbour's
+    model = random_model(4, attention, end_bias=2.0)
     annotations = random_annotations(4)
-    batched = beam_search(model, annotations, beam_size=3, max_length=10)
+    batched = beam_search(model, annotations, beam_size=3, max_length=10, mode=mode)
     for image, b in zip(annotations, batched, strict=True):
-        (alone,) = beam_search(model, image.unsqueeze(0), beam_size=3, max_length=10)
+        (alone,) = beam_search(model, image.unsqueeze(0), beam_size=3, max_length=10, mode=mode)
         assert alone.tokens == b.tokens
         assert alone.score == pytest.approx(b.score, abs=1e-5)
         np.testing.assert_allclose(alone.alphas, b.alphas, atol=1e-6)
