@@ -134,6 +134,7 @@ def _caption(args: argparse.Namespace) -> int:
             resolve_model_dir(model, Path(tmp), uri),
             beam_size=ev.beam_size,
             max_length=ev.max_length,
+            length_normalization=ev.length_normalization,
             mode=ev.hard_decode,
         )
     ok = 0

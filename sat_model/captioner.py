@@ -143,6 +143,7 @@ class Captioner:
         resize: int,
         beam_size: int = 3,
         max_length: int = 20,
+        length_normalization: bool = True,
         mode: str = "expected",
         batch_size: int = 16,
         device: str | torch.device = "cpu",
@@ -153,6 +154,7 @@ class Captioner:
         self.resize = resize
         self.beam_size = beam_size
         self.max_length = max_length
+        self.length_normalization = length_normalization
         self.mode = mode
         self.batch_size = batch_size
         self.device = torch.device(device)
@@ -208,6 +210,7 @@ class Captioner:
             annotations,
             beam_size=beam_size or self.beam_size,
             max_length=self.max_length,
+            length_normalization=self.length_normalization,
             mode=self.mode,
         )
         out = []

@@ -1,7 +1,9 @@
 """Self-describing checkpoints: ``model.pt`` + ``config.json`` + ``vocab.json`` in one folder.
 
 ``model.pt`` is a ``torch.save`` of plain containers and tensors only: ``format_version``,
-``model_state``, ``criterion_state`` (the hard-attention baseline buffer lives there),
+``model_state`` (the weights to use: the moving average when training kept one),
+``train_state`` (the weights the optimiser was updating, to resume from; absent or None when
+they are ``model_state``), ``criterion_state`` (the hard-attention baseline buffer lives there),
 ``optimizer_state``, ``scheduler_state``, ``epoch``, ``best_score``, ``best_epoch``, ``config``
 (the JSON-able dict of ``config.json``) and ``itos`` (the vocabulary). It is always read with
 ``torch.load(weights_only=True)``, so a file that carries pickled code (a whole ``nn.Module``,
@@ -67,6 +69,8 @@ class Checkpoint:
     best_epoch: int | None
     config: dict[str, Any]  # the whole config.json: model, encoder, train, ...
     format_version: int = FORMAT_VERSION
+    # the optimiser's weights when model_state is their moving average (to resume); else None
+    train_state: dict[str, torch.Tensor] | None = None
 
 
 def save_checkpoint(
@@ -75,6 +79,7 @@ def save_checkpoint(
     model_config: ModelConfig,
     vocab: Vocab,
     model_state: Mapping[str, torch.Tensor],
+    train_state: Mapping[str, torch.Tensor] | None = None,
     criterion_state: Mapping[str, torch.Tensor] | None = None,
     optimizer_state: Mapping[str, Any] | None = None,
     scheduler_state: Mapping[str, Any] | None = None,
@@ -98,6 +103,7 @@ def save_checkpoint(
     payload = {
         "format_version": FORMAT_VERSION,
         "model_state": _cpu(model_state),
+        "train_state": _cpu(train_state) if train_state is not None else None,
         "criterion_state": _cpu(criterion_state or {}),
         "optimizer_state": _cpu(optimizer_state) if optimizer_state is not None else None,
         "scheduler_state": dict(scheduler_state) if scheduler_state is not None else None,
@@ -143,6 +149,7 @@ def load_checkpoint(
         best_score=payload["best_score"],
         best_epoch=payload["best_epoch"],
         config=payload["config"],
+        train_state=payload.get("train_state"),  # absent in checkpoints written before it
     )
 
 

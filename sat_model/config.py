@@ -173,7 +173,7 @@ class ModelParams(_Section):
 # ---------------------------------------------------------------------------- train
 class _OptimFields(_Section):
     optimizer: Literal["adam", "rmsprop"] = "adam"
-    lr: float = Field(4e-3, gt=0)
+    lr: float = Field(6e-3, gt=0)  # cosine from here, for both variants at the default sizes
     weight_decay: float = Field(0.0, ge=0)
     lr_schedule: Literal["constant", "cosine", "step"] = "cosine"
     lr_decay: float = Field(0.8, gt=0, le=1)  # factor per epoch for "step"
@@ -181,10 +181,14 @@ class _OptimFields(_Section):
     batch_size: int = Field(64, ge=1)
     grad_clip: float = Field(5.0, gt=0)
     patience: int = Field(4, ge=1)  # epochs without a better val BLEU-4 before stopping
+    # beyond the paper: validate, keep and ship an exponential moving average of the weights,
+    # updated every optimiser step (0 = off, the weights as trained). On the scenes 0.99 smooths
+    # the validation curve (one-length batches swing the raw weights) but leaves test BLEU-4 where
+    # it was (README, "How the defaults were chosen")
+    ema_decay: float = Field(0.0, ge=0, lt=1)
 
 
 class SoftTrainConfig(_OptimFields):
-    lr: float = Field(6e-3, gt=0)
     # λ, Eq. 14 (paper: 1). 0 on the generated scenes, where it spreads α over all L locations
     doubly_stochastic: float = Field(0.0, ge=0)
 
@@ -212,7 +216,9 @@ class EvalConfig(_Section):
     split: Split = "test"
     beam_size: int = Field(3, ge=1)
     max_length: int = Field(20, ge=1)
-    length_normalization: bool = False
+    # rank finished beams by log-probability per token: summed log-probabilities favour the
+    # shortest caption (README, Results)
+    length_normalization: bool = True
     # hard attention at test time: expected α (authors' default), a sample, or the argmax
     hard_decode: Literal["expected", "sample", "argmax"] = "expected"
     batch_size: int = Field(64, ge=1)

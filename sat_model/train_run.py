@@ -259,9 +259,9 @@ def train_model(
     criterion = build_criterion(attention, cfg)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.lr_schedule, cfg.max_epochs, cfg.lr_decay)
-    start_epoch, best_score, best_epoch, curves = 0, None, None, []
+    start_epoch, best_score, best_epoch, average_state, curves = 0, None, None, None, []
     if resume_from is not None:
-        start_epoch, best_score, best_epoch = _resume(
+        start_epoch, best_score, best_epoch, average_state = _resume(
             Path(resume_from), vocab, model, criterion, optimizer, scheduler
         )
         curves = _read_curves(Path(resume_from) / CURVES_FILE, start_epoch)
@@ -310,6 +310,8 @@ def train_model(
         seed=params.train.seed * 1_000 + rank,
         best_score=best_score,
         best_epoch=best_epoch,
+        ema_decay=cfg.ema_decay,
+        average_state=average_state,
     )
     metrics = _read_metrics(model_dir) if rank == 0 else {}
     return TrainResult(
@@ -331,16 +333,22 @@ def _resume(
     criterion: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> tuple[int, float | None, int | None]:
-    """Load a checkpoint folder written by this module; returns (epoch, best score, best epoch)."""
+) -> tuple[int, float | None, int | None, dict[str, torch.Tensor] | None]:
+    """Load a checkpoint folder written by this module into ``model`` (the weights the optimiser
+    updates) and the rest; returns (epoch, best score, best epoch, moving-average state or None).
+    """
     ckpt = load_checkpoint(directory, vocab=vocab)
-    model.load_state_dict(ckpt.model_state)
+    if ckpt.train_state is not None:  # model_state is the moving average of these
+        model.load_state_dict(ckpt.train_state)
+    else:
+        model.load_state_dict(ckpt.model_state)
     criterion.load_state_dict(ckpt.criterion_state)
     if ckpt.optimizer_state is not None:
         optimizer.load_state_dict(ckpt.optimizer_state)
     if ckpt.scheduler_state is not None:
         scheduler.load_state_dict(ckpt.scheduler_state)
-    return ckpt.epoch, ckpt.best_score, ckpt.best_epoch
+    average = ckpt.model_state if ckpt.train_state is not None else None
+    return ckpt.epoch, ckpt.best_score, ckpt.best_epoch, average
 
 
 def _read_metrics(model_dir: Path) -> dict[str, float]:

@@ -12,6 +12,11 @@ every ``log_every`` steps and at the end of the epoch, which is also when a non-
 noticed (:class:`NonFiniteLossError`, raised before any callback sees the bad epoch, so the last
 checkpoint a callback wrote stays the last good one).
 
+With ``ema_decay`` > 0 the loop also keeps an exponential moving average of the weights
+(``torch.optim.swa_utils``, updated after every optimiser step); that average is what is
+validated, kept as the best state and saved as ``model_state``, while the weights the optimiser
+updates travel beside it as ``train_state`` so a resumed run continues both.
+
 Epochs are counted from 1 in everything reported (``EpochState.epoch`` = epochs completed);
 ``batches(epoch)`` receives the 0-based index. With ``seed`` given, the torch RNG is re-seeded at
 the start of every epoch, so a run resumed at epoch k repeats the uninterrupted run exactly.
@@ -27,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from sat_model.checkpoint import state_of
 
@@ -70,8 +76,10 @@ class EpochState:
     best_epoch: int | None
     steps: int
     seconds: float
-    # builds {model_state, criterion_state, optimizer_state, scheduler_state, epoch, best_score,
-    # best_epoch} of the model as it is now; called only by callbacks that save it
+    # builds {model_state, train_state, criterion_state, optimizer_state, scheduler_state, epoch,
+    # best_score, best_epoch} as they are now (model_state: the weights validated, the moving
+    # average when there is one; train_state: the optimiser's weights then, else None); called
+    # only by callbacks that save it
     checkpoint: Callable[[], dict[str, Any]] = field(repr=False)
 
 
@@ -154,6 +162,8 @@ def fit(
     log_every: int = 50,
     best_score: float | None = None,
     best_epoch: int | None = None,
+    ema_decay: float = 0.0,
+    average_state: Mapping[str, torch.Tensor] | None = None,
 ) -> FitResult:
     """Train from epoch ``start_epoch`` (epochs already done) to at most ``max_epochs``.
 
@@ -161,13 +171,18 @@ def fit(
     ``model`` holding the best weights. ``wrap_model`` (e.g. DDP) wraps the model used for the
     training forward pass; ``validate`` and the saved states use the unwrapped ``model``. When
     ``torch.distributed`` is initialised, rank 0's stop decision is broadcast so every rank
-    leaves the loop together. ``best_score``/``best_epoch`` continue a resumed run.
+    leaves the loop together. ``best_score``/``best_epoch`` continue a resumed run, and
+    ``average_state`` its moving average (the saved ``model_state``; ``model`` then holds the
+    saved ``train_state``).
     """
     if patience < 1:
         raise ValueError(f"patience must be >= 1, got {patience}")
     model.to(device)
     criterion.to(device)
     train_model = wrap_model(model) if wrap_model is not None else model
+    average = _moving_average(model, ema_decay, average_state)
+    # what is validated, kept as the best state and saved as model_state
+    eval_model = average.module if average is not None else model
     progress = _Progress(best_score, best_epoch, None)
     completed, stopped_early = start_epoch, False
     for epoch in range(start_epoch, max_epochs):
@@ -189,12 +204,14 @@ def fit(
             epoch,
             log_every,
             callbacks,
+            average,
         )
         if scheduler is not None:
             scheduler.step()
-        val = dict(validate(model)) if validate is not None else None
+        val = dict(validate(eval_model)) if validate is not None else None
         state = _epoch_state(
-            model,
+            eval_model,
+            model if average is not None else None,
             criterion,
             optimizer,
             scheduler,
@@ -214,16 +231,31 @@ def fit(
         if _agree(_should_stop(progress, completed, patience, val is not None), device):
             stopped_early = completed < max_epochs
             break
-    if progress.best_state is not None:
-        model.load_state_dict(progress.best_state)
+    best_state = progress.best_state if progress.best_state is not None else state_of(eval_model)
+    model.load_state_dict(best_state)
     return FitResult(
         best_score=progress.best_score,
         best_epoch=progress.best_epoch,
-        best_state=progress.best_state if progress.best_state is not None else state_of(model),
+        best_state=best_state,
         epochs_completed=completed,
         stopped_early=stopped_early,
         history=progress.history,
     )
+
+
+def _moving_average(
+    model: nn.Module, decay: float, state: Mapping[str, torch.Tensor] | None
+) -> AveragedModel | None:
+    """The EMA of ``model``'s parameters, or None for ``decay`` 0; ``state`` resumes one."""
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"ema_decay must be in [0, 1), got {decay}")
+    if decay == 0.0:
+        return None
+    average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
+    if state is not None:
+        average.module.load_state_dict(state)
+        average.n_averaged.fill_(1)  # continue the average; 0 would restart it from model
+    return average
 
 
 def _train_epoch(
@@ -236,6 +268,7 @@ def _train_epoch(
     epoch: int,
     log_every: int,
     callbacks: Sequence[Callback],
+    average: AveragedModel | None = None,
 ) -> tuple[float, float, int]:
     """One pass of teacher forcing; returns mean loss, mean NLL and the number of steps."""
     model.train()
@@ -251,6 +284,8 @@ def _train_epoch(
         if grad_clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
+        if average is not None:
+            average.update_parameters(model)
         loss = out.loss.detach()
         total += torch.stack([loss, out.nll.detach().to(loss.dtype)])
         window += loss
@@ -277,6 +312,7 @@ def _checked(loss: float, epoch: int, step: int) -> float:
 
 def _epoch_state(
     model: nn.Module,
+    trained: nn.Module | None,
     criterion: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
@@ -290,7 +326,8 @@ def _epoch_state(
     seconds: float,
     monitor: str,
 ) -> EpochState:
-    """Update the best score/state and describe the epoch."""
+    """Update the best score/state and describe the epoch; ``model`` is the one validated,
+    ``trained`` the one the optimiser updates when that is another (the moving average's)."""
     if val is not None and monitor not in val:
         raise KeyError(f"validate() returned {sorted(val)}, without the monitored {monitor!r}")
     score = val[monitor] if val is not None else None
@@ -303,6 +340,7 @@ def _epoch_state(
     def checkpoint() -> dict[str, Any]:
         return {
             "model_state": state_of(model),
+            "train_state": state_of(trained) if trained is not None else None,
             "criterion_state": state_of(criterion),
             "optimizer_state": optimizer.state_dict(),
             "scheduler_state": scheduler.state_dict() if scheduler is not None else None,

@@ -110,6 +110,22 @@ def test_checkpoint_keeps_criterion_baseline_optimizer_and_scores(tmp_path: Path
     assert json.loads((path / "config.json").read_text())["model"]["vocab_size"] == len(ckpt.vocab)
 
 
+def test_train_state_travels_beside_the_moving_average_and_is_optional(tmp_path: Path) -> None:
+    path, model, vocab, _ = _trained_state(tmp_path)
+    assert load_checkpoint(path).train_state is None  # saved without one
+    trained = {k: v + 1.0 for k, v in model.state_dict().items()}
+    save_checkpoint(
+        tmp_path / "ema", model_config=model.config, vocab=vocab,
+        model_state=model.state_dict(), train_state=trained,
+    )  # fmt: skip
+    ckpt = load_checkpoint(tmp_path / "ema")
+    for name, value in trained.items():
+        assert torch.equal(ckpt.train_state[name], value), name
+    # the model that is loaded for use is model_state, the average
+    loaded, _, _ = load_model(tmp_path / "ema")
+    assert torch.equal(loaded.out.weight, model.out.weight)
+
+
 def test_vocab_of_another_size_is_refused(tmp_path: Path) -> None:
     path, *_ = _trained_state(tmp_path)
     other = _vocab([*WORDS, "green"])

@@ -67,13 +67,15 @@ class Recorder(Callback):
         self.states: list[EpochState] = []
         self.weights: list[torch.Tensor] = []
         self.logs: list[tuple[int, int, float]] = []
+        self.saved: list[dict] = []  # what a checkpoint callback would write at each epoch's end
 
     def on_log(self, epoch: int, step: int, loss: float) -> None:
         self.logs.append((epoch, step, loss))
 
     def on_epoch_end(self, state: EpochState) -> None:
         self.states.append(state)
-        self.weights.append(state.checkpoint()["model_state"]["out.weight"].clone())
+        self.saved.append(state.checkpoint())
+        self.weights.append(self.saved[-1]["model_state"]["out.weight"].clone())
 
 
 def _fit(
@@ -205,6 +207,81 @@ def test_unknown_optimizer_and_schedule_are_refused_by_name() -> None:
     opt = build_optimizer(_model().parameters(), "rmsprop", 1e-3)
     with pytest.raises(ValueError, match="linear"):
         build_scheduler(opt, "linear", 3, 0.5)
+
+
+def _fit_ema(model, epochs, *, start_epoch=0, average_state=None, optimizer_state=None):
+    """``ema_decay`` 0.8, 4 steps an epoch; returns (result, optimiser, raw weights, recorder)."""
+    optimizer = build_optimizer(model.parameters(), "adam", 1e-2)
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    raw: list[dict[str, torch.Tensor]] = []
+    optimizer.register_step_post_hook(
+        lambda *_: raw.append({k: v.clone() for k, v in model.named_parameters()})
+    )
+    result = fit(
+        model,
+        SoftAttentionLoss(1.0),
+        optimizer,
+        None,
+        _batches(),
+        None,
+        (rec := Recorder(),),
+        start_epoch=start_epoch,
+        max_epochs=epochs,
+        patience=3,
+        seed=7,
+        ema_decay=0.8,
+        average_state=average_state,
+    )
+    return result, optimizer, raw, rec
+
+
+def test_moving_average_is_what_is_kept_and_the_trained_weights_travel_beside_it() -> None:
+    model = _model()
+    result, _, raw, rec = _fit_ema(model, 2)
+    assert len(raw) == 8  # 4 batches x 2 epochs
+    # the EMA by its definition: the first step's weights, then e <- 0.8 e + 0.2 w
+    expected = dict(raw[0])
+    for weights in raw[1:]:
+        expected = {k: 0.8 * expected[k] + 0.2 * w for k, w in weights.items()}
+    for name, value in expected.items():
+        torch.testing.assert_close(result.best_state[name], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+    saved = rec.saved[-1]
+    for name, value in raw[-1].items():  # train_state: the optimiser's own weights
+        torch.testing.assert_close(saved["train_state"][name], value)
+    assert not torch.allclose(saved["model_state"]["out.weight"], raw[-1]["out.weight"])
+
+
+def test_a_run_resumed_from_its_checkpoint_continues_the_average_and_the_weights() -> None:
+    whole, _, _, _ = _fit_ema(_model(), 2)
+    _, optimizer, _, rec = _fit_ema(_model(), 1)
+    saved = rec.saved[-1]
+    resumed = _model(seed=5)  # other initial weights: everything must come from the checkpoint
+    resumed.load_state_dict(saved["train_state"])
+    result, _, _, _ = _fit_ema(
+        resumed,
+        2,
+        start_epoch=1,
+        average_state=saved["model_state"],
+        optimizer_state=optimizer.state_dict(),
+    )
+    for name, value in whole.best_state.items():
+        torch.testing.assert_close(result.best_state[name], value, rtol=1e-5, atol=1e-6)
+    # and restarting the average instead of continuing it ends elsewhere
+    restarted = _model(seed=5)
+    restarted.load_state_dict(saved["train_state"])
+    other, _, _, _ = _fit_ema(restarted, 2, start_epoch=1, optimizer_state=optimizer.state_dict())
+    assert not torch.allclose(other.best_state["out.weight"], whole.best_state["out.weight"])
+
+
+def test_without_a_moving_average_the_checkpoint_has_no_train_state() -> None:
+    rec = Recorder()
+    _fit(_model(), callbacks=[rec])
+    assert rec.saved[-1]["train_state"] is None
+    with pytest.raises(ValueError, match="ema_decay"):
+        fit(_model(), SoftAttentionLoss(1.0), build_optimizer(_model().parameters(), "adam", 1e-2),
+            None, _batches(), None, max_epochs=1, patience=1, ema_decay=1.0)  # fmt: skip
 
 
 # ------------------------------------------------------------------ end to end (real model)
