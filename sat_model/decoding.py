@@ -157,7 +157,8 @@ def _beam_search(
 ) -> list[Caption]:
     B = annotations.size(0)
     device = annotations.device
-    # W_a a and h_0, c_0 once per image, then copied to the image's k rows: (B*k, …)
+    # W_a a and h_0, c_0 once per image; h, c copied to the image's k rows (B*k, n), the
+    # annotations and W_a a shared by them
     state = model.init_state(annotations).repeat(k)
     scores = torch.full((B, k), float("-inf"), device=device)
     scores[:, 0] = 0.0  # one live beam per image at first, or the k beams would be duplicates

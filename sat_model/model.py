@@ -254,10 +254,9 @@ def _pick_location(alpha: Tensor, mode: str) -> Tensor:
 
 def _gather_location(annotations: Tensor, location: Tensor) -> Tensor:
     """a_{s̃}: (B, L, D), (B*k,) -> (B*k, D); the one-hot sum of Eq. 9 without the multiply."""
-    B, L, D = annotations.shape
-    k = location.size(0) // B
-    image = torch.arange(B, device=location.device).repeat_interleave(k)  # (B*k,)
-    return annotations.reshape(B * L, D)[image * L + location]
+    B, _, D = annotations.shape
+    index = location.view(B, -1, 1).expand(-1, -1, D)  # (B, k, D)
+    return annotations.gather(1, index).view(-1, D)
 
 
 @dataclass(frozen=True)

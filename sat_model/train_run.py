@@ -338,10 +338,8 @@ def _resume(
     updates) and the rest; returns (epoch, best score, best epoch, moving-average state or None).
     """
     ckpt = load_checkpoint(directory, vocab=vocab)
-    if ckpt.train_state is not None:  # model_state is the moving average of these
-        model.load_state_dict(ckpt.train_state)
-    else:
-        model.load_state_dict(ckpt.model_state)
+    # with a moving average, model_state is the average of train_state
+    model.load_state_dict(ckpt.train_state or ckpt.model_state)
     criterion.load_state_dict(ckpt.criterion_state)
     if ckpt.optimizer_state is not None:
         optimizer.load_state_dict(ckpt.optimizer_state)
