@@ -134,9 +134,9 @@ class _Beams:
     """The live beams after some steps; the history is kept as back-pointers (``_Step``), so a
     step costs the same whatever its index (no re-copying of every past token and α)."""
 
-    scores: Tensor  # (B, k) summed log-probabilities
-    finished: Tensor  # (B*k,) bool, <end> emitted
-    length: Tensor  # (B*k,) long, tokens emitted up to and including the first <end>
+    scores: Tensor  # (B, w) summed log-probabilities; w = 1 before the first step, then k
+    finished: Tensor  # (B*w,) bool, <end> emitted
+    length: Tensor  # (B*w,) long, tokens emitted up to and including the first <end>
     state: DecoderState
 
 
@@ -144,7 +144,7 @@ class _Beams:
 class _Step:
     token: Tensor  # (B*k,) the token each beam emitted at this step
     parent: Tensor  # (B*k,) the row (of the previous step's beams) it extends
-    alpha: Tensor  # (B*k, L) α of the previous step's rows: row parent[j] is beam j's
+    alpha: Tensor  # (B*w, L) α of the previous step's rows: row parent[j] is beam j's
 
 
 def _beam_search(
@@ -157,18 +157,16 @@ def _beam_search(
 ) -> list[Caption]:
     B = annotations.size(0)
     device = annotations.device
-    # W_a a and h_0, c_0 once per image; h, c copied to the image's k rows (B*k, n), the
-    # annotations and W_a a shared by them
-    state = model.init_state(annotations).repeat(k)
-    scores = torch.full((B, k), float("-inf"), device=device)
-    scores[:, 0] = 0.0  # one live beam per image at first, or the k beams would be duplicates
+    # one row per image until the first step has produced k different words: k copies of
+    # h_0 would only make k identical hypotheses. The first step's top k then spread each image
+    # to k rows of h, c (B*k, n); the annotations and W_a a stay once per image, shared by them
     beams = _Beams(
-        scores=scores,
-        finished=torch.zeros(B * k, dtype=torch.bool, device=device),
-        length=torch.zeros(B * k, dtype=torch.long, device=device),
-        state=state,
+        scores=torch.zeros(B, 1, device=device),
+        finished=torch.zeros(B, dtype=torch.bool, device=device),
+        length=torch.zeros(B, dtype=torch.long, device=device),
+        state=model.init_state(annotations),
     )
-    prev = torch.full((B * k,), START_ID, dtype=torch.long, device=device)
+    prev = torch.full((B,), START_ID, dtype=torch.long, device=device)
     history: list[_Step] = []
     for _ in range(max_length):
         beams, step = _advance(model, beams, prev, k, mode)
@@ -177,26 +175,28 @@ def _beam_search(
         # one sync per step buys stopping as soon as every beam has ended
         if bool(beams.finished.all()):
             break
-    return _best_captions(beams, history, k, length_normalization)
+    return _best_captions(beams, history, length_normalization)
 
 
 def _advance(
     model: ShowAttendTell, beams: _Beams, prev: Tensor, k: int, mode: str
 ) -> tuple[_Beams, _Step]:
-    """One step for all B*k rows: extend, keep the k best of k*K per image, reorder."""
+    """One step for all B*w rows (w = 1 at the first step, then k): extend, keep the k best of
+    the w*K continuations per image, reorder."""
     out = model.step(prev, beams.state, mode)
-    log_probs = torch.log_softmax(out.logits.float(), dim=-1)  # (B*k, K)
+    log_probs = torch.log_softmax(out.logits.float(), dim=-1)  # (B*w, K)
     K = log_probs.size(1)
     # a finished beam may only continue with <end>, at log-probability 0
     ended = torch.full_like(log_probs[:1], float("-inf"))
     ended[0, END_ID] = 0.0
     log_probs = torch.where(beams.finished.unsqueeze(1), ended, log_probs)
-    B = beams.scores.size(0)
-    candidates = (beams.scores.view(B * k, 1) + log_probs).view(B, k * K)  # (B, k*K)
-    scores, flat = candidates.topk(k, dim=1)  # (B, k)
+    B, w = beams.scores.shape
+    candidates = (beams.scores.view(B * w, 1) + log_probs).view(B, w * K)  # (B, w*K)
+    # fewer than k continuations only when the vocabulary is smaller than the beam
+    scores, flat = candidates.topk(min(k, w * K), dim=1)  # (B, k)
     parent = torch.div(flat, K, rounding_mode="floor")  # (B, k), beam index within the image
-    token = (flat % K).view(B * k)  # (B*k,)
-    rows = (torch.arange(B, device=flat.device).unsqueeze(1) * k + parent).view(B * k)  # (B*k,)
+    token = flat.remainder(K).view(-1)  # (B*k,)
+    rows = (torch.arange(B, device=flat.device).unsqueeze(1) * w + parent).view(-1)  # (B*k,)
     was_finished = beams.finished[rows]
     beams = _Beams(
         scores=scores,
@@ -208,10 +208,10 @@ def _advance(
 
 
 def _best_captions(
-    beams: _Beams, history: list[_Step], k: int, length_normalization: bool
+    beams: _Beams, history: list[_Step], length_normalization: bool
 ) -> list[Caption]:
     """The best hypothesis of each image, read back along its back-pointers, as a Caption."""
-    B = beams.scores.size(0)
+    B, k = beams.scores.shape  # k < beam_size only when the vocabulary is smaller than it
     finished = beams.finished.view(B, k)
     length = beams.length.view(B, k).to(beams.scores.dtype)
     rank = beams.scores / length.clamp(min=1) if length_normalization else beams.scores

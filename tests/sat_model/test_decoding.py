@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -12,11 +14,13 @@ from sat_model.model import END_ID, START_ID, ModelConfig, ShowAttendTell
 K, D, L = 15, 6, 5
 
 
-def random_model(seed: int, attention: str = "soft", end_bias: float = 0.0) -> ShowAttendTell:
+def random_model(
+    seed: int, attention: str = "soft", end_bias: float = 0.0, vocab_size: int = K
+) -> ShowAttendTell:
     """A random model; a positive ``end_bias`` makes captions end after a few words."""
     torch.manual_seed(seed)
     config = ModelConfig(
-        vocab_size=K,
+        vocab_size=vocab_size,
         annotation_dim=D,
         num_locations=L,
         embed_dim=8,
@@ -85,6 +89,32 @@ def test_beam_search_k3_never_scores_worse_than_greedy(seed: int) -> None:
     for g, b in zip(greedy_captions, beam_captions, strict=True):
         assert g.finished and b.finished
         assert b.score >= g.score - 1e-5
+
+
+@pytest.mark.parametrize("length_normalization", [False, True])
+def test_a_beam_wider_than_every_prefix_finds_the_exhaustive_best(
+    length_normalization: bool,
+) -> None:
+    # 4 words and 3 steps: at most 4^3 = 64 hypotheses, so a beam of 64 prunes nothing (the
+    # beam starts with one row per image and is narrower than k until the vocabulary has filled
+    # it). The result must be the best finished caption over every word sequence, scored by
+    # teacher forcing
+    vocab, steps = 4, 3
+    model = random_model(8, end_bias=1.0, vocab_size=vocab)
+    annotations = random_annotations(8, batch=3)
+    found = beam_search(model, annotations, vocab**steps, steps, length_normalization)
+    words = [i for i in range(vocab) if i != END_ID]  # <pad> and <start> are words to the model
+    # every caption that ends within the steps: 0, 1 or 2 words, then <end>
+    every = [list(ids) for n in range(steps) for ids in itertools.product(words, repeat=n)]
+    for image, c in zip(annotations, found, strict=True):
+
+        def rank(ids: list[int], image: torch.Tensor = image) -> float:
+            caption = Caption(tokens=ids, score=0.0, alphas=np.zeros((len(ids), L)))
+            score = teacher_forced_score(model, image, caption)
+            return score / (len(ids) + 1) if length_normalization else score  # + 1: <end>
+
+        assert c.finished and c.tokens == max(every, key=rank)
+        assert c.score == pytest.approx(teacher_forced_score(model, image, c), abs=1e-4)
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
