@@ -117,8 +117,9 @@ class AttentionOutput:
 class DecoderState:
     """LSTM state plus the per-image tensors that do not change over the caption.
 
-    The LSTM state has ``k`` rows per image, consecutive (``k`` = 1 in training, the beam size in
-    beam search); the per-image tensors are held once per image and shared by its rows.
+    The LSTM state has ``k`` rows per image, consecutive (``k`` = 1 in training and at beam
+    search's first step, then the beam size); the per-image tensors are held once per image and
+    shared by its rows.
     """
 
     h: Tensor  # (B*k, n)
@@ -127,16 +128,10 @@ class DecoderState:
     projected: Tensor  # (B, A, L), 2(W_a a_i + b) (Eq. 4, scaled for σ(2u)), once per image
 
     def reorder(self, index: Tensor) -> DecoderState:
-        """Select rows of the LSTM state; beam search only moves beams within an image, whose
-        annotations are identical, so those are left in place rather than copied every step."""
+        """Select rows of the LSTM state (beam search: each image's one row to its first k
+        continuations, then the surviving beams). A beam only moves within its image, so the
+        per-image tensors stay in place rather than being copied every step."""
         return dataclasses.replace(self, h=self.h[index], c=self.c[index])
-
-    def repeat(self, k: int) -> DecoderState:
-        """``k`` rows of LSTM state per image, for beam search: (B, n) -> (B*k, n). The image's
-        annotations are not copied: the attention reads them once for all its rows."""
-        return dataclasses.replace(
-            self, h=self.h.repeat_interleave(k, dim=0), c=self.c.repeat_interleave(k, dim=0)
-        )
 
 
 @dataclass(frozen=True)
