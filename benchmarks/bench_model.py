@@ -121,12 +121,12 @@ def bench_training(d: Dims, attention: str, batch: int, steps: int, iters: int) 
 
 
 def bench_attention_nonlinearity(d: Dims, rows: int, repeats: int = 20) -> dict:
-    """f_att's largest tensor (rows, L, A): torch.tanh against the 2σ(2u) form model.py uses."""
-    u = torch.randn(rows, d.L, d.A)
+    """f_att's largest tensor (rows, A, L): torch.tanh against the 2σ(2u) form model.py uses."""
+    u = torch.randn(rows, d.A, d.L)
     tanh_s = _best_time(lambda: torch.tanh(u), repeats)
     sigmoid_s = _best_time(lambda: torch.sigmoid(u * 2.0), repeats)
     return {
-        "shape": [rows, d.L, d.A],
+        "shape": [rows, d.A, d.L],
         "tanh_ms": tanh_s * 1e3,
         "sigmoid_of_2u_ms": sigmoid_s * 1e3,
         "tanh_over_sigmoid": tanh_s / sigmoid_s,
