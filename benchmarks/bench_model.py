@@ -5,7 +5,8 @@ batch, ``T`` caption steps, ``L`` locations, ``D`` annotation size, ``m``/``n``/
 embedding/LSTM/attention sizes, ``K`` vocabulary size.
 
 The fraction of peak compares the step's matmul FLOPs (counted analytically, backward taken as
-twice the forward) with a large float32 matmul measured in the same run on the same threads.
+twice the forward) with a large float32 matmul measured in the same run on the same threads,
+through the BLAS and through oneDNN, whichever is faster (``matmul_flops``).
 
     .venv/bin/python benchmarks/bench_model.py [--quick]
 """
@@ -16,6 +17,7 @@ import argparse
 import json
 import platform
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +29,7 @@ from sat_model.decoding import beam_search
 from sat_model.losses import build_criterion
 from sat_model.model import END_ID, PAD_ID, START_ID, ModelConfig, ShowAttendTell, build_model
 
-__all__ = ["Dims", "main", "matmul_peak_flops", "train_step_flops"]
+__all__ = ["Dims", "main", "matmul_flops", "train_step_flops"]
 
 RESULTS = Path(__file__).resolve().parent / "results" / "model.json"
 
@@ -43,11 +45,65 @@ class Dims:
     K: int
 
 
-def matmul_peak_flops(size: int = 2048, repeats: int = 5) -> float:
-    """Best FLOP/s of a (size x size) @ (size x size) float32 matmul."""
+def matmul_flops(size: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """Best FLOP/s of a (size x size) @ (size x size) float32 product through each CPU backend:
+    ``torch.mm`` (the BLAS, MKL in the pinned wheels) and, where PyTorch has it, oneDNN
+    (``torch.utils.mkldnn``'s Linear, the kernel behind ``torch.lstm`` on CPU). MKL runs AMD
+    CPUs well below their hardware (~170 against oneDNN's ~365 GFLOP/s on the 2-core CI
+    machine), so the peak that fractions are taken of is the larger of the two."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     torch.mm(a, b)  # warm-up
-    return 2 * size**3 / _best_time(lambda: torch.mm(a, b), repeats)
+    flops = {"blas": 2 * size**3 / _best_time(lambda: torch.mm(a, b), repeats)}
+    if torch.backends.mkldnn.is_available():
+        with warnings.catch_warnings():  # torch.utils.mkldnn still defines TorchScript modules
+            warnings.simplefilter("ignore", FutureWarning)
+            from torch.utils import mkldnn
+
+            linear = torch.nn.Linear(size, size, bias=False).eval()
+            with torch.no_grad():
+                linear.weight.copy_(b.t())
+            onednn = mkldnn.to_mkldnn(linear)
+        with torch.inference_mode():
+            onednn(a)  # warm-up
+            flops["onednn"] = 2 * size**3 / _best_time(lambda: onednn(a), repeats)
+    return flops
+
+
+def bench_lstm_kernels(d: Dims, rows: tuple[int, ...], repeats: int = 20) -> list[dict]:
+    """One LSTM step (Eq. 1-3) through nn.LSTMCell (two BLAS matmuls) and through torch.lstm
+    (oneDNN's RNN primitive, which repacks the weights on every call): the two kernels the
+    decoder picks between by rows (``sat_model.model.ONEDNN_LSTM_MIN_ROWS``)."""
+    gen = torch.Generator().manual_seed(0)
+    cell = torch.nn.LSTMCell(d.m + d.D, d.n)
+    weights = [cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh]
+    out = []
+    for r in rows:
+        x = torch.randn(r, d.m + d.D, generator=gen)
+        h, c = torch.randn(r, d.n, generator=gen), torch.randn(r, d.n, generator=gen)
+
+        def through_cell(x: torch.Tensor = x, h: torch.Tensor = h, c: torch.Tensor = c) -> object:
+            return cell(x, (h, c))
+
+        def through_lstm(x: torch.Tensor = x, h: torch.Tensor = h, c: torch.Tensor = c) -> object:
+            # has_biases, num_layers, dropout, train, bidirectional, batch_first
+            hx = (h.unsqueeze(0), c.unsqueeze(0))
+            return torch.lstm(x.unsqueeze(0), hx, weights, True, 1, 0.0, False, False, False)
+
+        cell_s = lstm_s = float("inf")
+        with torch.inference_mode():
+            for _ in range(repeats):  # interleaved, best of each
+                cell_s = min(cell_s, _best_time(through_cell, 1))
+                lstm_s = min(lstm_s, _best_time(through_lstm, 1))
+        out.append(
+            {
+                "dims": d.name,
+                "rows": r,
+                "lstm_cell_ms": cell_s * 1e3,
+                "torch_lstm_ms": lstm_s * 1e3,
+                "lstm_cell_over_torch_lstm": cell_s / lstm_s,
+            }
+        )
+    return out
 
 
 def train_step_flops(d: Dims, batch: int, steps: int) -> float:
@@ -192,7 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
     dims = [Dims("default", 196, 112, mp.embed_dim, mp.hidden_dim, mp.attention_dim, 100)]
     if not args.quick:
         dims.append(Dims("paper", 196, 512, 512, 1800, 512, 10_000))
-    peak = matmul_peak_flops()
+    backends = matmul_flops()
+    peak = max(backends.values())
     training = []
     for d in dims:
         iters = 3 if args.quick or d.name == "paper" else 5
@@ -206,9 +263,13 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "matmul_peak_flops_per_s": peak,
+        "matmul_flops_per_s_by_backend": backends,
         "dims": [asdict(d) for d in dims],
         "training": training,
         "attention_nonlinearity": bench_attention_nonlinearity(dims[0], rows=beam_images * 3),
+        "lstm_kernels": [
+            row for d in dims for row in bench_lstm_kernels(d, rows=(3, beam_images * 3))
+        ],
         "beam_search": bench_beam(dims[0], images=beam_images, beam=3, max_length=20),
     }
     if not args.quick:  # one-image decoding at the paper's sizes: ~25 s a round here

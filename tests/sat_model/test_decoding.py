@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from sat_model import model as model_module
 from sat_model.decoding import Caption, beam_search, greedy
 from sat_model.model import END_ID, START_ID, ModelConfig, ShowAttendTell
 
@@ -143,6 +144,33 @@ def test_batched_beam_search_equals_one_image_at_a_time(attention: str, mode: st
         assert alone.tokens == b.tokens
         assert alone.score == pytest.approx(b.score, abs=1e-5)
         np.testing.assert_allclose(alone.alphas, b.alphas, atol=1e-6)
+
+
+def test_batched_and_one_image_decoding_agree_across_the_two_lstm_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # on CPU a step of at least ONEDNN_LSTM_MIN_ROWS rows runs through torch.lstm (oneDNN),
+    # a smaller one through nn.LSTMCell: with the limit at 10, the batch (6 images x 3 beams)
+    # takes the first and one image (3 beams) the second, and they must decode the same
+    rows_through_lstm: list[int] = []
+    lstm = torch.lstm
+
+    def counting_lstm(*args: object) -> object:
+        rows_through_lstm.append(args[0].shape[1])  # type: ignore[attr-defined]
+        return lstm(*args)
+
+    monkeypatch.setattr(torch, "lstm", counting_lstm)
+    monkeypatch.setattr(model_module, "ONEDNN_LSTM_MIN_ROWS", 10)
+    model = random_model(5, end_bias=1.0)
+    annotations = random_annotations(5)
+    batched = beam_search(model, annotations, beam_size=3, max_length=10)
+    assert rows_through_lstm and set(rows_through_lstm) == {18}
+    for image, b in zip(annotations, batched, strict=True):
+        (alone,) = beam_search(model, image.unsqueeze(0), beam_size=3, max_length=10)
+        assert alone.tokens == b.tokens
+        assert alone.score == pytest.approx(b.score, abs=1e-5)
+        np.testing.assert_allclose(alone.alphas, b.alphas, atol=1e-6)
+    assert set(rows_through_lstm) == {18}  # one image at a time never reached torch.lstm
 
 
 def test_captions_carry_one_attention_map_per_word() -> None:

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from sat_model import model as model_module
 from sat_model.config import HardTrainConfig, ModelParams, SoftTrainConfig
 from sat_model.losses import build_criterion
 from sat_model.model import (
@@ -122,6 +123,32 @@ def test_forward_equals_a_loop_of_step(attention: str) -> None:
         torch.testing.assert_close(step.logits, out.logits[:, t])
         torch.testing.assert_close(step.alpha, out.alphas[:, t])
         state = step.state
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_a_decoding_step_is_the_same_through_torch_lstm_and_lstm_cell(
+    attention: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # m + D = n here, so passing W_hh where W_ih belongs would run and give other numbers
+    model = tiny_model(attention).eval()
+    assert model.lstm.input_size == model.lstm.hidden_size
+    annotations, captions = tiny_batch()
+    calls: list[int] = []
+    lstm = torch.lstm
+    monkeypatch.setattr(torch, "lstm", lambda *args: calls.append(1) or lstm(*args))
+    outputs = []
+    for min_rows in (1, 10**9):  # every step through torch.lstm, then through nn.LSTMCell
+        monkeypatch.setattr(model_module, "ONEDNN_LSTM_MIN_ROWS", min_rows)
+        with torch.inference_mode():
+            state = model.init_state(annotations)
+            for t in range(3):
+                out = model.step(captions[:, t], state)
+                state = out.state
+        outputs.append(out)
+    assert len(calls) == 3  # the first three steps, and only those
+    torch.testing.assert_close(outputs[0].state.h, outputs[1].state.h)
+    torch.testing.assert_close(outputs[0].state.c, outputs[1].state.c)
+    torch.testing.assert_close(outputs[0].logits, outputs[1].logits)
 
 
 def test_annotation_projection_is_computed_once_per_forward() -> None:
