@@ -27,7 +27,15 @@ import torch
 from sat_model.config import HardTrainConfig, ModelParams, SoftTrainConfig, load_params
 from sat_model.decoding import beam_search
 from sat_model.losses import build_criterion
-from sat_model.model import END_ID, PAD_ID, START_ID, ModelConfig, ShowAttendTell, build_model
+from sat_model.model import (
+    END_ID,
+    PAD_ID,
+    START_ID,
+    ModelConfig,
+    ShowAttendTell,
+    build_model,
+    torch_lstm_step,
+)
 
 __all__ = ["Dims", "main", "matmul_flops", "train_step_flops"]
 
@@ -75,7 +83,6 @@ def bench_lstm_kernels(d: Dims, rows: tuple[int, ...], repeats: int = 20) -> lis
     decoder picks between by rows (``sat_model.model.ONEDNN_LSTM_MIN_ROWS``)."""
     gen = torch.Generator().manual_seed(0)
     cell = torch.nn.LSTMCell(d.m + d.D, d.n)
-    weights = [cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh]
     out = []
     for r in rows:
         x = torch.randn(r, d.m + d.D, generator=gen)
@@ -85,9 +92,7 @@ def bench_lstm_kernels(d: Dims, rows: tuple[int, ...], repeats: int = 20) -> lis
             return cell(x, (h, c))
 
         def through_lstm(x: torch.Tensor = x, h: torch.Tensor = h, c: torch.Tensor = c) -> object:
-            # has_biases, num_layers, dropout, train, bidirectional, batch_first
-            hx = (h.unsqueeze(0), c.unsqueeze(0))
-            return torch.lstm(x.unsqueeze(0), hx, weights, True, 1, 0.0, False, False, False)
+            return torch_lstm_step(cell, x, h, c)
 
         cell_s = lstm_s = float("inf")
         with torch.inference_mode():

@@ -43,6 +43,7 @@ __all__ = [
     "SoftAttention",
     "StepOutput",
     "build_model",
+    "torch_lstm_step",
 ]
 
 # special token ids fixed by the vocab.json contract (docs/ARCHITECTURE.md)
@@ -426,12 +427,7 @@ class ShowAttendTell(nn.Module):
             and not torch.is_grad_enabled()
             and x.size(0) >= ONEDNN_LSTM_MIN_ROWS
         ):
-            cell = self.lstm
-            weights = [cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh]
-            hx = (h.unsqueeze(0), c.unsqueeze(0))  # (layers = 1, rows, n)
-            # has_biases, num_layers, dropout, train, bidirectional, batch_first
-            _, h, c = torch.lstm(x.unsqueeze(0), hx, weights, True, 1, 0.0, False, False, False)
-            return h[0], c[0]
+            return torch_lstm_step(self.lstm, x, h, c)
         return self.lstm(x, (h, c))
 
     def _deep_output(self, embedded: Tensor, hidden: Tensor, context: Tensor) -> Tensor:
@@ -463,6 +459,17 @@ class ShowAttendTell(nn.Module):
                 f"annotations must have shape (B, {expected[0]}, {expected[1]}), "
                 f"got {tuple(annotations.shape)}"
             )
+
+
+def torch_lstm_step(cell: nn.LSTMCell, x: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """``cell(x, (h, c))`` computed by ``torch.lstm`` (oneDNN's RNN primitive on CPU) over a
+    one-step sequence with the cell's own weights: (rows, input), (rows, n) x 2 -> (rows, n) x 2.
+    """
+    weights = [cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh]
+    hx = (h.unsqueeze(0), c.unsqueeze(0))  # (layers = 1, rows, n)
+    # has_biases, num_layers, dropout, train, bidirectional, batch_first
+    _, h, c = torch.lstm(x.unsqueeze(0), hx, weights, True, 1, 0.0, False, False, False)
+    return h[0], c[0]
 
 
 def _cell_coordinates(config: ModelConfig) -> Tensor:
