@@ -54,7 +54,7 @@ class _Section(BaseModel):
 # ----------------------------------------------------------------------------- data
 class SyntheticConfig(_Section):
     seed: int = 0
-    train_images: int = Field(4000, ge=1)
+    train_images: int = Field(5000, ge=1)
     val_images: int = Field(250, ge=1)  # what train.val_images scores each epoch
     test_images: int = Field(500, ge=1)
     image_size: int = Field(224, ge=64)
