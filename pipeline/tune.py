@@ -95,26 +95,26 @@ def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
         parent_run_id=fixed["parent_run_id"],
     )
     log_params(tracking, run_id, {k: repr(v) for k, v in values.items()})
-    status = "FAILED"
-    try:
-        fit_on_ray(
-            sat_train_fn,
-            config={
-                **fixed["worker"],
-                "params": params,
-                "tracking": fixed["tracking"],
-                "mlflow_run_id": run_id,
-                "logged_params": {},
-            },
-            run_name=f"{fixed['sweep_name']}-{trial_id}",
-            storage_path=Path(fixed["storage_path"]),
-            scaling=fixed["scaling"],
-            max_failures=params.ray.max_failures,
-            callbacks=[TuneReportCallback()],
-        )
-        status = "FINISHED"
-    finally:  # an error lands here; a trial Tune stops is ended from outside (no finally runs)
-        tracking.call(lambda c: c.set_terminated(run_id, status), f"end run {run_id}")
+    fit_on_ray(
+        sat_train_fn,
+        config={
+            **fixed["worker"],
+            "params": params,
+            "tracking": fixed["tracking"],
+            "mlflow_run_id": run_id,
+            "logged_params": {},
+        },
+        run_name=f"{fixed['sweep_name']}-{trial_id}",
+        storage_path=Path(fixed["storage_path"]),
+        scaling=fixed["scaling"],
+        max_failures=params.ray.max_failures,
+        callbacks=[TuneReportCallback()],
+    )
+    # Only success is written here. An error, and a stop by Tune (ASHA, max_t), is written by the
+    # driver from Tune's verdict (_close_stopped_children): a stopped trial's fit raises while its
+    # Train controller is torn down, which can be the very moment the driver closes the runs, and
+    # a FAILED written from here then overwrote the driver's FINISHED (seen once in CI)
+    tracking.call(lambda c: c.set_terminated(run_id, "FINISHED"), f"end run {run_id}")
 
 
 def _search_alg(cfg: TuneConfig) -> Any:
@@ -223,10 +223,10 @@ def run_tune(
 def _close_stopped_children(results: Any, tracking: Tracking, parent_id: str) -> None:
     """Set each child run's status from Tune's verdict on its trial.
 
-    Tune stops a trial (ASHA, or ``max_t`` reached before ``fit`` returned) by ending its actor:
-    ``_trial``'s ``finally`` then either never runs (the run stays RUNNING) or runs while the
-    Train controller is being torn down and records FAILED. Stopping on a schedule is a normal
-    end, so a trial without an error in Tune's results is FINISHED, any other FAILED.
+    Tune stops a trial (ASHA, or ``max_t`` reached before ``fit`` returned) by ending its actor,
+    so ``_trial`` never gets to end its run, and it leaves errors to this function as well.
+    Stopping on a schedule is a normal end: a trial without an error in Tune's results is
+    FINISHED, any other FAILED.
     """
     succeeded = {r.metrics.get("trial_id") for r in results if r.error is None and r.metrics}
 
