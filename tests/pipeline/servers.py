@@ -1,0 +1,240 @@
+"""Real servers for tests, each on 127.0.0.1, a free port and its own temp folder.
+
+- :func:`s3_server`: an S3-compatible object store (``moto[server]``, a real S3 API over HTTP).
+- :func:`postgres_server`: PostgreSQL through ``initdb`` and ``pg_ctl`` (as the ``postgres``
+  user when the tests run as root: PostgreSQL refuses to run as root).
+- :func:`mlflow_server`: ``mlflow server`` on a backend store and an artifact destination.
+
+Every server is a child process in its own process group, stopped by its own PID afterwards
+(never by name: other test runs on the machine may run the same servers). Context managers, so
+that a module-scoped fixture can hold one server for all its tests.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+__all__ = [
+    "S3_CREDENTIALS",
+    "PostgresServer",
+    "S3Server",
+    "free_port",
+    "mlflow_server",
+    "postgres_server",
+    "s3_server",
+    "stop_process_group",
+]
+
+# moto accepts any credentials; these keep boto3, s3fs and MLflow from looking elsewhere
+S3_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode} before it listened on {port}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    stop_process_group(proc)
+    pytest.fail(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s:.0f} s")
+
+
+def stop_process_group(proc: subprocess.Popen, timeout_s: float = 20) -> None:
+    """SIGTERM the process group led by ``proc`` (its own PID), SIGKILL if it lingers."""
+    if proc.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=timeout_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextmanager
+def _server(
+    cmd: list[str],
+    port: int,
+    what: str,
+    log: Path,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 60,
+) -> Iterator[subprocess.Popen]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+    try:
+        _wait_for_port(port, proc, what, timeout_s)
+        yield proc
+    finally:
+        stop_process_group(proc)
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint_url: str
+    env: dict[str, str]  # credentials plus the endpoint, for child processes
+
+    def client(self):  # type: ignore[no-untyped-def]
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint_url, **_boto_credentials())
+
+    def create_bucket(self, name: str) -> str:
+        self.client().create_bucket(Bucket=name)
+        return name
+
+
+def _boto_credentials() -> dict[str, str]:
+    return {
+        "aws_access_key_id": S3_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": S3_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        "region_name": S3_CREDENTIALS["AWS_DEFAULT_REGION"],
+    }
+
+
+@contextmanager
+def s3_server(tmp: Path) -> Iterator[S3Server]:
+    """``moto_server`` on 127.0.0.1; state lives in the process (gone when it stops)."""
+    pytest.importorskip("moto", reason="moto[server] is not installed")
+    port = free_port()
+    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with _server(cmd, port, "moto_server", tmp / "moto.log", env=S3_CREDENTIALS):
+        url = f"http://127.0.0.1:{port}"
+        env = {**S3_CREDENTIALS, "AWS_ENDPOINT_URL": url, "MLFLOW_S3_ENDPOINT_URL": url}
+        yield S3Server(endpoint_url=url, env=env)
+
+
+@dataclass(frozen=True)
+class PostgresServer:
+    host: str
+    port: int
+    user: str
+    data_dir: Path
+
+    def uri(self, database: str, driver: str = "postgresql+psycopg") -> str:
+        return f"{driver}://{self.user}@{self.host}:{self.port}/{database}"
+
+
+def _as_postgres_user() -> tuple[list[str], Callable[[Path], None]]:
+    """The command prefix and folder owner change that run PostgreSQL as a non-root user."""
+    if os.geteuid() != 0:
+        return [], lambda path: None
+    try:
+        user = pwd.getpwnam("postgres")
+    except KeyError:
+        pytest.skip("running as root and there is no 'postgres' user to run PostgreSQL as")
+
+    def chown(path: Path) -> None:
+        os.chown(path, user.pw_uid, user.pw_gid)
+
+    return ["runuser", "-u", "postgres", "--"], chown
+
+
+@contextmanager
+def postgres_server(
+    tmp: Path, databases: tuple[str, ...] = ("mlflow",)
+) -> Iterator[PostgresServer]:
+    """A PostgreSQL cluster with trust auth on 127.0.0.1 only; its log goes to ``tmp``.
+
+    The cluster lives in a short folder of its own under the system temp dir (the ``postgres``
+    user must reach it, and the socket path has a length limit), removed afterwards.
+    """
+    for tool in ("initdb", "postgres"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"PostgreSQL's {tool} is not on PATH")
+    prefix, chown = _as_postgres_user()
+    home = Path(tempfile.mkdtemp(prefix="sat-pg-"))
+    data, sock = home / "data", home / "sock"
+    try:
+        for folder in (home, sock):
+            folder.mkdir(exist_ok=True)
+            chown(folder)
+        user = "sat"
+        subprocess.run(
+            [*prefix, "initdb", "-D", str(data), "-U", user, "--auth=trust", "-E", "UTF8"],
+            check=True,
+            capture_output=True,
+        )
+        port = free_port()
+        cmd = [*prefix, "postgres", "-D", str(data), "-p", str(port), "-k", str(sock)]
+        cmd += ["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"]
+        with _server(cmd, port, "postgres", tmp / "postgres.log"):
+            server = PostgresServer(host="127.0.0.1", port=port, user=user, data_dir=data)
+            _create_databases(server, databases)
+            yield server
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _create_databases(server: PostgresServer, names: tuple[str, ...]) -> None:
+    import psycopg
+
+    with psycopg.connect(server.uri("postgres", driver="postgresql"), autocommit=True) as conn:
+        for name in names:
+            conn.execute(f'CREATE DATABASE "{name}"')
+
+
+@contextmanager
+def mlflow_server(
+    tmp: Path,
+    backend_store_uri: str,
+    artifacts_destination: str,
+    env: dict[str, str] | None = None,
+) -> Iterator[str]:
+    """``mlflow server`` proxying artifacts to ``artifacts_destination``; yields its URL."""
+    port = free_port()
+    bin_dir = Path(sys.executable).parent
+    cmd = [
+        str(bin_dir / "mlflow"),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        backend_store_uri,
+        "--artifacts-destination",
+        artifacts_destination,
+        "--workers",
+        "1",
+    ]
+    path_env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    with _server(cmd, port, "mlflow server", tmp / "mlflow.log", {**path_env, **(env or {})}, 120):
+        yield f"http://127.0.0.1:{port}"
