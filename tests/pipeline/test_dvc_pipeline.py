@@ -143,6 +143,35 @@ def test_second_repro_runs_nothing(project: Path) -> None:
     assert stages_run(dvc(project, "repro")) == set()
 
 
+def test_pointing_the_pipeline_at_a_cluster_and_a_server_reruns_nothing(project: Path) -> None:
+    """Connection settings, set in params.yaml as the README says, are not stage params."""
+    params = project / "params.yaml"
+    before = params.read_text()
+    connection = [
+        "ray.address=http://10.0.0.1:8265",
+        "ray.storage_path=s3://team-bucket/ray",
+        "ray.num_cpus=64",
+        "ray.cpus_per_worker=8",
+        "ray.max_failures=5",
+        "mlflow.tracking_uri=http://10.0.0.2:5000",
+        "mlflow.artifact_root=s3://team-bucket/mlflow",
+        "mlflow.experiment=team",
+    ]
+    params.write_text(yaml.safe_dump(apply_overrides(read_yaml(before), connection)))
+    try:
+        status = dvc(project, "status")
+        assert "Data and pipelines are up to date" in status, status
+        # a result param still counts: the check above is not blind
+        params.write_text(
+            yaml.safe_dump(apply_overrides(read_yaml(before), [*connection, "ray.num_workers=2"]))
+        )
+        changed = dvc(project, "status")
+        assert "train@soft" in changed and "train@hard" in changed, changed
+        assert "extract" not in changed, changed
+    finally:
+        params.write_text(before)
+
+
 def test_soft_param_change_reruns_only_the_soft_branch_and_register(project: Path) -> None:
     params = project / "params.yaml"
     raw = read_yaml(params.read_text())
