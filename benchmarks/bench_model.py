@@ -1,6 +1,6 @@
 """Model throughput: training captions/s (soft, hard) and batched against per-image beam search.
 
-Writes JSON to stdout and ``benchmarks/results/model.json``. Dimensions as in PAPER.md: ``B``
+Writes JSON to stdout and ``benchmarks/results/model.json``. Dimensions as in docs/METHOD.md: ``B``
 batch, ``T`` caption steps, ``L`` locations, ``D`` annotation size, ``m``/``n``/``A``
 embedding/LSTM/attention sizes, ``K`` vocabulary size.
 

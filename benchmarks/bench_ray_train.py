@@ -2,7 +2,8 @@
 
 Both runs train the same soft-attention model (params.yaml's ``model`` section) on the same
 synthetic captions and random-encoder features (``B`` batch, ``T`` caption steps, ``L``
-locations, ``D`` annotation size, as in PAPER.md) through :func:`pipeline.ray_train.fit_on_ray`
+locations, ``D`` annotation size, as in docs/METHOD.md) through
+:func:`pipeline.ray_train.fit_on_ray`
 and ``sat_model.train_run.train_model``, so the figures include DDP's gradient all-reduce (gloo)
 and the length-grouped sharding. Throughput is training captions per second of wall time over the
 epochs after the first (the first pays for worker start-up and allocator warm-up); validation is

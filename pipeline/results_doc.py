@@ -17,7 +17,7 @@ __all__ = ["PAPER_TABLE_1", "results_section"]
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 KEYS = ("bleu_1", "bleu_2", "bleu_3", "bleu_4", "meteor", "rouge_l", "cider")
-# PAPER.md, Table 1 (BLEU and METEOR in %): dataset, model, BLEU-1..4, METEOR
+# docs/METHOD.md, Table 1 (BLEU and METEOR in %): dataset, model, BLEU-1..4, METEOR
 PAPER_TABLE_1 = (
     ("Flickr8k", "soft", 67, 44.8, 29.9, 19.5, 18.93),
     ("Flickr8k", "hard", 67, 45.7, 31.4, 21.3, 20.30),

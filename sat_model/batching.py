@@ -1,6 +1,6 @@
 """Caption minibatches over a feature store, grouped by caption length and shardable.
 
-Dimensions (PAPER.md): ``B`` batch, ``T`` caption steps (``T+1`` tokens with ``<start>``),
+Dimensions (docs/METHOD.md): ``B`` batch, ``T`` caption steps (``T+1`` tokens with ``<start>``),
 ``L`` annotation locations, ``D`` annotation size.
 
 The paper trains on homogeneous minibatches: "we build a dictionary mapping the length of a
@@ -57,7 +57,7 @@ class FeatureSource(Protocol):
 
 @dataclass(frozen=True)
 class SkippedCaption:
-    """A caption left out of a dataset, with the reason (DESIGN.md: never silently dropped)."""
+    """A caption left out of a dataset, with the reason: never silently dropped."""
 
     image_id: str
     caption_index: int

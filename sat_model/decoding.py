@@ -1,6 +1,6 @@
 """Free-running decoding: greedy and batched beam search over log-probabilities.
 
-Dimensions (PAPER.md): ``B`` images, ``k`` beams, ``L`` annotation locations, ``K`` vocabulary
+Dimensions (docs/METHOD.md): ``B`` images, ``k`` beams, ``L`` annotation locations, ``K`` vocabulary
 size, ``t`` steps decoded so far.
 
 ``max_length`` bounds the number of decoding steps, ``<end>`` included: a caption that reaches

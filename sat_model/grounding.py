@@ -4,7 +4,8 @@ Dimensions: ``L = grid_h × grid_w`` annotation locations (row-major, as the enc
 map is flattened); ``len`` words of one generated caption.
 
 α is defined over the feature grid of the *centre-cropped* image (extract resized the shorter side
-to ``resize``, then cropped ``crop × crop`` from the centre, Sec. 4.3 / PAPER.md). Boxes are in
+to ``resize``, then cropped ``crop × crop`` from the centre, Sec. 3.1.1 in docs/METHOD.md).
+Boxes are in
 the original image's pixels, so they are first mapped into the crop's frame, and a word counts as
 a hit when the centre of its peak cell lies inside (any of) the box(es) the word names.
 """

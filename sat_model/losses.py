@@ -1,6 +1,6 @@
 """Training criteria: soft attention (Eq. 14) and hard attention (REINFORCE, Sec. 4.1).
 
-Dimensions (PAPER.md): ``B`` batch, ``T`` caption steps, ``L`` annotation locations, ``K``
+Dimensions (docs/METHOD.md): ``B`` batch, ``T`` caption steps, ``L`` annotation locations, ``K``
 vocabulary size. Targets are ``captions[:, 1:]`` (B, T); the step mask is ``targets != <pad>``.
 
 Reductions, chosen once and used by both criteria so that the loss does not depend on padding:

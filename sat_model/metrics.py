@@ -4,7 +4,7 @@
 and fails offline. The numbers are pycocoevalcap's own: PTB tokenisation (Java), ``Bleu(4)``,
 ``Meteor()`` (Java), ``Rouge()`` (ROUGE-L) and ``Cider()`` (CIDEr-D). Validation during training
 calls the same :func:`score_captions` with ``metrics=("bleu",)``, so the early-stopping score
-and the reported score can never disagree about tokenisation or BLEU variant (PAPER.md,
+and the reported score can never disagree about tokenisation or BLEU variant (docs/METHOD.md,
 "Known pitfalls": nltk BLEU reported as if it were coco-caption's).
 
 METEOR runs a Java subprocess spoken to over pipes; a stuck JVM would hang the caller for ever,
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 DEFAULT_METRICS: tuple[str, ...] = ("bleu", "meteor", "rouge", "cider")
-# flat, stable keys per metric family (STYLE.md 10)
+# flat, stable keys per metric family
 METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "bleu": ("bleu_1", "bleu_2", "bleu_3", "bleu_4"),
     "meteor": ("meteor",),

@@ -1,11 +1,11 @@
-"""The Show, Attend and Tell decoder (Xu et al. 2015, PAPER.md).
+"""The Show, Attend and Tell decoder (Xu et al. 2015, docs/METHOD.md).
 
 Attention MLP ``f_att`` (Eq. 4-5), soft (Sec. 4.2) and hard (Sec. 4.1, Eq. 8-9) context vectors,
 the gating scalar β (Sec. 4.2.1), the LSTM (Eq. 1-3) and the deep output layer (Eq. 7).
 
-Dimensions, named once (PAPER.md): ``B`` batch, ``T`` caption steps, ``L`` annotation locations,
-``D`` annotation size, ``m`` embedding size, ``n`` LSTM size, ``A`` attention-MLP size, ``K``
-vocabulary size.
+Dimensions, named once (docs/METHOD.md): ``B`` batch, ``T`` caption steps, ``L`` annotation
+locations, ``D`` annotation size, ``m`` embedding size, ``n`` LSTM size, ``A`` attention-MLP
+size, ``K`` vocabulary size.
 
 Step modes: ``"train"`` (hard attention samples s̃ ~ Multinoulli(α), with semi-sampling; soft
 attention takes the expectation), ``"expected"`` (ẑ = β Σ α a, the authors' test-time default),

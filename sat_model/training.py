@@ -5,7 +5,7 @@ criterion, optimiser, scheduler, the batches of each epoch (already sharded for 
 validation function come in as arguments; everything else (progress bars, checkpoint files, Ray
 reports, MLflow) comes in through :class:`Callback`. Early stopping watches a validation score
 (BLEU-4 from free-running greedy decoding, Sec. 5 "early stopping on BLEU"), never teacher-forced
-argmax accuracy (PAPER.md, "Known pitfalls").
+argmax accuracy (docs/METHOD.md, "Known pitfalls").
 
 Per-step work never waits on the device: losses are summed on the device and read back only
 every ``log_every`` steps and at the end of the epoch, which is also when a non-finite loss is

@@ -2,8 +2,8 @@
 
 Ids are positions in ``itos``: ``<pad>`` = 0, ``<start>`` = 1, ``<end>`` = 2, ``<unk>`` = 3,
 then words by descending training count, ties alphabetical, so the same captions always give
-the same ids. ``max_size`` counts the whole list (K in PAPER.md, 10,000 in the paper), specials
-included.
+the same ids. ``max_size`` counts the whole list (K in docs/METHOD.md, 10,000 in the paper),
+specials included.
 """
 
 from __future__ import annotations

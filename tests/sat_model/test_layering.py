@@ -1,4 +1,4 @@
-"""The library layer never loads orchestration packages (STYLE.md, 'In this project' 1)."""
+"""The library layer never loads orchestration packages (docs/ARCHITECTURE.md, "Layers")."""
 
 import pkgutil
 import subprocess
