@@ -20,6 +20,7 @@ from pipeline.stages import stage_parser
 from sat_model.config import Params, load_params
 from sat_model.encoders import build_encoder
 from sat_model.extract import ExtractReport, extract_features
+from sat_model.sources import image_root
 
 __all__ = ["main", "run_extract", "write_report"]
 
@@ -58,6 +59,7 @@ def run_extract(params: Params, root: Path, progress: bool = True) -> ExtractRep
     encoder = build_encoder(cfg.name, cfg.layer, weights, input_size=cfg.crop)
     kwargs = dict(
         images_table=_absolute(params.data.prepared_dir, root) / "images.parquet",
+        image_root=image_root(params.data, root),  # from params, never from the table
         out_dir=_absolute(cfg.features_dir, root),
         encoder=encoder,
         resize=cfg.resize,

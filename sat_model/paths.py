@@ -1,0 +1,48 @@
+"""Where files may be read from and written to: roots come from params, never from data files.
+
+A data file (``images.parquet``) lists image names; the folder they are read from is the one the
+params name (:func:`sat_model.sources.image_root`), so editing a table cannot widen what is read.
+Output folders named by params resolve against the project root; a relative path may not climb
+out of it (``../elsewhere``), an absolute one (or ``~/...``) is the user's explicit choice.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["PathError", "output_path", "resolve_inside"]
+
+
+class PathError(ValueError):
+    """A path from params points somewhere the project does not write."""
+
+
+def resolve_inside(root: Path, name: str) -> tuple[Path, str]:
+    """``(path, reason)``: ``root / name`` resolved, and why it may not be opened ("" if it may).
+
+    ``"../x"``, an absolute name and a symbolic link out of ``root`` all resolve outside it.
+    """
+    root = Path(root).resolve()
+    path = (root / name).resolve()
+    if path.is_relative_to(root):
+        return path, ""
+    return path, f"path {name!r} escapes the image root {root}"
+
+
+def output_path(value: str, project_root: Path) -> Path:
+    """The absolute folder an output param names; a relative one must stay under the project.
+
+    Raises:
+        PathError: a relative path that resolves outside ``project_root``.
+    """
+    root = Path(project_root).resolve()
+    given = Path(value).expanduser()
+    if given.is_absolute():
+        return given.resolve()
+    path = (root / given).resolve()
+    if not path.is_relative_to(root):
+        raise PathError(
+            f"output path {value!r} leaves the project root {root}; "
+            f"name an absolute path to write outside the project"
+        )
+    return path
