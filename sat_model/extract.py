@@ -123,7 +123,7 @@ def read_image_table(path: str | Path, image_root: str | Path) -> dict[str, list
     """Images with ``status == "ok"`` per split, in table order (docs/ARCHITECTURE.md).
 
     Names resolve against ``image_root``, which comes from params
-    (:func:`sat_model.sources.image_root`): the table's own ``image_root`` metadata is only a
+    (:func:`sat_model.paths.image_root`): the table's own ``image_root`` metadata is only a
     record of where prepare read, never trusted, so editing it cannot open other files.
     """
     try:

@@ -1,7 +1,7 @@
 """Where files may be read from and written to: roots come from params, never from data files.
 
 A data file (``images.parquet``) lists image names; the folder they are read from is the one the
-params name (:func:`sat_model.sources.image_root`), so editing a table cannot widen what is read.
+params name (:func:`image_root`), so editing a table cannot widen what is read.
 Output folders named by params resolve against the project root; a relative path may not climb
 out of it (``../elsewhere``), an absolute one (or ``~/...``) is the user's explicit choice.
 """
@@ -9,8 +9,12 @@ out of it (``../elsewhere``), an absolute one (or ``~/...``) is the user's expli
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["PathError", "output_path", "resolve_inside"]
+if TYPE_CHECKING:
+    from sat_model.config import DataConfig
+
+__all__ = ["PathError", "image_root", "output_path", "resolve_inside"]
 
 
 class PathError(ValueError):
@@ -46,3 +50,19 @@ def output_path(value: str, project_root: Path) -> Path:
             f"name an absolute path to write outside the project"
         )
     return path
+
+
+def image_root(data: DataConfig, base_dir: Path) -> Path:
+    """The folder images are read from, from params alone (the one ``read_source`` reads).
+
+    Relative ``data.root`` and ``data.prepared_dir`` resolve against ``base_dir``; synthetic
+    images are drawn into ``<prepared_dir>/images``.
+    """
+    base = Path(base_dir)
+    if data.source == "synthetic":
+        return (base / data.prepared_dir / "images").resolve()
+    root = base / data.root if data.root else base
+    if data.source in ("flickr8k", "karpathy"):
+        section = data.flickr8k if data.source == "flickr8k" else data.karpathy
+        return (root / section.images_dir).resolve()
+    return root.resolve()  # coco: names carry their images_dirs folder

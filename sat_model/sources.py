@@ -34,7 +34,6 @@ __all__ = [
     "SourceData",
     "SourceError",
     "SourceImage",
-    "image_root",
     "read_coco",
     "read_flickr8k",
     "read_karpathy",
@@ -356,22 +355,6 @@ def read_synthetic(
             SourceCaption(s.image_id, c, f"{s.image_id}#{i}") for i, c in enumerate(s.captions)
         ]
     return SourceData("synthetic", Path(images_dir).resolve(), tuple(images), tuple(captions))
-
-
-def image_root(data: DataConfig, base_dir: Path) -> Path:
-    """The folder images are read from, from params alone (``read_source`` reads the same one).
-
-    Relative ``data.root`` and ``data.prepared_dir`` resolve against ``base_dir``; synthetic
-    images are drawn into ``<prepared_dir>/images``.
-    """
-    base = Path(base_dir)
-    if data.source == "synthetic":
-        return (base / data.prepared_dir / "images").resolve()
-    root = base / data.root if data.root else base
-    if data.source in ("flickr8k", "karpathy"):
-        section = data.flickr8k if data.source == "flickr8k" else data.karpathy
-        return (root / section.images_dir).resolve()
-    return root.resolve()  # coco: names carry their images_dirs folder
 
 
 def read_source(

@@ -107,7 +107,7 @@ def _evaluate(args: argparse.Namespace, params: Params) -> int:
         write_attention_gallery,
         write_reports,
     )  # fmt: skip
-    from sat_model.sources import image_root
+    from sat_model.paths import image_root
 
     ev = params.eval
     split = args.split or ev.split

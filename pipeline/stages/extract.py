@@ -20,7 +20,7 @@ from pipeline.stages import stage_parser
 from sat_model.config import Params, load_params
 from sat_model.encoders import build_encoder
 from sat_model.extract import ExtractReport, extract_features
-from sat_model.sources import image_root
+from sat_model.paths import image_root
 
 __all__ = ["main", "run_extract", "write_report"]
 
