@@ -88,6 +88,7 @@ def test_dvc_exp_run_temp_logs_into_the_projects_mlflow_db(tmp_path: Path) -> No
     ):
         done = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
         assert done.returncode == 0, f"{cmd}: {done.stdout}\n{done.stderr}"
+    assert (project / "mlflow.db").is_file(), "the run went to the temp workspace's own store"
     with sqlite3.connect(project / "mlflow.db") as db:
         names = [row[0] for row in db.execute("select name from runs")]
     assert names == ["temp-workspace-run"]
