@@ -66,8 +66,8 @@ def output_lock(output: Path, stage: str) -> Iterator[None]:
         lock.acquire()
     except Timeout:
         raise OutputLocked(
-            f"{output} is being written by another run ({stage} or dvc repro holds {path}); "
-            f"wait for it to finish, then run again"
+            f"{output} is being written by another run (a dvc repro stage or a sat command "
+            f"holds {path}); wait for it to finish, then run again"
         ) from None
     try:
         yield
