@@ -73,10 +73,15 @@ def _forward_rate(encoder, images: torch.Tensor, batch_size: int) -> float:
     return len(images) / (time.perf_counter() - start)
 
 
+def _root(table: Path) -> Path:
+    # the benchmark wrote this table itself; the stage takes the root from params instead
+    return Path(pq.read_schema(table).metadata[b"image_root"].decode())
+
+
 def _stage_rate(table: Path, out: Path, encoder, batch_size: int, workers: int) -> float:
     start = time.perf_counter()
     report = extract_features(
-        table, out, encoder, resize=256, crop=224, batch_size=batch_size,
+        table, _root(table), out, encoder, resize=256, crop=224, batch_size=batch_size,
         num_workers=workers, max_image_pixels=50_000_000, progress=False,
     )  # fmt: skip
     return report.to_dict()["images_extracted"] / (time.perf_counter() - start)
@@ -85,7 +90,7 @@ def _stage_rate(table: Path, out: Path, encoder, batch_size: int, workers: int) 
 def _throughput(table: Path, work: Path, batch_size: int, configs) -> dict[str, object]:
     encoder = build_encoder("efficientnet_lite0")
     d = encoder.description
-    items = read_image_table(table)["train"]
+    items = read_image_table(table, _root(table))["train"]
     images = torch.stack(
         [preprocess(load_image(i.path, min_side=256), 256, 224, d.mean, d.std) for i in items]
     )  # (N, 3, 224, 224)

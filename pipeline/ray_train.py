@@ -27,7 +27,10 @@ from typing import Any
 
 import torch
 
+from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir
+from sat_model.checkpoint import is_checkpoint_dir
 from sat_model.config import RayConfig
+from sat_model.paths import output_path
 from sat_model.training import Callback, EpochState
 
 from .ray_runtime import loopback_env, resolve_use_gpu
@@ -185,19 +188,18 @@ def _worker_env() -> dict[str, str]:
 
 
 def copy_checkpoint(source: Path, destination: Path) -> None:
-    """Replace ``destination`` by a copy of ``source`` atomically (sibling temp dir, rename)."""
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
+    """Replace ``destination`` by a durable copy of ``source`` in one rename.
+
+    Only a folder sat wrote (a checkpoint: ``model.pt`` beside a sat ``config.json``) or an empty
+    one is replaced: ``models_dir`` pointing at a folder of the user's raises
+    :class:`~sat_model.atomic.ForeignFolderError` and deletes nothing. Temporary copies left by
+    killed writers (``.<attention>.<pid>.*``) are removed first.
+    """
+    remove_dead_temps(destination.parent, destination.name)
+    staging = temp_dir(destination.parent, destination.name)
     try:
         shutil.copytree(source, staging, dirs_exist_ok=True)
-        if destination.exists():
-            old = destination.with_name(f".{destination.name}-old")
-            shutil.rmtree(old, ignore_errors=True)
-            destination.rename(old)
-            staging.rename(destination)
-            shutil.rmtree(old)
-        else:
-            staging.rename(destination)
+        replace_dir(staging, destination, owned=is_checkpoint_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -337,7 +339,7 @@ def train_with_ray(
     tracking.call(lambda c: c.set_terminated(run_id, "FINISHED"), f"end run {run_id}")
     if outcome.checkpoint_dir is None:
         raise RuntimeError(f"Ray Train run {name} finished without a checkpoint")
-    model_dir = _abs(params.train.models_dir, root) / attention
+    model_dir = output_path(params.train.models_dir, root) / attention
     copy_checkpoint(outcome.checkpoint_dir, model_dir)
     metrics_file = model_dir / "train_metrics.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}

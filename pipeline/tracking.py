@@ -45,6 +45,7 @@ __all__ = [
     "log_params",
     "redact",
     "resolve_tracking_uri",
+    "tracking_root",
     "with_retries",
 ]
 
@@ -86,21 +87,42 @@ def bound_http_retries() -> None:
         os.environ.setdefault(key, value)
 
 
+def tracking_root(project_root: Path) -> Path:
+    """The project whose tracking store runs go to: ``project_root``, except in a DVC
+    experiment's temporary workspace (``dvc exp run --temp`` / ``--queue`` run in a copy under
+    ``<project>/.dvc/tmp/exps/<tmp>/``, deleted afterwards), where it is the project the copy was
+    made from: ``DVC_ROOT``, which DVC sets to that project for experiment runs, else the folder
+    above ``.dvc`` in the path."""
+    root = Path(project_root).resolve()
+    dvc_root = os.environ.get("DVC_ROOT")
+    if dvc_root and root.is_relative_to(Path(dvc_root).resolve() / ".dvc" / "tmp" / "exps"):
+        return Path(dvc_root).resolve()
+    parts = root.parts
+    starts = [i for i in range(len(parts) - 2) if parts[i : i + 3] == (".dvc", "tmp", "exps")]
+    return Path(*parts[: starts[0]]) if starts else root
+
+
 def resolve_tracking_uri(cfg: MlflowConfig, project_root: Path) -> str:
-    """``MLFLOW_TRACKING_URI``, else params, else an absolute SQLite file in the project."""
+    """``MLFLOW_TRACKING_URI``, else params, else an absolute SQLite file in the project.
+
+    A relative SQLite path (``sqlite:///mlflow.db``) resolves against :func:`tracking_root`, so
+    that experiments in DVC's temporary workspaces log to the project's own store.
+    """
     uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
-    if uri:
+    if uri and not (uri.startswith("sqlite:///") and not uri.startswith("sqlite:////")):
         return uri
+    path = uri[len("sqlite:///") :] if uri else "mlflow.db"
     # four slashes: sqlite:/// + an absolute path; workers run elsewhere, never relative
-    return f"sqlite:///{(project_root / 'mlflow.db').resolve()}"
+    return f"sqlite:///{(tracking_root(project_root) / path).resolve()}"
 
 
 def artifact_location(cfg: MlflowConfig, project_root: Path) -> str:
-    """Absolute artifact location (a URI) for experiments this project creates."""
+    """Absolute artifact location (a URI) for experiments this project creates (a relative
+    folder under :func:`tracking_root`, like the store that records it)."""
     if "://" in cfg.artifact_root:
         return cfg.artifact_root
     root = Path(cfg.artifact_root).expanduser()
-    root = root if root.is_absolute() else project_root / root
+    root = root if root.is_absolute() else tracking_root(project_root) / root
     return root.resolve().as_uri()
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import pickle
 import zipfile
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ __all__ = [
     "VOCAB_FILE",
     "Checkpoint",
     "CheckpointError",
+    "is_checkpoint_dir",
     "load_checkpoint",
     "load_model",
     "save_checkpoint",
@@ -48,6 +50,23 @@ __all__ = [
 
 FORMAT_VERSION = 1
 MODEL_FILE, CONFIG_FILE, VOCAB_FILE = "model.pt", "config.json", "vocab.json"
+# Bounds far above the paper's sizes (n = 1800, K ≈ 10k words, L = 196): a config beyond them is
+# malformed, not large, and is refused before anything is sized from it.
+MAX_DIM = 1 << 16
+MAX_VOCAB = 1 << 22
+_NONE = type(None)
+# what a sat payload holds (extra keys are allowed: later formats add sections)
+_PAYLOAD_TYPES: dict[str, tuple[type, ...]] = {
+    "model_state": (dict,),
+    "criterion_state": (dict,),
+    "optimizer_state": (dict, _NONE),
+    "scheduler_state": (dict, _NONE),
+    "epoch": (int,),
+    "best_score": (float, int, _NONE),
+    "best_epoch": (int, _NONE),
+    "config": (dict,),
+    "itos": (list,),
+}
 
 
 class CheckpointError(RuntimeError):
@@ -135,7 +154,11 @@ def load_checkpoint(
             f"{directory / MODEL_FILE}: format_version {payload.get('format_version')!r}, "
             f"this code reads {FORMAT_VERSION}"
         )
+    _check_payload_types(payload, directory / MODEL_FILE)
     model_config = _model_config(payload["config"].get("model"), directory)
+    _check_shapes(model_config, payload["model_state"], directory / MODEL_FILE, "model_state")
+    if payload.get("train_state") is not None:
+        _check_shapes(model_config, payload["train_state"], directory / MODEL_FILE, "train_state")
     file_vocab = _check_vocab(directory, payload["itos"], model_config, vocab)
     _check_config_json(directory, payload["config"])
     return Checkpoint(
@@ -215,11 +238,89 @@ def _check_crcs(path: Path) -> None:
         raise CheckpointError(f"{path} is corrupted: checksum mismatch in {bad}")
 
 
+def _check_payload_types(payload: dict[str, Any], path: Path) -> None:
+    for key, types in _PAYLOAD_TYPES.items():
+        if key not in payload:
+            raise CheckpointError(f"{path} is not a sat checkpoint: no {key!r}")
+        value = payload[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            names = " or ".join("None" if t is _NONE else t.__name__ for t in types)
+            raise CheckpointError(f"{path}: {key} is {type(value).__name__}, expected {names}")
+    if not all(isinstance(w, str) for w in payload["itos"]):
+        raise CheckpointError(f"{path}: itos holds a non-string word")
+    train_state = payload.get("train_state")
+    for key, state in (("model_state", payload["model_state"]), ("train_state", train_state)):
+        if state is not None and not (
+            isinstance(state, dict)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
+        ):
+            raise CheckpointError(f"{path}: {key} is not a mapping of names to tensors")
+
+
+def _field_error(name: str, kind: str, value: Any) -> str:
+    """Why ``value`` cannot be the ``ModelConfig`` field ``name`` of type ``kind``, or ""."""
+    if kind == "bool":
+        return "" if isinstance(value, bool) else "must be true or false"
+    if kind == "str":
+        return "" if isinstance(value, str) else "must be a string"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"must be a number, not {type(value).__name__}"
+    if kind == "float":
+        return "" if math.isfinite(value) else "must be finite"
+    if not isinstance(value, int):
+        return "must be an integer"
+    low = 0 if name == "grid_w" else 1
+    high = MAX_VOCAB if name == "vocab_size" else MAX_DIM
+    return "" if low <= value <= high else f"must be in [{low}, {high}]"
+
+
 def _model_config(raw: Any, directory: Path) -> ModelConfig:
+    """A ``ModelConfig`` from the saved dict, every field type- and bound-checked first."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{directory}: the model config is {type(raw).__name__}, not a dict")
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(raw) - set(fields))
+    missing = [n for n, f in fields.items() if n not in raw and _required(f)]
+    if unknown or missing:
+        raise CheckpointError(
+            f"{directory}: invalid model config: unknown keys {unknown}, missing keys {missing}"
+        )
+    for name, value in raw.items():
+        kind = fields[name].type
+        why = _field_error(name, kind if isinstance(kind, str) else kind.__name__, value)
+        if why:
+            raise CheckpointError(f"{directory}: invalid model config: {name}={value!r} {why}")
     try:
         return ModelConfig(**raw)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{directory}: invalid model config {raw!r}: {e}") from e
+
+
+def _required(f: dataclasses.Field[Any]) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _check_shapes(
+    config: ModelConfig, state: Mapping[str, torch.Tensor], path: Path, what: str
+) -> None:
+    """Every tensor of ``state`` has the name and shape ``config`` implies, checked on a model
+    built on the meta device (shapes only: nothing is allocated, whatever the config says)."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in ShowAttendTell(config).state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = [
+        f"{k} {tuple(state[k].shape)} != {expected[k]}"
+        for k in expected
+        if k in state and tuple(state[k].shape) != expected[k]
+    ]
+    problems = [f"missing {missing[:5]}"] if missing else []
+    problems += [f"unexpected {unexpected[:5]}"] if unexpected else []
+    problems += [f"shapes {wrong[:5]}"] if wrong else []
+    if problems:
+        raise CheckpointError(
+            f"{path}: {what} does not fit the saved model config: {'; '.join(problems)}"
+        )
 
 
 def _check_vocab(
@@ -254,6 +355,19 @@ def _check_config_json(directory: Path, config: dict[str, Any]) -> None:
         raise CheckpointError(f"cannot read {directory / CONFIG_FILE}: {e}") from e
     if on_disk != config:
         raise CheckpointError(f"{directory / CONFIG_FILE} does not match {MODEL_FILE}")
+
+
+def is_checkpoint_dir(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a checkpoint sat wrote: ``model.pt`` beside a ``config.json``
+    with sat's keys (the test for "ours" before a model folder is replaced)."""
+    directory = Path(directory)
+    if not (directory / MODEL_FILE).is_file():
+        return False
+    try:
+        config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and "format_version" in config and "model" in config
 
 
 def state_of(module: nn.Module) -> dict[str, torch.Tensor]:

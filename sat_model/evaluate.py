@@ -36,6 +36,7 @@ from sat_model.grounding import Box, GroundingSample, PointingResult, pointing_a
 from sat_model.images import ImageError, load_image
 from sat_model.metrics import DEFAULT_METRICS, score_captions
 from sat_model.model import ShowAttendTell
+from sat_model.paths import resolve_inside
 from sat_model.scenes import SceneObject, ground_tokens
 from sat_model.visualize import GalleryEntry, centre_crop, write_gallery, write_word_overlays
 from sat_model.vocab import Vocab
@@ -89,26 +90,32 @@ class EvaluationResult:
     grounding: PointingResult | None = None
 
 
-def read_image_records(images_path: str | Path, split: str) -> dict[str, ImageRecord]:
-    """The usable images of ``split`` from ``images.parquet``, keyed by id."""
+def read_image_records(
+    images_path: str | Path, split: str, image_root: str | Path | None = None
+) -> dict[str, ImageRecord]:
+    """The usable images of ``split`` from ``images.parquet``, keyed by id.
+
+    Photos are opened only under ``image_root``, from params (the table's own ``image_root``
+    metadata is never trusted); without it every record is refused for opening (sizes and boxes,
+    all grounding needs, are still read).
+    """
     table = pq.read_table(images_path)
-    root_bytes = (table.schema.metadata or {}).get(b"image_root")
-    if root_bytes is None:
-        raise EvaluationError(f"{images_path} lacks the 'image_root' schema metadata")
-    root = Path(root_bytes.decode()).resolve()
+    root = None if image_root is None else Path(image_root).resolve()
     records = {}
     for row in table.to_pylist():
         if row["split"] == split and row["status"] == "ok":
-            path = (root / row["file"]).resolve()
             # "../x", an absolute path or a symlink out of the root: never opened (gallery skip)
-            escapes = not path.is_relative_to(root)
+            if root is None:
+                path, refused = Path(row["file"]), "no image root given"
+            else:
+                path, refused = resolve_inside(root, row["file"])
             records[row["image_id"]] = ImageRecord(
                 row["image_id"],
                 path,
                 int(row["width"]),
                 int(row["height"]),
                 tuple(row.get("boxes") or ()),
-                f"path {row['file']!r} escapes the image root {root}" if escapes else "",
+                refused,
             )
     return records
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from sat_model.encoders import Encoder, EncoderDescription
 from sat_model.features import FeatureMeta, FeatureWriter
 from sat_model.images import ImageError, load_image, preprocess
+from sat_model.paths import resolve_inside
 
 __all__ = [
     "DecodedBatch",
@@ -118,16 +119,18 @@ class ExtractReport:
         return out
 
 
-def read_image_table(path: str | Path) -> dict[str, list[ImageItem]]:
-    """Images with ``status == "ok"`` per split, in table order (docs/ARCHITECTURE.md)."""
+def read_image_table(path: str | Path, image_root: str | Path) -> dict[str, list[ImageItem]]:
+    """Images with ``status == "ok"`` per split, in table order (docs/ARCHITECTURE.md).
+
+    Names resolve against ``image_root``, which comes from params
+    (:func:`sat_model.paths.image_root`): the table's own ``image_root`` metadata is only a
+    record of where prepare read, never trusted, so editing it cannot open other files.
+    """
     try:
         table = pq.read_table(path, columns=["image_id", "split", "file", "status"])
     except (OSError, ValueError) as e:
         raise ExtractError(f"cannot read image table {path}: {e}") from e
-    metadata = table.schema.metadata or {}
-    if b"image_root" not in metadata:
-        raise ExtractError(f"image table {path} lacks the 'image_root' schema metadata")
-    root = Path(metadata[b"image_root"].decode()).resolve()
+    root = Path(image_root).resolve()
     items: dict[str, list[ImageItem]] = {}
     for row in table.to_pylist():
         if row["status"] == "ok" and row["split"] is not None:
@@ -138,10 +141,8 @@ def read_image_table(path: str | Path) -> dict[str, list[ImageItem]]:
 def _item(image_id: str, file: str, root: Path) -> ImageItem:
     # A table edited by hand (or by an attacker) may hold "../x.jpg", an absolute path or a
     # symlink out of the root: such a file is never opened, the row is skipped with the reason.
-    path = (root / file).resolve()
-    if not path.is_relative_to(root):
-        return ImageItem(image_id, str(path), f"path {file!r} escapes the image root {root}")
-    return ImageItem(image_id, str(path))
+    path, refused = resolve_inside(root, file)
+    return ImageItem(image_id, str(path), refused) if refused else ImageItem(image_id, str(path))
 
 
 def _split_order(split: str) -> tuple[int, str]:
@@ -256,6 +257,7 @@ def extract_split(
 
 def extract_features(
     images_table: str | Path,
+    image_root: str | Path,
     out_dir: str | Path,
     encoder: Encoder,
     resize: int,
@@ -267,7 +269,8 @@ def extract_features(
     run_split: Callable[..., SplitResult] | None = None,
     engine: str = "local",
 ) -> ExtractReport:
-    """Extract every split of ``images_table`` into ``out_dir/{split}.arrow``.
+    """Extract every split of ``images_table`` (names under ``image_root``) into
+    ``out_dir/{split}.arrow``.
 
     ``run_split`` replaces :func:`extract_split` (same keyword arguments): the Ray engine plugs
     in here so both engines share table reading, preprocessing and reporting.
@@ -277,7 +280,7 @@ def extract_features(
     """
     if crop != encoder.description.input_size:
         raise ValueError(f"crop {crop} != encoder input size {encoder.description.input_size}")
-    splits = read_image_table(images_table)
+    splits = read_image_table(images_table, image_root)
     if not splits:
         raise ExtractError(f"{images_table} holds no image with status 'ok' in a split")
     d = encoder.description

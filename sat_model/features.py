@@ -20,6 +20,8 @@ from types import TracebackType
 import numpy as np
 import pyarrow as pa
 
+from sat_model.atomic import fsync_dir, fsync_file, remove_dead_temps
+
 __all__ = [
     "FEATURES_FORMAT_VERSION",
     "FeatureMeta",
@@ -76,25 +78,6 @@ class FeatureMeta:
         )
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: existence check only
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, owned by another user
-    return True
-
-
-def _remove_stale_partials(path: Path) -> None:
-    """Delete ``.<name>.<pid>.partial`` files left by writers that were killed (SIGKILL, OOM):
-    they are never read, but would waste disk and end up inside DVC's hash of the folder."""
-    for tmp in path.parent.glob(f".{path.name}.*.partial"):
-        pid = tmp.name[len(path.name) + 2 : -len(".partial")]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            tmp.unlink(missing_ok=True)
-
-
 class FeatureWriter:
     """Write a feature store batch by batch; the file appears only when :meth:`close` succeeds.
 
@@ -105,7 +88,9 @@ class FeatureWriter:
         self.path = Path(path)
         self.meta = meta
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_partials(self.path)
+        # .<name>.<pid>.partial of killed writers: never read, but they would waste disk and
+        # end up inside DVC's hash of the folder
+        remove_dead_temps(self.path.parent, self.path.name)
         # hidden, same folder (rename is atomic only within one file system)
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
         self._schema = meta.schema()
@@ -127,7 +112,9 @@ class FeatureWriter:
     def close(self) -> Path:
         self._writer.close()
         self._sink.close()
+        fsync_file(self._tmp)  # the data on disk before the rename makes it the store
         os.replace(self._tmp, self.path)
+        fsync_dir(self.path.parent)
         return self.path
 
     def abort(self) -> None:

@@ -27,6 +27,7 @@ from PIL import Image, UnidentifiedImageError
 
 from sat_model.atomic import write_bytes_atomic, write_text_atomic
 from sat_model.config import DataConfig
+from sat_model.paths import resolve_inside
 from sat_model.sources import (
     EXCLUDED,
     LEAVES_FOLDER,
@@ -110,12 +111,6 @@ class PrepareResult:
 
 
 # -------------------------------------------------------------------------------- images
-def _escapes(root: Path, file: str) -> bool:
-    """True when ``file`` resolves outside ``root`` (the readers already refuse ``../`` names;
-    this catches symbolic links that point out of the dataset)."""
-    return not (root / file).resolve().is_relative_to(root.resolve())
-
-
 def check_image(path: Path, verify: bool, max_pixels: int) -> ImageCheck:
     """Open ``path`` (and with ``verify`` decode it fully); say why it is unusable, if it is."""
     try:
@@ -149,7 +144,7 @@ def _check_images(
     def check(image: SourceImage) -> ImageCheck:
         if image.status != OK:
             return ImageCheck(image.status, None, None)
-        if _escapes(src.image_root, image.file):
+        if resolve_inside(src.image_root, image.file)[1]:  # symbolic links out of the dataset
             return ImageCheck(LEAVES_FOLDER, None, None)
         return check_image(src.image_root / image.file, verify, max_pixels)
 

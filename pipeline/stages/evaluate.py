@@ -9,16 +9,23 @@ overlay PNGs and ``index.html``). ``--model`` evaluates any model folder or MLfl
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
-from pipeline.stages import stage_parser
+from pipeline.stages import run_locked, stage_parser
+
+if TYPE_CHECKING:
+    from sat_model.config import Params
 
 __all__ = ["main", "resolve_model_dir"]
+
+T = TypeVar("T")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -51,26 +58,57 @@ def resolve_model_dir(model: str, workdir: Path, tracking_uri: str | None = None
     return checkpoints[0]
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
-    # the old gallery goes only once the new one is complete (stale PNGs never linger)
-    if dst.exists():
-        shutil.rmtree(dst)
-    src.rename(dst)
+def _is_gallery(folder: Path) -> bool:
+    """A gallery this stage wrote: ``index.html`` and overlay PNGs, nothing else."""
+    return all(
+        p.is_file() and (p.name == "index.html" or p.suffix == ".png") for p in folder.iterdir()
+    )
+
+
+def _write_gallery(out_dir: Path, write: Callable[[Path], T]) -> T:
+    """``write(folder)`` into a temporary folder, then swap it for ``out_dir/attention`` whole
+    (stale PNGs never linger; temporary folders of killed runs are removed first)."""
+    from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir
+
+    remove_dead_temps(out_dir, "attention")
+    staging = temp_dir(out_dir, "attention")
+    try:
+        written = write(staging)
+        replace_dir(staging, out_dir / "attention", owned=_is_gallery)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return written
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
+    from sat_model.config import load_params
+    from sat_model.paths import output_path
+
+    params = load_params(args.params, args.overrides)
+    return run_locked(
+        "evaluate",
+        lambda: (
+            Path(args.out).resolve()  # named by the user on the command line
+            if args.out
+            else output_path(params.eval.reports_dir, Path.cwd()) / args.attention
+        ),
+        lambda: _evaluate(args, params),
+    )
+
+
+def _evaluate(args: argparse.Namespace, params: Params) -> int:
     import torch
 
-    from sat_model.config import load_params
     from sat_model.evaluate import (
         evaluate_model,
         read_image_records,
         write_attention_gallery,
         write_reports,
     )  # fmt: skip
+    from sat_model.paths import image_root
 
-    params = load_params(args.params, args.overrides)
     ev = params.eval
     split = args.split or ev.split
     out_dir = Path(args.out or Path(ev.reports_dir) / args.attention)
@@ -89,14 +127,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             meteor_timeout_s=ev.meteor_timeout_s, device=device,
         )  # fmt: skip
         grid_h, grid_w, crop = _grid(model_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".attention.", dir=out_dir))
-        _, gallery_skipped = write_attention_gallery(
-            result.captions, read_image_records(prepared / "images.parquet", split), staging,
-            count=ev.gallery_images, grid_h=grid_h, grid_w=grid_w, resize=params.encoder.resize,
-            crop=crop, title=f"{args.attention} attention, {split} split",
-        )  # fmt: skip
-        _replace_dir(staging, out_dir / "attention")
+        records = read_image_records(
+            prepared / "images.parquet", split, image_root(params.data, Path.cwd())
+        )
+        gallery = functools.partial(
+            write_attention_gallery,
+            result.captions,
+            records,
+            count=ev.gallery_images,
+            grid_h=grid_h,
+            grid_w=grid_w,
+            resize=params.encoder.resize,
+            crop=crop,
+            title=f"{args.attention} attention, {split} split",
+        )
+        _, gallery_skipped = _write_gallery(out_dir, gallery)
     result.skipped.extend({**s, "stage": "gallery"} for s in gallery_skipped)
     write_reports(result, out_dir, split)
     print(json.dumps(result.metrics, indent=1))

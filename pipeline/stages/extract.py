@@ -10,16 +10,17 @@ a byte-identical store.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from pipeline.stages import stage_parser
+from sat_model.atomic import write_text_atomic
 from sat_model.config import Params, load_params
 from sat_model.encoders import build_encoder
 from sat_model.extract import ExtractReport, extract_features
+from sat_model.paths import image_root
 
 __all__ = ["main", "run_extract", "write_report"]
 
@@ -58,6 +59,7 @@ def run_extract(params: Params, root: Path, progress: bool = True) -> ExtractRep
     encoder = build_encoder(cfg.name, cfg.layer, weights, input_size=cfg.crop)
     kwargs = dict(
         images_table=_absolute(params.data.prepared_dir, root) / "images.parquet",
+        image_root=image_root(params.data, root),  # from params, never from the table
         out_dir=_absolute(cfg.features_dir, root),
         encoder=encoder,
         resize=cfg.resize,
@@ -77,12 +79,9 @@ def run_extract(params: Params, root: Path, progress: bool = True) -> ExtractRep
 
 
 def write_report(report: ExtractReport, out_dir: Path) -> Path:
-    """Write ``extract_report.json`` atomically (temp file, then rename)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Write ``extract_report.json`` atomically and durably (temp file, fsync, rename)."""
     path = out_dir / REPORT_NAME
-    tmp = out_dir / f".{REPORT_NAME}.{os.getpid()}.partial"
-    tmp.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(report.to_dict(), indent=2) + "\n")
     return path
 
 

@@ -12,8 +12,12 @@ import argparse
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipeline.stages import stage_parser
+from pipeline.stages import run_locked, stage_parser
+
+if TYPE_CHECKING:
+    from sat_model.config import Params
 
 __all__ = ["main"]
 
@@ -33,10 +37,29 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     from sat_model.config import load_params
+
+    params = load_params(args.params, args.overrides)
+    root = Path(args.params).resolve().parent
+    return run_locked(
+        "train", lambda: _model_dir(params, root, args.attention), lambda: _train(args, params)
+    )
+
+
+def _model_dir(params: Params, root: Path, attention: str) -> Path:
+    """``<models_dir>/<attention>``, refused before training if it is not ours to replace."""
+    from sat_model.atomic import check_replaceable
+    from sat_model.checkpoint import is_checkpoint_dir
+    from sat_model.paths import output_path
+
+    model_dir = output_path(params.train.models_dir, root) / attention
+    check_replaceable(model_dir, owned=is_checkpoint_dir)
+    return model_dir
+
+
+def _train(args: argparse.Namespace, params: Params) -> int:
     from sat_model.train_run import train_model
     from sat_model.training import ProgressBar
 
-    params = load_params(args.params, args.overrides)
     if not args.in_process:
         from pipeline.ray_train import train_with_ray
 

@@ -38,7 +38,7 @@ def _project(root: Path, encoder: str, crop: int, resize: int) -> Path:
         else:
             pixels = rng.integers(0, 255, (int(rng.integers(70, 90)), 80, 3), dtype=np.uint8)
             Image.fromarray(pixels).save(path)
-        files.append(path.relative_to(prepared).as_posix())
+        files.append(path.name)  # relative to <prepared_dir>/images, the synthetic image root
     table = pa.table(
         {
             "image_id": [r[0] for r in ROWS],
@@ -48,7 +48,7 @@ def _project(root: Path, encoder: str, crop: int, resize: int) -> Path:
             "height": pa.array([80] * len(ROWS), pa.int32()),
             "status": ["ok"] * len(ROWS),
         }
-    ).replace_schema_metadata({"image_root": str(prepared), "source": "synthetic"})
+    ).replace_schema_metadata({"image_root": str(prepared / "images"), "source": "synthetic"})
     pq.write_table(table, prepared / "images.parquet")
     params = {
         "encoder": {"name": encoder, "resize": resize, "crop": crop, "batch_size": 2,

@@ -56,12 +56,12 @@ def _extract_project(root: Path, count: int) -> None:
         {
             "image_id": ids,
             "split": ["train"] * count,
-            "file": [f"images/{i}.png" for i in ids],
+            "file": [f"{i}.png" for i in ids],  # under <prepared_dir>/images (synthetic root)
             "width": pa.array([40] * count, pa.int32()),
             "height": pa.array([40] * count, pa.int32()),
             "status": ["ok"] * count,
         }
-    ).replace_schema_metadata({"image_root": str(prepared), "source": "synthetic"})
+    ).replace_schema_metadata({"image_root": str(prepared / "images"), "source": "synthetic"})
     pq.write_table(table, prepared / "images.parquet")
     params = {"encoder": {"name": "random", "resize": 36, "crop": 32, "batch_size": 2,
                           "num_workers": 0, "torch_threads": 1}}  # fmt: skip

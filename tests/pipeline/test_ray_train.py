@@ -200,6 +200,7 @@ def test_copy_checkpoint_replaces_the_destination_whole(tmp_path: Path) -> None:
     dst = tmp_path / "models" / "soft"
     dst.mkdir(parents=True)
     (dst / "model.pt").write_bytes(b"old")
+    (dst / "config.json").write_text('{"format_version": 1, "model": {}}')  # a sat checkpoint
     (dst / "stale.json").write_text("{}")
     copy_checkpoint(src, dst)
     assert sorted(p.name for p in dst.iterdir()) == ["model.pt"]

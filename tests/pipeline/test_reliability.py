@@ -159,9 +159,10 @@ def _image_table(root: Path) -> Path:
     write_zoo(prepared / "images")
     Image.new("RGB", (40, 40)).save(root / "outside.png")  # a real image outside the root
     (prepared / "images" / "link.png").symlink_to(root / "outside.png")
-    rows = [(_stem(n), f"images/{n}") for n in (*ODD, *BAD)]
-    rows += [("dotdot", "../../outside.png"), ("absolute", str(root / "outside.png"))]
-    rows += [("symlink", "images/link.png")]
+    # names relative to <prepared_dir>/images, the image root of the (default) synthetic source
+    rows = [(_stem(n), n) for n in (*ODD, *BAD)]
+    rows += [("dotdot", "../../../outside.png"), ("absolute", str(root / "outside.png"))]
+    rows += [("symlink", "link.png")]
     table = pa.table(
         {
             "image_id": [r[0] for r in rows],
@@ -171,7 +172,7 @@ def _image_table(root: Path) -> Path:
             "height": pa.array([40] * len(rows), pa.int32()),
             "status": ["ok"] * len(rows),
         }
-    ).replace_schema_metadata({"image_root": str(prepared), "source": "flickr8k"})
+    ).replace_schema_metadata({"image_root": str(prepared / "images"), "source": "synthetic"})
     pq.write_table(table, prepared / "images.parquet")
     return prepared / "images.parquet"
 

@@ -192,7 +192,7 @@ def test_reports_are_json_with_flat_metrics(result, tmp_path):
 
 def test_gallery_has_one_overlay_per_word_and_skips_missing_photos(data, result, tmp_path):
     root, _ = data
-    records = read_image_records(root / "images.parquet", "test")
+    records = read_image_records(root / "images.parquet", "test", root / "images")
     records.pop("img1")  # as if the image table lost it
     page, skipped = write_attention_gallery(
         result.captions, records, tmp_path, count=3, grid_h=GRID, grid_w=GRID, resize=CROP,

@@ -66,13 +66,13 @@ def encoder():
 
 def _extract(table: Path, out: Path, encoder, num_workers: int = 0, batch_size: int = 2):
     return extract_features(
-        table, out, encoder, resize=RESIZE, crop=CROP, batch_size=batch_size,
+        table, table.parent, out, encoder, resize=RESIZE, crop=CROP, batch_size=batch_size,
         num_workers=num_workers, max_image_pixels=10_000, progress=False,
     )  # fmt: skip
 
 
 def test_table_reader_keeps_ok_rows_in_a_split_in_table_order(tmp_path: Path) -> None:
-    items = read_image_table(write_image_table(tmp_path))
+    items = read_image_table(write_image_table(tmp_path), tmp_path)
     assert list(items) == ["train", "val"]
     assert [i.image_id for i in items["train"]] == ["a", "b", "c", "g"]
     assert items["val"][0].path == str(tmp_path / "images" / "e.png")
@@ -125,13 +125,15 @@ def test_nothing_extractable_fails_loudly(tmp_path, encoder) -> None:
         _extract(table, tmp_path / "features", encoder)
 
 
-def test_table_without_image_root_metadata_is_refused(tmp_path, encoder) -> None:
+def test_table_without_image_root_metadata_reads_from_the_root_given(tmp_path, encoder) -> None:
     table = write_image_table(tmp_path, with_root=False)
-    with pytest.raises(ExtractError, match="image_root"):
-        _extract(table, tmp_path / "features", encoder)
+    report = _extract(table, tmp_path / "features", encoder)
+    assert report.splits[0].extracted == 3  # a, c, g of train (b is corrupt)
 
 
 def test_crop_must_match_the_encoder_input_size(tmp_path, encoder) -> None:
     table = write_image_table(tmp_path)
     with pytest.raises(ValueError, match="crop 48 != encoder input size 32"):
-        extract_features(table, tmp_path / "f", encoder, 64, 48, 2, 0, 10_000, progress=False)
+        extract_features(
+            table, tmp_path, tmp_path / "f", encoder, 64, 48, 2, 0, 10_000, progress=False
+        )

@@ -125,7 +125,7 @@ def escaping_table(tmp_path: Path) -> Path:
 
 
 def test_extract_table_reader_refuses_every_path_out_of_the_root(escaping_table: Path) -> None:
-    (items,) = read_image_table(escaping_table).values()
+    (items,) = read_image_table(escaping_table, escaping_table.parent / "images").values()
     refused = {i.image_id: i.refused for i in items}
     assert refused["inside"] == ""
     for image_id in ("dotdot", "absolute", "symlink", "sneaky"):
@@ -135,7 +135,7 @@ def test_extract_table_reader_refuses_every_path_out_of_the_root(escaping_table:
 def test_evaluation_gallery_never_opens_a_photo_out_of_the_root(
     escaping_table: Path, tmp_path: Path
 ) -> None:
-    records = read_image_records(escaping_table, "test")
+    records = read_image_records(escaping_table, "test", escaping_table.parent / "images")
     alphas = np.full((2, 4), 0.25)  # (len, L): a 2x2 grid, uniform attention
     captions = [DecodedCaption(i, ("a", "circle"), alphas, -1.0) for i in sorted(records)]
     _, skipped = write_attention_gallery(

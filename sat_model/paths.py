@@ -1,0 +1,68 @@
+"""Where files may be read from and written to: roots come from params, never from data files.
+
+A data file (``images.parquet``) lists image names; the folder they are read from is the one the
+params name (:func:`image_root`), so editing a table cannot widen what is read.
+Output folders named by params resolve against the project root; a relative path may not climb
+out of it (``../elsewhere``), an absolute one (or ``~/...``) is the user's explicit choice.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sat_model.config import DataConfig
+
+__all__ = ["PathError", "image_root", "output_path", "resolve_inside"]
+
+
+class PathError(ValueError):
+    """A path from params points somewhere the project does not write."""
+
+
+def resolve_inside(root: Path, name: str) -> tuple[Path, str]:
+    """``(path, reason)``: ``root / name`` resolved, and why it may not be opened ("" if it may).
+
+    ``"../x"``, an absolute name and a symbolic link out of ``root`` all resolve outside it.
+    """
+    root = Path(root).resolve()
+    path = (root / name).resolve()
+    if path.is_relative_to(root):
+        return path, ""
+    return path, f"path {name!r} escapes the image root {root}"
+
+
+def output_path(value: str, project_root: Path) -> Path:
+    """The absolute folder an output param names; a relative one must stay under the project.
+
+    Raises:
+        PathError: a relative path that resolves outside ``project_root``.
+    """
+    root = Path(project_root).resolve()
+    given = Path(value).expanduser()
+    if given.is_absolute():
+        return given.resolve()
+    path = (root / given).resolve()
+    if not path.is_relative_to(root):
+        raise PathError(
+            f"output path {value!r} leaves the project root {root}; "
+            f"name an absolute path to write outside the project"
+        )
+    return path
+
+
+def image_root(data: DataConfig, base_dir: Path) -> Path:
+    """The folder images are read from, from params alone (the one ``read_source`` reads).
+
+    Relative ``data.root`` and ``data.prepared_dir`` resolve against ``base_dir``; synthetic
+    images are drawn into ``<prepared_dir>/images``.
+    """
+    base = Path(base_dir)
+    if data.source == "synthetic":
+        return (base / data.prepared_dir / "images").resolve()
+    root = base / data.root if data.root else base
+    if data.source in ("flickr8k", "karpathy"):
+        section = data.flickr8k if data.source == "flickr8k" else data.karpathy
+        return (root / section.images_dir).resolve()
+    return root.resolve()  # coco: names carry their images_dirs folder

@@ -1,0 +1,162 @@
+"""A malformed or hostile checkpoint is a CheckpointError, raised before anything is sized."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from sat_model.checkpoint import (
+    MODEL_FILE,
+    CheckpointError,
+    load_checkpoint,
+    load_model,
+    save_checkpoint,
+)
+from sat_model.model import ModelConfig, ShowAttendTell
+from sat_model.vocab import build_vocab
+
+WORDS = ["a", "red", "circle", "square"]
+
+
+def _config(vocab_size: int, **changes: object) -> ModelConfig:
+    values = dict(
+        vocab_size=vocab_size, annotation_dim=5, num_locations=6, embed_dim=8, hidden_dim=12,
+        attention_dim=7, dropout=0.0, gate=True, attention="soft",
+    )  # fmt: skip
+    values.update(changes)
+    return ModelConfig(**values)
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    vocab = build_vocab([WORDS], 1, 100, 20)
+    config = _config(len(vocab))
+    save_checkpoint(
+        tmp_path / "ckpt", model_config=config, vocab=vocab,
+        model_state=ShowAttendTell(config).state_dict(),
+    )  # fmt: skip
+    return tmp_path / "ckpt"
+
+
+def _rewrite(directory: Path, edit) -> None:
+    """Change the payload of ``model.pt`` (and ``config.json`` to agree), as a forger would."""
+    payload = torch.load(directory / MODEL_FILE, weights_only=True)
+    edit(payload)
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    (directory / MODEL_FILE).write_bytes(buffer.getvalue())
+    if isinstance(payload.get("config"), dict):
+        (directory / "config.json").write_text(json.dumps(payload["config"], indent=1) + "\n")
+
+
+def _set_model_field(key: str, value: object):
+    def edit(payload: dict) -> None:
+        payload["config"]["model"][key] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("hidden_dim", 30000, "does not fit the saved model config"),  # weights are for 12
+        ("hidden_dim", 10**12, r"hidden_dim=1000000000000 must be in \[1, 65536\]"),
+        ("embed_dim", -8, r"embed_dim=-8 must be in \[1, 65536\]"),
+        ("hidden_dim", "12", "hidden_dim='12' must be a number, not str"),
+        ("hidden_dim", 12.5, "must be an integer"),
+        ("hidden_dim", True, "must be a number, not bool"),
+        ("gate", 1, "must be true or false"),
+        ("attention", "sparse", "unknown attention 'sparse'"),
+        ("dropout", float("nan"), "must be finite"),
+        ("num_locations", None, "must be a number, not NoneType"),
+    ],
+)
+def test_a_hostile_model_config_is_refused_before_the_model_is_built(
+    checkpoint: Path, key: str, value: object, message: str
+) -> None:
+    _rewrite(checkpoint, _set_model_field(key, value))
+    with pytest.raises(CheckpointError, match=message):
+        load_model(checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda p: p.pop("config"), "no 'config'"),
+        (lambda p: p.update(config=[1, 2]), "config is list, expected dict"),
+        (lambda p: p["config"].pop("model"), "model config is NoneType"),
+        (lambda p: p["config"]["model"].pop("hidden_dim"), r"missing keys \['hidden_dim'\]"),
+        (lambda p: p["config"]["model"].update(heads=4), r"unknown keys \['heads'\]"),
+        (lambda p: p.update(itos="a b c"), "itos is str, expected list"),
+        (lambda p: p.update(epoch="3"), "epoch is str, expected int"),
+        (lambda p: p.update(epoch=True), "epoch is bool, expected int"),
+        (lambda p: p.update(model_state={"w": [1.0]}), "not a mapping of names to tensors"),
+        (lambda p: p["model_state"].pop("embedding.weight"), r"missing \['embedding.weight'\]"),
+        (lambda p: p["model_state"].update(extra=torch.zeros(1)), r"unexpected \['extra'\]"),
+        (
+            lambda p: p.update(train_state={"embedding.weight": torch.zeros(2, 2)}),
+            "train_state does not fit",
+        ),
+    ],
+)
+def test_a_malformed_payload_is_a_checkpoint_error(checkpoint: Path, edit, message: str) -> None:
+    _rewrite(checkpoint, edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(checkpoint)
+
+
+def test_a_truncated_model_file_is_a_checkpoint_error(checkpoint: Path) -> None:
+    data = (checkpoint / MODEL_FILE).read_bytes()
+    (checkpoint / MODEL_FILE).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupted"):
+        load_model(checkpoint)
+
+
+def test_bad_json_beside_the_weights_is_a_checkpoint_error(checkpoint: Path) -> None:
+    (checkpoint / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        load_checkpoint(checkpoint)
+
+
+def test_the_intact_checkpoint_still_loads(checkpoint: Path) -> None:
+    model, vocab, config = load_model(checkpoint)
+    assert config.hidden_dim == 12 and len(vocab) == config.vocab_size
+    assert not model.training
+
+
+_PEAK_RSS_SCRIPT = textwrap.dedent(
+    """
+    import resource, sys
+    from sat_model.checkpoint import CheckpointError, load_model
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        load_model(sys.argv[1])
+    except CheckpointError as e:
+        print("refused:", e, file=sys.stderr)
+    else:
+        sys.exit("loaded a checkpoint whose weights do not fit its config")
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print((after - before) * 1024)  # ru_maxrss is in KiB on Linux
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss units differ off Linux")
+def test_a_huge_hidden_dim_fails_without_a_large_allocation(checkpoint: Path) -> None:
+    # hidden_dim 30000 beside weights for 12: building that model would allocate the 4n x n LSTM
+    # matrix alone, 14.4 GB; the peak RSS of a fresh interpreter must barely move while refusing
+    _rewrite(checkpoint, _set_model_field("hidden_dim", 30000))
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_RSS_SCRIPT, str(checkpoint)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "does not fit the saved model config" in done.stderr
+    assert int(done.stdout) < 64 * 2**20, f"peak RSS grew by {int(done.stdout) / 2**20:.0f} MiB"
