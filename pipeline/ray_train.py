@@ -380,7 +380,8 @@ def train_with_ray(
     prepared = _abs(params.data.prepared_dir, root)
     features = _abs(params.encoder.features_dir, root)
     seed = [resume_from.resolve()] if resume_from else []
-    identity = train_identity(params, attention, root, inputs=[prepared, features, *seed])
+    inputs = [prepared / "captions.parquet", prepared / "vocab.json", features, *seed]
+    identity = train_identity(params, attention, root, inputs=inputs)
     storage = resolve_storage_path(params.ray, root)
     base = f"sat-{attention}-{identity.short}"
     name, done = _choose_run(_attempts(storage, base), base, attention, resume)

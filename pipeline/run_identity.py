@@ -8,8 +8,9 @@ this package's source), so the identity follows the declared ``deps`` and ``para
   (``-S`` overrides included), not from ``params.yaml`` on disk;
 - ``deps``: DVC's own md5 (``Dependency.get_hash``, the hash ``dvc.lock`` records; a folder is
   its ``.dir`` hash) of every declared dependency and of every input the params point at
-  (``data.prepared_dir``, ``encoder.features_dir``, a ``--resume-from`` folder), ``"missing"``
-  where the path does not exist; DVC's state database makes a re-hash of unchanged files cheap;
+  (captions and vocabulary under ``data.prepared_dir``, ``encoder.features_dir``, a
+  ``--resume-from`` folder), ``"missing"`` where the path does not exist; DVC's state database
+  makes a re-hash of unchanged files cheap;
 - ``versions``: of torch and of this project.
 
 Reading the stage and hashing take no DVC lock, so this works while ``dvc repro`` holds it.
@@ -72,11 +73,11 @@ def train_identity(
     with Repo(str(dvc_root), uninitialized=True) as repo:
         stage = repo.stage.collect(f"{dvc_root / 'dvc.yaml'}:{stage_name}")[0]
         declared: list[str] = []
-        paths: set[str] = {str(p) for p in inputs}
+        paths: set[str] = {str(Path(p).resolve()) for p in inputs}
         other_params: dict[str, Any] = {}
         for dep in stage.deps:
             if not isinstance(dep, ParamsDependency):
-                paths.add(str(dep.fs_path))
+                paths.add(str(Path(dep.fs_path).resolve()))
             elif Path(dep.fs_path).name == _PARAMS_FILE and Path(dep.fs_path).parent == dvc_root:
                 declared += dep.params or ["."]
             else:  # another params file: DVC reads it
