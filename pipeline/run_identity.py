@@ -1,8 +1,8 @@
 """A training run's identity: everything the ``train@<attention>`` stage depends on, as one digest.
 
 The stage's definition is read with DVC from ``dvc.yaml`` (the project's own, else the one beside
-this package's source), so the identity follows the declared ``deps`` and ``params`` when
-``dvc.yaml`` changes. Its parts:
+this package's source, where that is a DVC project), so the identity follows the declared ``deps``
+and ``params`` when ``dvc.yaml`` changes. Its parts:
 
 - ``params``: the value of every key the stage declares, taken from the params the run was given
   (``-S`` overrides included), not from ``params.yaml`` on disk;
@@ -64,13 +64,14 @@ def train_identity(
 
     stage_name = f"train@{attention}"
     project_root = project_root.resolve()
-    dvc_root = project_root if (project_root / "dvc.yaml").is_file() else _SOURCE_ROOT
-    if not (dvc_root / "dvc.yaml").is_file():
+    dvc_root = next((r for r in (project_root, _SOURCE_ROOT) if _is_dvc_project(r)), None)
+    if dvc_root is None:
         raise FileNotFoundError(
-            f"no dvc.yaml in {project_root} or {_SOURCE_ROOT}: the train stage's dependencies "
-            f"are read from its definition there"
+            f"neither {project_root} nor {_SOURCE_ROOT} is a DVC project (dvc.yaml and .dvc/): "
+            f"the train stage's dependencies are read from its definition there"
         )
-    with Repo(str(dvc_root), uninitialized=True) as repo:
+    # no_scm: git is not needed to read a stage and hash files (an exported tree has none)
+    with Repo(str(dvc_root), config={"core": {"no_scm": True}}) as repo:
         stage = repo.stage.collect(f"{dvc_root / 'dvc.yaml'}:{stage_name}")[0]
         declared: list[str] = []
         paths: set[str] = {str(Path(p).resolve()) for p in inputs}
@@ -93,7 +94,13 @@ def train_identity(
     return RunIdentity(hashlib.sha256(text.encode()).hexdigest(), json.loads(text))
 
 
+def _is_dvc_project(root: Path) -> bool:
+    return (root / "dvc.yaml").is_file() and (root / ".dvc").is_dir()
+
+
 def _md5(dep: Any) -> str:
+    if not Path(dep.fs_path).exists():
+        return "missing"
     try:
         return str(dep.get_hash().value)
     except FileNotFoundError:
