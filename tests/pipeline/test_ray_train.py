@@ -3,7 +3,9 @@
 The train function here is a tiny least-squares model stepped over the real
 ``LengthGroupedBatchSampler`` shards, so that the single-process reference is exact to compute:
 with equal shard sizes and per-rank mean losses, DDP's averaged gradient equals the gradient of
-the mean loss over the concatenated global batch.
+the mean loss over the concatenated global batch. The ``train_with_ray`` tests run the real
+training loop (``sat_train_fn``) on the tiny project: a worker killed after the best epoch, an
+unfinished run resumed only when asked, a finished one not trained again.
 """
 
 from __future__ import annotations
