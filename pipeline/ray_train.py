@@ -292,7 +292,6 @@ def _abs(path: str, root: Path) -> Path:
 
 
 RUN_RECORD = "sat_run.json"  # in a run's storage folder: its identity, status, checkpoint
-_ERR: dict[str, Any] = {"file": sys.stderr, "flush": True}
 
 
 @dataclass(frozen=True)
@@ -341,19 +340,23 @@ def _choose_run(
     stage = f"train@{attention}"
     done = next((a for a in reversed(attempts) if a.checkpoint is not None), None)
     if done is not None:
-        print(f"{stage}: nothing to train: run {done.name} of this identity finished", **_ERR)
+        _say(f"{stage}: nothing to train: run {done.name} of this identity finished")
         return done.name, done
     if resume and attempts:
         last = attempts[-1]
-        print(f"{stage}: resuming run {last.name} from its last epoch checkpoint", **_ERR)
+        _say(f"{stage}: resuming run {last.name} from its last epoch checkpoint")
         return last.name, None
     name = f"{base}-{attempts[-1].number + 1 if attempts else 1}"
     if not attempts:
         why = "no earlier run of this identity" + (" to resume" if resume else "")
     else:
         why = f"run {attempts[-1].name} of this identity did not finish; --resume continues it"
-    print(f"{stage}: training from epoch 1 as run {name} ({why})", **_ERR)
+    _say(f"{stage}: training from epoch 1 as run {name} ({why})")
     return name, None
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def train_with_ray(
