@@ -299,16 +299,21 @@ class _Attempt:
     """One earlier run of an identity in Ray's storage, with what the driver recorded of it."""
 
     number: int
-    name: str
+    folder: Path  # <storage>/<name>
     record: dict[str, Any]  # RUN_RECORD's content, {} when unreadable
+
+    @property
+    def name(self) -> str:
+        return self.folder.name
 
     @property
     def checkpoint(self) -> Path | None:
         """The final checkpoint of a finished run that is still in storage, else None."""
-        path = self.record.get("checkpoint_dir")
-        if self.record.get("status") != "FINISHED" or not path or not Path(path).is_dir():
+        relative = self.record.get("checkpoint")
+        if self.record.get("status") != "FINISHED" or not relative:
             return None
-        return Path(path)
+        path = self.folder / relative
+        return path if path.is_dir() else None
 
 
 def _attempts(storage: Path, base: str) -> list[_Attempt]:
@@ -317,7 +322,7 @@ def _attempts(storage: Path, base: str) -> list[_Attempt]:
     for folder in storage.glob(f"{base}-*"):
         suffix = folder.name.removeprefix(f"{base}-")
         if folder.is_dir() and suffix.isdigit():
-            found.append(_Attempt(int(suffix), folder.name, _read_record(folder / RUN_RECORD)))
+            found.append(_Attempt(int(suffix), folder, _read_record(folder / RUN_RECORD)))
     return sorted(found, key=lambda a: a.number)
 
 
@@ -450,7 +455,8 @@ def _fit_run(
         raise
     if outcome.checkpoint_dir is None:
         raise RuntimeError(f"Ray Train run {name} finished without a checkpoint")
-    finished = {**record, "status": "FINISHED", "checkpoint_dir": str(outcome.checkpoint_dir)}
+    checkpoint = outcome.checkpoint_dir.relative_to(outcome.storage_dir).as_posix()
+    finished = {**record, "status": "FINISHED", "checkpoint": checkpoint}
     _write_record(storage, name, finished)
     tracking.call(lambda c: c.set_terminated(run_id, "FINISHED"), f"end run {run_id}")
     return outcome.checkpoint_dir, run_id
