@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -455,7 +456,7 @@ def _fit_run(
         raise
     if outcome.checkpoint_dir is None:
         raise RuntimeError(f"Ray Train run {name} finished without a checkpoint")
-    checkpoint = outcome.checkpoint_dir.relative_to(outcome.storage_dir).as_posix()
+    checkpoint = os.path.relpath(outcome.checkpoint_dir, outcome.storage_dir)  # project may move
     finished = {**record, "status": "FINISHED", "checkpoint": checkpoint}
     _write_record(storage, name, finished)
     tracking.call(lambda c: c.set_terminated(run_id, "FINISHED"), f"end run {run_id}")
