@@ -57,7 +57,8 @@ def _summary(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from pipeline.stages import train
 
-    return train.main([*_forward_params(args), "--attention", args.attention]) or 0
+    resume = ["--resume"] if args.resume else []
+    return train.main([*_forward_params(args), "--attention", args.attention, *resume]) or 0
 
 
 # -------------------------------------------------------------------------------- tune
@@ -81,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train one model (soft or hard attention) through Ray Train")
     add_params_args(p)
     p.add_argument("--attention", choices=["soft", "hard"], required=True)
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the unfinished run of this exact identity from its last epoch",
+    )
     p.set_defaults(handler=_train)
 
     p = sub.add_parser("tune", help="Ray Tune sweep; each trial an MLflow child run")

@@ -4,13 +4,20 @@ The driver builds a ``TorchTrainer`` whose every worker runs a *train function*
 ``train_fn(run: WorkerRun) -> None``. :class:`WorkerRun` is all the function sees of Ray: its
 rank and world size, the device Ray placed it on, the local copy of the checkpoint to resume from,
 a ``wrap_model`` hook (DDP via ``ray.train.torch.prepare_model``: gloo on CPU, NCCL on GPU) and
-``report`` (every rank calls it once per epoch; rank 0 attaches the checkpoint directory). The run
-has a deterministic name, so running it again with the same name and storage path resumes from
-its last reported checkpoint (Ray Train V2 restores the run's checkpoint state from storage).
+``report`` (every rank calls it once per epoch; rank 0 attaches the checkpoint directory). Running
+a run again with the same name and storage path resumes from its last reported checkpoint (Ray
+Train V2 restores the run's checkpoint state from storage), as do Ray's own restarts after a
+worker failure.
 
 :func:`train_with_ray` is the ``train`` stage's use of it: ``sat_model.train_run.train_model`` on
 every worker, rank 0 logging each epoch to MLflow once, the final checkpoint copied from Ray's
-storage into ``models/<attention>/`` on the driver.
+storage into ``models/<attention>/`` on the driver. Its runs are named after the run's identity
+(``pipeline.run_identity``: declared params, DVC hashes of code and data, versions) and an attempt
+number, ``sat-<attention>-<12 hex>-<n>``. An invocation trains from epoch 1 in a new attempt
+unless a run of that identity finished (then it trains nothing and hands back that run's model)
+or ``resume=True`` names an unfinished one (then it continues from its last epoch); it says
+which in one line on stderr. Each epoch's checkpoint carries the best model and the last
+training state (``last_state.pt``), so a restart continues from the last finished epoch.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,15 +36,17 @@ from typing import Any
 
 import torch
 
-from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir
+from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir, write_text_atomic
 from sat_model.checkpoint import is_checkpoint_dir
 from sat_model.config import RayConfig
 from sat_model.paths import output_path
 from sat_model.training import Callback, EpochState
 
 from .ray_runtime import loopback_env, resolve_use_gpu
+from .run_identity import RunIdentity
 
 __all__ = [
+    "RUN_RECORD",
     "FitOutcome",
     "ScalingSpec",
     "TrainFn",
@@ -227,6 +238,11 @@ class _RayEpochReporter(Callback):
         if hook is not None:  # tests inject worker faults here
             hook(self.run, epoch)
 
+    def on_log(self, epoch: int, step: int, loss: float) -> None:
+        hook = self.run.config.get("on_step")
+        if hook is not None:  # tests kill a worker mid-epoch here (with a small log_every)
+            hook(self.run, epoch, step)
+
     def on_epoch_end(self, state: EpochState) -> None:
         metrics = {"train_loss": state.train_loss, "lr": state.lr}
         metrics.update({f"val_{k}": v for k, v in (state.val_metrics or {}).items()})
@@ -267,6 +283,8 @@ def sat_train_fn(run: WorkerRun) -> None:
             callbacks=[_RayEpochReporter(run, model_dir, logger)],
             resume_from=resume,
             wrap_model=run.wrap_model,
+            identity=cfg.get("identity"),
+            log_every=int(cfg.get("log_every", 50)),
         )
 
 
@@ -275,11 +293,77 @@ def _abs(path: str, root: Path) -> Path:
     return p if p.is_absolute() else (root / p).resolve()
 
 
-def _data_fingerprint(prepared_dir: Path, features_dir: Path) -> dict[str, Any]:
-    """Cheap identity of the inputs (size, mtime): new data must not resume an old run."""
-    files = [prepared_dir / "captions.parquet", prepared_dir / "vocab.json"]
-    files += sorted(features_dir.glob("*.arrow"))
-    return {str(f): [f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.exists()}
+RUN_RECORD = "sat_run.json"  # in a run's storage folder: its identity, status, checkpoint
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """One earlier run of an identity in Ray's storage, with what the driver recorded of it."""
+
+    number: int
+    folder: Path  # <storage>/<name>
+    record: dict[str, Any]  # RUN_RECORD's content, {} when unreadable
+
+    @property
+    def name(self) -> str:
+        return self.folder.name
+
+    @property
+    def checkpoint(self) -> Path | None:
+        """The final checkpoint of a finished run that is still in storage, else None."""
+        relative = self.record.get("checkpoint")
+        if self.record.get("status") != "FINISHED" or not relative:
+            return None
+        path = self.folder / relative
+        return path if path.is_dir() else None
+
+
+def _attempts(storage: Path, base: str) -> list[_Attempt]:
+    """The runs called ``<base>-<n>`` under ``storage``, by attempt number."""
+    found = []
+    for folder in storage.glob(f"{base}-*"):
+        suffix = folder.name.removeprefix(f"{base}-")
+        if folder.is_dir() and suffix.isdigit():
+            found.append(_Attempt(int(suffix), folder, _read_record(folder / RUN_RECORD)))
+    return sorted(found, key=lambda a: a.number)
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _write_record(storage: Path, name: str, record: Mapping[str, Any]) -> None:
+    write_text_atomic(storage / name / RUN_RECORD, json.dumps(record, indent=1) + "\n")
+
+
+def _choose_run(
+    attempts: Sequence[_Attempt], base: str, attention: str, resume: bool
+) -> tuple[str, _Attempt | None]:
+    """(run name, finished attempt to reuse or None); prints the one line saying which."""
+    stage = f"train@{attention}"
+    done = next((a for a in reversed(attempts) if a.checkpoint is not None), None)
+    if done is not None:
+        _say(f"{stage}: nothing to train: run {done.name} of this identity finished")
+        return done.name, done
+    if resume and attempts:
+        last = attempts[-1]
+        _say(f"{stage}: resuming run {last.name} from its last epoch checkpoint")
+        return last.name, None
+    name = f"{base}-{attempts[-1].number + 1 if attempts else 1}"
+    if not attempts:
+        why = "no earlier run of this identity" + (" to resume" if resume else "")
+    else:
+        why = f"run {attempts[-1].name} of this identity did not finish; --resume continues it"
+    _say(f"{stage}: training from epoch 1 as run {name} ({why})")
+    return name, None
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def train_with_ray(
@@ -289,58 +373,92 @@ def train_with_ray(
     project_root: Path,
     address: str | None = None,
     resume_from: Path | None = None,
+    resume: bool = False,
     extra_config: Mapping[str, Any] | None = None,
 ) -> TrainOutcome:
     """The ``train`` stage: Ray Train over ``train_model``, MLflow run, ``models/<attention>/``.
 
     ``project_root`` anchors every relative path in params (workers get absolute ones).
-    ``resume_from`` seeds a run that has no Ray checkpoint yet; ``extra_config`` reaches the
-    workers' ``train_loop_config`` (tests use it to inject faults).
+    ``resume`` continues the latest unfinished run of this identity; ``resume_from`` seeds a new
+    run from a checkpoint folder (its content is part of the identity); ``extra_config`` reaches
+    the workers' ``train_loop_config`` (tests use it to inject faults).
     """
-    from .ray_runtime import ray_session, resolve_storage_path
-    from .tracking import connect, find_or_create_run, lineage_tags
+    from .ray_runtime import resolve_storage_path
+    from .run_identity import train_identity
 
     root = project_root.resolve()
     prepared = _abs(params.data.prepared_dir, root)
     features = _abs(params.encoder.features_dir, root)
+    seed = [resume_from.resolve()] if resume_from else []
+    inputs = [prepared / "captions.parquet", prepared / "vocab.json", features, *seed]
+    identity = train_identity(params, attention, root, inputs=inputs)
+    storage = resolve_storage_path(params.ray, root)
+    base = f"sat-{attention}-{identity.short}"
+    name, done = _choose_run(_attempts(storage, base), base, attention, resume)
+    model_dir = output_path(params.train.models_dir, root) / attention
+    if done is not None:
+        checkpoint, run_id = done.checkpoint, done.record.get("mlflow_run_id")
+    else:
+        config = {
+            "params": params,
+            "attention": attention,
+            "prepared_dir": str(prepared),
+            "features_dir": str(features),
+            "resume_from": str(seed[0]) if seed else None,
+            "identity": identity.digest,
+            **(extra_config or {}),
+        }
+        checkpoint, run_id = _fit_run(params, attention, root, name, identity, config, address)
+    copy_checkpoint(checkpoint, model_dir)
+    metrics_file = model_dir / "train_metrics.json"
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
+    return TrainOutcome(model_dir, name, run_id, metrics)
+
+
+def _fit_run(
+    params: Any,
+    attention: str,
+    root: Path,
+    name: str,
+    identity: RunIdentity,
+    config: dict[str, Any],
+    address: str | None,
+) -> tuple[Path, str]:
+    """Run (or resume) the Ray Train run ``name`` under its MLflow run; (checkpoint, run id)."""
+    from .ray_runtime import ray_session, resolve_storage_path
+    from .tracking import connect, find_or_create_run, lineage_tags
+
     lineage = lineage_tags(
         root, prepared_dir=params.data.prepared_dir, features_dir=params.encoder.features_dir
     )
-    trained = params.model_dump(mode="json", include={"data", "encoder", "model", "train"})
-    name = deterministic_run_name(
-        f"sat-{attention}", trained, lineage, _data_fingerprint(prepared, features)
-    )
     tracking = connect(params.mlflow, root)
-    run_id = find_or_create_run(tracking, name, tags={"sat.attention": attention, **lineage})
-    config = {
-        "params": params,
-        "attention": attention,
-        "prepared_dir": str(prepared),
-        "features_dir": str(features),
-        "resume_from": str(resume_from.resolve()) if resume_from else None,
-        "tracking": tracking.__dict__,
-        "mlflow_run_id": run_id,
-        "logged_params": {"attention": attention, **trained},
-        **(extra_config or {}),
-    }
+    tags = {"sat.attention": attention, "sat.identity": identity.digest, **lineage}
+    run_id = find_or_create_run(tracking, name, tags=tags)
+    storage = resolve_storage_path(params.ray, root)
+    record = {"identity": identity.digest, "inputs": identity.inputs, "mlflow_run_id": run_id}
+    _write_record(storage, name, {**record, "status": "RUNNING"})
+    config.update(
+        tracking=tracking.__dict__,
+        mlflow_run_id=run_id,
+        logged_params={"attention": attention, **identity.inputs["params"]},
+    )
     try:
         with ray_session(params.ray, address=address):
             outcome = fit_on_ray(
                 sat_train_fn,
                 config=config,
                 run_name=name,
-                storage_path=resolve_storage_path(params.ray, root),
+                storage_path=storage,
                 scaling=ScalingSpec.from_params(params.ray),
                 max_failures=params.ray.max_failures,
             )
     except BaseException:
         tracking.call(lambda c: c.set_terminated(run_id, "FAILED"), f"end run {run_id}")
         raise
-    tracking.call(lambda c: c.set_terminated(run_id, "FINISHED"), f"end run {run_id}")
     if outcome.checkpoint_dir is None:
         raise RuntimeError(f"Ray Train run {name} finished without a checkpoint")
-    model_dir = output_path(params.train.models_dir, root) / attention
-    copy_checkpoint(outcome.checkpoint_dir, model_dir)
-    metrics_file = model_dir / "train_metrics.json"
-    metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
-    return TrainOutcome(model_dir, name, run_id, metrics)
+    checkpoint = os.path.relpath(outcome.checkpoint_dir, outcome.storage_dir)  # project may move
+    finished = {**record, "status": "FINISHED", "checkpoint": checkpoint}
+    _write_record(storage, name, finished)
+    tracking.call(lambda c: c.set_terminated(run_id, "FINISHED"), f"end run {run_id}")
+    return outcome.checkpoint_dir, run_id

@@ -5,9 +5,13 @@ its ``rank``/``world_size``; it builds everything from files (``vocab.json``,
 ``captions.parquet``, ``{train,val}.arrow``) and, on rank 0, writes ``<out_dir>/<attention>/``:
 ``model.pt`` + ``config.json`` + ``vocab.json`` (the best epoch so far, rewritten whenever
 validation BLEU-4 improves), ``train_metrics.json`` (flat keys) and ``curves.csv`` (epoch,
-train_loss, val_bleu_4, val_cider, lr; for ``dvc plots``), both rewritten every epoch. The folder is
-complete after every epoch, so a callback may hand it to Ray as that epoch's checkpoint: the
-folder is written before the caller's callbacks run.
+train_loss, val_bleu_4, val_cider, lr; for ``dvc plots``), both rewritten every epoch, and
+``last_state.pt``, the last epoch's training state (weights, moving average, criterion state with
+the hard-attention baseline, optimiser, scheduler, torch RNG states, epoch, best score), rewritten
+atomically every epoch after the other files. The folder is complete after every epoch, so a
+callback may hand it to Ray as that epoch's checkpoint: the folder is written before the caller's
+callbacks run. A run resumed from such a folder continues from the last epoch (``last_state.pt``);
+the best checkpoint beside it stays the best until a later epoch beats it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Callable, Iterator, Sequence
+import pickle
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from sat_model.atomic import write_text_atomic
+from sat_model.atomic import write_bytes_atomic, write_text_atomic
 from sat_model.batching import (
     Batch,
     CaptionDataset,
@@ -32,7 +37,12 @@ from sat_model.batching import (
     load_caption_dataset,
     load_references,
 )
-from sat_model.checkpoint import MODEL_FILE, load_checkpoint, save_checkpoint
+from sat_model.checkpoint import (
+    MODEL_FILE,
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+)
 from sat_model.config import Params
 from sat_model.decoding import greedy
 from sat_model.features import FeatureStore, channel_statistics
@@ -50,14 +60,19 @@ from sat_model.vocab import Vocab, load_vocab
 
 __all__ = [
     "CURVES_FILE",
+    "LAST_STATE_FILE",
     "METRICS_FILE",
     "VALIDATION_METRICS",
     "TrainResult",
+    "load_training_state",
     "make_validator",
+    "save_training_state",
     "train_model",
 ]
 
 METRICS_FILE, CURVES_FILE = "train_metrics.json", "curves.csv"
+LAST_STATE_FILE = "last_state.pt"  # the last epoch's training state, to resume from
+LAST_STATE_VERSION = 1
 CURVE_COLUMNS = ("epoch", "train_loss", "val_bleu_4", "val_cider", "lr")
 # BLEU drives early stopping; CIDEr is logged beside it (no Java, milliseconds on val_images)
 VALIDATION_METRICS = ("bleu", "cider")
@@ -137,13 +152,14 @@ class _ModelDirWriter(Callback):
         self.extra_config, self.curves, self.counts = extra_config, curves, counts
 
     def on_epoch_end(self, state: EpochState) -> None:
+        snapshot = state.checkpoint()
         if state.is_best:
             save_checkpoint(
                 self.model_dir,
                 model_config=self.model.config,
                 vocab=self.vocab,
                 extra_config=self.extra_config,
-                **state.checkpoint(),
+                **snapshot,
             )
         val = state.val_metrics or {}
         self.curves.append(
@@ -158,6 +174,46 @@ class _ModelDirWriter(Callback):
         _write_curves(self.model_dir / CURVES_FILE, self.curves)
         metrics = _train_metrics(state, self.curves, self.counts)
         write_text_atomic(self.model_dir / METRICS_FILE, json.dumps(metrics, indent=1) + "\n")
+        # last: a crash before this leaves the previous epoch's state, which a resume repeats from
+        save_training_state(self.model_dir / LAST_STATE_FILE, snapshot)
+
+
+def save_training_state(path: Path, snapshot: Mapping[str, Any]) -> None:
+    """Write ``snapshot`` (``EpochState.checkpoint()``) and the torch RNG states to ``path``
+    atomically: plain containers and tensors only, read back with ``weights_only=True``."""
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    payload = {"format_version": LAST_STATE_VERSION, **_to_cpu(dict(snapshot)), "rng_state": rng}
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    write_bytes_atomic(path, buffer.getvalue())
+
+
+def load_training_state(path: Path) -> dict[str, Any]:
+    """Read a file written by :func:`save_training_state`; :class:`CheckpointError` if it is not
+    one (missing, corrupted, another format)."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"cannot read the training state {path}: {e}") from None
+    if not isinstance(payload, dict) or payload.get("format_version") != LAST_STATE_VERSION:
+        raise CheckpointError(f"{path} is not a training state this code reads")
+    missing = {"model_state", "optimizer_state", "epoch"} - payload.keys()
+    if missing:
+        raise CheckpointError(f"{path} lacks {sorted(missing)}")
+    return payload
+
+
+def _to_cpu(value: Any) -> Any:
+    # the state must load on a machine without the GPU it was trained on
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, Mapping):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def _write_curves(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -226,8 +282,14 @@ def train_model(
     callbacks: Sequence[Callback] = (),
     resume_from: str | Path | None = None,
     wrap_model: Callable[[nn.Module], nn.Module] | None = None,
+    identity: str | None = None,
+    log_every: int = 50,
 ) -> TrainResult:
-    """Train ``attention`` ("soft" | "hard") and write ``<out_dir>/<attention>/`` (rank 0)."""
+    """Train ``attention`` ("soft" | "hard") and write ``<out_dir>/<attention>/`` (rank 0).
+
+    ``identity`` (the run's digest, see ``pipeline.run_identity``) is recorded in
+    ``config.json``; ``log_every`` is how often callbacks get ``on_log`` (steps).
+    """
     if attention not in ("soft", "hard"):
         raise ValueError(f"unknown attention {attention!r}; expected 'soft' or 'hard'")
     cfg = params.train.soft if attention == "soft" else params.train.hard
@@ -259,12 +321,10 @@ def train_model(
     criterion = build_criterion(attention, cfg)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.lr_schedule, cfg.max_epochs, cfg.lr_decay)
-    start_epoch, best_score, best_epoch, average_state, curves = 0, None, None, None, []
+    resumed, curves = None, []
     if resume_from is not None:
-        start_epoch, best_score, best_epoch, average_state = _resume(
-            Path(resume_from), vocab, model, criterion, optimizer, scheduler
-        )
-        curves = _read_curves(Path(resume_from) / CURVES_FILE, start_epoch)
+        resumed = _resume(Path(resume_from), vocab, model, criterion, optimizer, scheduler)
+        curves = _read_curves(Path(resume_from) / CURVES_FILE, resumed.epoch)
     validate, extra_callbacks, num_val = None, [], 0
     if rank == 0:
         val_store = FeatureStore(features_dir / "val.arrow")
@@ -286,6 +346,8 @@ def train_model(
             "encoder": {**asdict(train_store.meta), "resize": params.encoder.resize},
             "train": {"seed": params.train.seed, **cfg.model_dump()},
         }
+        if identity is not None:
+            extra_config["identity"] = identity
         counts = {
             "train_captions": len(dataset),
             "skipped_captions": len(skipped),
@@ -301,17 +363,19 @@ def train_model(
         lambda epoch: _EpochBatches(dataset, sampler.batches(epoch)),
         validate,
         [*extra_callbacks, *callbacks],
-        start_epoch=start_epoch,
+        start_epoch=resumed.epoch if resumed else 0,
         max_epochs=cfg.max_epochs,
         patience=cfg.patience,
         device=device,
         grad_clip=cfg.grad_clip,
         wrap_model=wrap_model,
         seed=params.train.seed * 1_000 + rank,
-        best_score=best_score,
-        best_epoch=best_epoch,
+        best_score=resumed.best_score if resumed else None,
+        best_epoch=resumed.best_epoch if resumed else None,
+        best_state=resumed.best_state if resumed else None,
         ema_decay=cfg.ema_decay,
-        average_state=average_state,
+        average_state=resumed.average_state if resumed else None,
+        log_every=log_every,
     )
     metrics = _read_metrics(model_dir) if rank == 0 else {}
     return TrainResult(
@@ -326,6 +390,17 @@ def _semi_sampling(cfg: Any) -> dict[str, Any]:
     return {}
 
 
+@dataclass(frozen=True)
+class _Resumed:
+    """Where a resumed run continues from (loaded into the model and optimiser already)."""
+
+    epoch: int
+    best_score: float | None
+    best_epoch: int | None
+    average_state: dict[str, torch.Tensor] | None  # the moving average, when there is one
+    best_state: dict[str, torch.Tensor]  # the best checkpoint's weights
+
+
 def _resume(
     directory: Path,
     vocab: Vocab,
@@ -333,20 +408,46 @@ def _resume(
     criterion: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> tuple[int, float | None, int | None, dict[str, torch.Tensor] | None]:
-    """Load a checkpoint folder written by this module into ``model`` (the weights the optimiser
-    updates) and the rest; returns (epoch, best score, best epoch, moving-average state or None).
-    """
-    ckpt = load_checkpoint(directory, vocab=vocab)
-    # with a moving average, model_state is the average of train_state
-    model.load_state_dict(ckpt.train_state or ckpt.model_state)
-    criterion.load_state_dict(ckpt.criterion_state)
-    if ckpt.optimizer_state is not None:
-        optimizer.load_state_dict(ckpt.optimizer_state)
-    if ckpt.scheduler_state is not None:
-        scheduler.load_state_dict(ckpt.scheduler_state)
-    average = ckpt.model_state if ckpt.train_state is not None else None
-    return ckpt.epoch, ckpt.best_score, ckpt.best_epoch, average
+) -> _Resumed:
+    """Load the folder's last training state (``last_state.pt``; a folder without one continues
+    from its best checkpoint) into ``model`` (the weights the optimiser updates) and the rest."""
+    best = load_checkpoint(directory, vocab=vocab)  # also checks the folder's vocabulary
+    if (directory / LAST_STATE_FILE).is_file():
+        state = load_training_state(directory / LAST_STATE_FILE)
+    else:
+        state = {
+            "model_state": best.model_state,
+            "train_state": best.train_state,
+            "criterion_state": best.criterion_state,
+            "optimizer_state": best.optimizer_state,
+            "scheduler_state": best.scheduler_state,
+            "epoch": best.epoch,
+            "best_score": best.best_score,
+            "best_epoch": best.best_epoch,
+        }
+    train_state = state.get("train_state")
+    try:
+        # with a moving average, model_state is the average of train_state
+        model.load_state_dict(train_state or state["model_state"])
+        criterion.load_state_dict(state.get("criterion_state") or {})
+        if state.get("optimizer_state") is not None:
+            optimizer.load_state_dict(state["optimizer_state"])
+        if state.get("scheduler_state") is not None:
+            scheduler.load_state_dict(state["scheduler_state"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{directory}: the state does not fit this run's model: {e}") from e
+    _restore_rng(state.get("rng_state"))
+    average = state["model_state"] if train_state is not None else None
+    epoch, best_score, best_epoch = state["epoch"], state.get("best_score"), state.get("best_epoch")
+    return _Resumed(epoch, best_score, best_epoch, average, best.model_state)
+
+
+def _restore_rng(rng: Mapping[str, Any] | None) -> None:
+    if not rng:
+        return
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 def _read_metrics(model_dir: Path) -> dict[str, float]:

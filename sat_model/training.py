@@ -162,6 +162,7 @@ def fit(
     log_every: int = 50,
     best_score: float | None = None,
     best_epoch: int | None = None,
+    best_state: Mapping[str, torch.Tensor] | None = None,
     ema_decay: float = 0.0,
     average_state: Mapping[str, torch.Tensor] | None = None,
 ) -> FitResult:
@@ -171,9 +172,9 @@ def fit(
     ``model`` holding the best weights. ``wrap_model`` (e.g. DDP) wraps the model used for the
     training forward pass; ``validate`` and the saved states use the unwrapped ``model``. When
     ``torch.distributed`` is initialised, rank 0's stop decision is broadcast so every rank
-    leaves the loop together. ``best_score``/``best_epoch`` continue a resumed run, and
-    ``average_state`` its moving average (the saved ``model_state``; ``model`` then holds the
-    saved ``train_state``).
+    leaves the loop together. ``best_score``/``best_epoch``/``best_state`` continue a resumed
+    run, and ``average_state`` its moving average (the saved ``model_state``; ``model`` then
+    holds the saved ``train_state``).
     """
     if patience < 1:
         raise ValueError(f"patience must be >= 1, got {patience}")
@@ -183,7 +184,7 @@ def fit(
     average = _moving_average(model, ema_decay, average_state)
     # what is validated, kept as the best state and saved as model_state
     eval_model = average.module if average is not None else model
-    progress = _Progress(best_score, best_epoch, None)
+    progress = _Progress(best_score, best_epoch, dict(best_state) if best_state else None)
     completed, stopped_early = start_epoch, False
     for epoch in range(start_epoch, max_epochs):
         if seed is not None:

@@ -1,9 +1,11 @@
 """DVC stage ``train@<attention>``: features + prepared captions -> ``models/<attention>/``.
 
 By default it trains through Ray Train (``pipeline.ray_train.train_with_ray``: a local Ray with
-``ray.num_cpus``, or the cluster at ``ray.address``/``RAY_ADDRESS``), with an MLflow run per
-deterministic run name. ``--in-process`` runs the same ``sat_model.train_run.train_model`` in
-this process with a progress bar and no Ray or MLflow (debugging, profiling).
+``ray.num_cpus``, or the cluster at ``ray.address``/``RAY_ADDRESS``), with a Ray and an MLflow run
+named after the run's identity (everything it depends on): it trains from epoch 1 unless a run of
+that identity finished (nothing to train) or ``--resume`` continues an unfinished one.
+``--in-process`` runs the same ``sat_model.train_run.train_model`` in this process with a
+progress bar and no Ray or MLflow (debugging, profiling).
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = stage_parser(__name__, __doc__)
     parser.add_argument("--attention", choices=("soft", "hard"), required=True)
     parser.add_argument("--resume-from", default=None, help="checkpoint folder to continue from")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the unfinished Ray run of this exact identity from its last epoch",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--in-process", action="store_true", help="train here, without Ray Train or MLflow"
@@ -69,6 +76,7 @@ def _train(args: argparse.Namespace, params: Params) -> int:
             project_root=Path(args.params).resolve().parent,
             address=args.address,
             resume_from=Path(args.resume_from) if args.resume_from else None,
+            resume=args.resume,
         )
         print(json.dumps({"model_dir": str(outcome.model_dir), **outcome.metrics}, indent=1))
         return 0

@@ -3,13 +3,18 @@
 The train function here is a tiny least-squares model stepped over the real
 ``LengthGroupedBatchSampler`` shards, so that the single-process reference is exact to compute:
 with equal shard sizes and per-rank mean losses, DDP's averaged gradient equals the gradient of
-the mean loss over the concatenated global batch.
+the mean loss over the concatenated global batch. The ``train_with_ray`` tests run the real
+training loop (``sat_train_fn``) on the tiny project: a worker killed after the best epoch, an
+unfinished run resumed only when asked, a finished one not trained again.
 """
 
 from __future__ import annotations
 
+import csv
 import os
+import re
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -232,10 +237,11 @@ def test_train_with_ray_writes_the_model_folder_and_logs_each_epoch(
     outcome = train_with_ray(params, "soft", project_root=tiny_project)
     model_dir = tiny_project / "models" / "soft"
     assert outcome.model_dir == model_dir
-    for name in ("model.pt", "config.json", "vocab.json", "train_metrics.json", "curves.csv"):
+    files = ("model.pt", "config.json", "vocab.json", "train_metrics.json", "curves.csv")
+    for name in (*files, "last_state.pt"):
         assert (model_dir / name).is_file(), name
     assert outcome.metrics["epochs"] == 2
-    assert outcome.run_name.startswith("sat-soft-")
+    assert re.fullmatch(r"sat-soft-[0-9a-f]{12}-1", outcome.run_name)
     tracking = connect(params.mlflow, tiny_project)
     run = tracking.client().get_run(outcome.mlflow_run_id)
     assert run.info.run_name == outcome.run_name
@@ -245,8 +251,121 @@ def test_train_with_ray_writes_the_model_folder_and_logs_each_epoch(
     for key in ("train_loss", "val_bleu_4", "val_cider", "lr"):  # the issue's per-epoch set
         steps = [m.step for m in tracking.client().get_metric_history(run.info.run_id, key)]
         assert sorted(steps) == [1, 2], key
-    # the same params and data name the same run: a re-run resumes it and trains nothing new
+    # the same identity (params, code, data, versions): a re-run trains nothing
     again = train_with_ray(params, "soft", project_root=tiny_project)
     assert (again.run_name, again.mlflow_run_id) == (outcome.run_name, outcome.mlflow_run_id)
     steps = tracking.client().get_metric_history(run.info.run_id, "train_loss")
     assert sorted(m.step for m in steps) == [1, 2]
+
+
+# ---------------------------------------------------- the real training loop, killed mid-epoch
+KILL_OVERRIDES = ["train.soft.max_epochs=4", "train.soft.lr=0.03", "train.soft.patience=10"]
+
+
+def _record_epoch_start(run: WorkerRun, epoch: int) -> None:
+    with open(run.config["starts_file"], "a") as f:
+        f.write(f"{epoch + 1}\n")
+
+
+def _kill_mid_epoch(run: WorkerRun, epoch: int, step: int) -> None:
+    """SIGKILL this worker once, at (epoch, step) of ``kill_at`` (0-based epoch)."""
+    marker = Path(run.config["marker"])
+    if [epoch, step] == list(run.config["kill_at"]) and not marker.exists():
+        marker.write_text(f"killed at epoch {epoch + 1} step {step}")
+        # Ray Train's controller collects reports on its health check (every 2 s): wait so the
+        # previous epoch's checkpoint is the run's latest before the worker dies
+        time.sleep(5.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _project_copy(tiny_project: Path, root: Path) -> Path:
+    shutil.copytree(tiny_project / "data", root / "data")
+    shutil.copy(tiny_project / "params.yaml", root / "params.yaml")
+    return root
+
+
+def _states(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    best = torch.load(model_dir / "model.pt", weights_only=True)
+    last = torch.load(model_dir / "last_state.pt", weights_only=True)
+    return {"best": best["model_state"], "last": last["model_state"]}
+
+
+@pytest.mark.ray
+@pytest.mark.mlflow
+@pytest.mark.java
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("java") is None, reason="validation BLEU needs Java")
+def test_real_training_killed_after_its_best_epoch_continues_from_the_last_epoch(
+    ray_local: object, tiny_project: Path, tmp_path: Path
+) -> None:
+    reference_root = _project_copy(tiny_project, tmp_path / "reference")
+    params = load_params(reference_root / "params.yaml", KILL_OVERRIDES)
+    reference = train_with_ray(params, "soft", project_root=reference_root)
+    assert reference.metrics["epochs"] == 4
+    # the kill below comes after epoch 3 finished: it must be later than the best epoch
+    assert reference.metrics["best_epoch"] < 3, reference.metrics
+
+    killed_root = _project_copy(tiny_project, tmp_path / "killed")
+    params = load_params(killed_root / "params.yaml", KILL_OVERRIDES)
+    hooks = {
+        "log_every": 1,  # on_log (the step hook) every step
+        "on_epoch_start": _record_epoch_start,
+        "on_step": _kill_mid_epoch,
+        "kill_at": [3, 3],  # epoch 4, step 3 of 8
+        "marker": str(tmp_path / "killed.txt"),
+        "starts_file": str(tmp_path / "starts.txt"),
+    }
+    outcome = train_with_ray(params, "soft", project_root=killed_root, extra_config=hooks)
+    assert (tmp_path / "killed.txt").exists()  # the worker was killed
+    # Ray restarted the worker at epoch 4 (the last finished epoch was 3), not at the best epoch
+    assert (tmp_path / "starts.txt").read_text().split() == ["1", "2", "3", "4", "4"]
+    client = connect(params.mlflow, killed_root).client()
+    for key in ("train_loss", "val_bleu_4", "lr"):
+        steps = [m.step for m in client.get_metric_history(outcome.mlflow_run_id, key)]
+        assert sorted(steps) == [1, 2, 3, 4], key  # each epoch logged once
+    with (outcome.model_dir / "curves.csv").open() as f:
+        assert [int(row["epoch"]) for row in csv.DictReader(f)] == [1, 2, 3, 4]
+    # the restored training state (weights, optimiser, scheduler, RNG) repeats the same run
+    assert outcome.metrics == reference.metrics
+    got, want = _states(outcome.model_dir), _states(reference.model_dir)
+    for which in ("best", "last"):
+        for key, tensor in want[which].items():
+            assert torch.equal(got[which][key], tensor), (which, key)
+
+
+def _fail_in_epoch_2(run: WorkerRun, epoch: int) -> None:
+    _record_epoch_start(run, epoch)
+    if epoch == 1 and run.config["fail"]:
+        time.sleep(5.0)  # the controller collects epoch 1's report first (see _kill_mid_epoch)
+        raise RuntimeError("injected failure in epoch 2")
+
+
+@pytest.mark.ray
+@pytest.mark.mlflow
+@pytest.mark.java
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("java") is None, reason="validation BLEU needs Java")
+def test_an_unfinished_run_is_resumed_only_when_asked(
+    ray_local: object, tiny_project: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = _project_copy(tiny_project, tmp_path / "project")
+    params = load_params(root / "params.yaml", ["ray.max_failures=0"])  # no retry by Ray
+    hooks = {"on_epoch_start": _fail_in_epoch_2, "starts_file": str(tmp_path / "starts.txt")}
+    for _ in range(2):  # two invocations fail in epoch 2; the second starts over, at epoch 1
+        with pytest.raises(Exception, match="injected failure"):
+            train_with_ray(params, "soft", project_root=root, extra_config={**hooks, "fail": True})
+    said = capsys.readouterr().err
+    first, second = re.findall(r"training from epoch 1 as run (sat-soft-\w+-\d)", said)
+    assert (first[-2:], second[-2:]) == ("-1", "-2")
+    assert f"run {first} of this identity did not finish; --resume continues it" in said
+    outcome = train_with_ray(
+        params, "soft", project_root=root, resume=True, extra_config={**hooks, "fail": False}
+    )
+    assert f"train@soft: resuming run {second} from its last epoch" in capsys.readouterr().err
+    assert outcome.run_name == second
+    assert (tmp_path / "starts.txt").read_text().split() == ["1", "2", "1", "2", "2"]
+    assert outcome.metrics["epochs"] == 2
+    client = connect(params.mlflow, root).client()
+    steps = [m.step for m in client.get_metric_history(outcome.mlflow_run_id, "train_loss")]
+    assert sorted(steps) == [1, 2]  # the resumed run's curve, each epoch once
+    assert client.get_run(outcome.mlflow_run_id).info.status == "FINISHED"
