@@ -4,7 +4,7 @@ The model is fetched once into a temporary folder (a missing champion or a bad U
 and exit 1, before any server starts), then ``mlflow models serve --env-manager local`` runs it
 with this environment's ``bin/`` first on PATH. The ``serve`` params reach the model through
 MLflow's model config (``SERVING_MODEL_CONFIG``: ``context.model_config["serve"]``), and
-``serve.max_concurrent_requests`` becomes uvicorn's ``--limit-concurrency`` (through its
+``serve.max_concurrent_requests`` + 1 becomes uvicorn's ``--limit-concurrency`` (through its
 ``UVICORN_LIMIT_CONCURRENCY`` variable; ``mlflow models serve`` has no such option).
 
 MLflow 3.17's scoring server reads a whole request body before the model sees it and has no
@@ -88,7 +88,8 @@ def serve_command(model_dir: Path, host: str, port: int, serve: Any) -> tuple[li
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
         "SERVING_MODEL_CONFIG": json.dumps({"serve": serve.model_dump(mode="json")}),
-        "UVICORN_LIMIT_CONCURRENCY": str(serve.max_concurrent_requests),
+        # uvicorn answers 503 once open connections reach the limit, its own one included
+        "UVICORN_LIMIT_CONCURRENCY": str(serve.max_concurrent_requests + 1),
         "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
     }
     command = [

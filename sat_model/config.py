@@ -274,7 +274,7 @@ class ServeConfig(_Section):
     max_request_bytes: int = Field(32_000_000, ge=1)
     max_beam_size: int = Field(10, ge=1)  # beam_size must lie in 1..max_beam_size
     batch_size: int = Field(8, ge=1)  # rows decoded, encoded and captioned together
-    # uvicorn's --limit-concurrency: more open requests than this are answered 503
+    # a request that arrives while more connections are open is answered 503 (uvicorn)
     max_concurrent_requests: int = Field(4, ge=1)
 
 

@@ -478,6 +478,24 @@ def test_bombs_over_http_leave_memory_bounded_and_the_server_answering(served):
     assert after - before < RSS_GROWTH_BOUND, mib
 
 
+def test_more_open_connections_than_the_limit_are_answered_503(served):
+    """serve.max_concurrent_requests = 4 (default): with 4 other connections open, 503."""
+    port = int(served.url.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    try:
+        time.sleep(1)  # let the server register them
+        request = urllib.request.Request(f"{served.url}/ping")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 503
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(1)
+    status, body = _post(served.url, _split([_png_base64()]))
+    assert status == 200, body
+
+
 @pytest.mark.parametrize(
     "model_arg, store, expected",
     [
