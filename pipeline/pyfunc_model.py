@@ -90,9 +90,10 @@ class SatCaptionerModel(mlflow.pyfunc.PythonModel):
             shown = list(errors.values())[:_SHOWN_ERRORS]
             more = len(errors) - len(shown)
             raise _bad_request(
-                "no usable image in the request: " + "; ".join(shown)
+                "no usable image in the request: "
+                + "; ".join(shown)
                 + (f"; and {more} more" if more else "")
-            )  # fmt: skip
+            )
         return _frame(len(values), results, errors, bool(params.get("return_attention")))
 
     def _caption_rows(

@@ -40,8 +40,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "serve", help="serve the champion over HTTP (MLflow's scoring server, 127.0.0.1)"
     )
     add_params_args(p)
-    p.add_argument("--model", default=None, help="models:/, runs:/ URI or a local MLflow model "
-                   "folder (default: models:/<mlflow.model_name>@champion)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help="models:/, runs:/ URI or a local MLflow model "
+        "folder (default: models:/<mlflow.model_name>@champion)",
+    )
     p.add_argument("--host", default=None, help="default: serve.host (127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="default: serve.port")
     p.set_defaults(handler=main)
@@ -93,9 +97,20 @@ def serve_command(model_dir: Path, host: str, port: int, serve: Any) -> tuple[li
         "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
     }
     command = [
-        str(bin_dir / "mlflow"), "models", "serve", "-m", str(model_dir), "--env-manager", "local",
-        "--host", host, "--port", str(port), "--workers", "1",
-    ]  # fmt: skip
+        str(bin_dir / "mlflow"),
+        "models",
+        "serve",
+        "-m",
+        str(model_dir),
+        "--env-manager",
+        "local",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     return command, env
 
 

@@ -22,8 +22,15 @@ from sat_model.images import ImageError, decode_image_bytes, square_thumbnail
 __all__ = ["MEDIA_TYPES", "NOT_AN_IMAGE", "ImageLimits", "decode_request_image", "value_size"]
 
 NOT_AN_IMAGE = "not an image: expected base64 or a data: URL"
-# the media type a data: URL must declare for each Pillow format
-MEDIA_TYPES = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp"}
+# the media type a data: URL must declare for each Pillow format (when serve.formats has it)
+MEDIA_TYPES = {
+    "JPEG": "image/jpeg",
+    "PNG": "image/png",
+    "WEBP": "image/webp",
+    "GIF": "image/gif",
+    "BMP": "image/bmp",
+    "TIFF": "image/tiff",
+}
 _DATA_URL = re.compile(r"data:(?P<type>[^,;]*)(?P<params>(;[^,;]*)*),", re.ASCII)
 
 
@@ -97,7 +104,10 @@ def decode_request_image(value: Any, limits: ImageLimits, side: int | None = Non
     else:
         raise ImageError("<request>", NOT_AN_IMAGE)
     image = decode_image_bytes(
-        data, max_pixels=limits.max_pixels, formats=limits.formats, min_side=side,
+        data,
+        max_pixels=limits.max_pixels,
+        formats=limits.formats,
+        min_side=side,
         label="<request>",
-    )  # fmt: skip
+    )
     return square_thumbnail(image, side) if side is not None else image

@@ -48,9 +48,13 @@ def _free_port() -> int:
 
 def _start(command: list[str], health_url: str, log: Path, env=None, cwd=None) -> subprocess.Popen:
     process = subprocess.Popen(
-        command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=cwd,
+        command,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=cwd,
         start_new_session=True,
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -80,15 +84,20 @@ def _save_model(directory: Path) -> Path:
     d = build_encoder("random", input_size=64).description
     model = build_model(
         ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
-        vocab_size=len(vocab), annotation_dim=d.annotation_dim, num_locations=d.num_locations,
+        vocab_size=len(vocab),
+        annotation_dim=d.annotation_dim,
+        num_locations=d.num_locations,
         attention="soft",
-    )  # fmt: skip
+    )
     with torch.no_grad():
         model.out.bias[:4] = -1e4  # never a special token
     save_checkpoint(
-        directory, model_config=model.config, vocab=vocab, model_state=model.state_dict(),
+        directory,
+        model_config=model.config,
+        vocab=vocab,
+        model_state=model.state_dict(),
         extra_config={"attention": "soft", "encoder": {**d.to_dict(), "resize": 72}},
-    )  # fmt: skip
+    )
     return directory
 
 
@@ -116,12 +125,25 @@ def served(tmp_path_factory):
     port = _free_port()
     tracking = f"http://127.0.0.1:{port}"
     server = _start(
-        [sys.executable, "-m", "mlflow", "server",
-         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "mlartifacts"),
-         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        f"{tracking}/health", root / "server.log",
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "mlartifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        f"{tracking}/health",
+        root / "server.log",
+    )
     try:
         client = MlflowClient(tracking)
         registered = log_and_register(
@@ -177,9 +199,11 @@ def _png_base64() -> str:
 def test_invocations_caption_an_image(served):
     status, body = _post(
         served.url,
-        {"dataframe_split": {"columns": ["image"], "data": [[_png_base64()]]},
-         "params": {"return_attention": True}},
-    )  # fmt: skip
+        {
+            "dataframe_split": {"columns": ["image"], "data": [[_png_base64()]]},
+            "params": {"return_attention": True},
+        },
+    )
     assert status == 200, body
     (row,) = body["predictions"]
     words = row["caption"].split()
@@ -375,9 +399,13 @@ def _path_cases(tmp: Path) -> dict[str, str]:
     fifo = tmp / "fifo"
     os.mkfifo(fifo)
     return {
-        "absolute": str(real), "relative": "photo.png", "symlink": "innocent.png",
-        "dev_zero": "/dev/zero", "fifo": str(fifo), "file_uri": real.as_uri(),
-    }  # fmt: skip
+        "absolute": str(real),
+        "relative": "photo.png",
+        "symlink": "innocent.png",
+        "dev_zero": "/dev/zero",
+        "fifo": str(fifo),
+        "file_uri": real.as_uri(),
+    }
 
 
 @pytest.mark.parametrize(
@@ -415,8 +443,12 @@ def test_base64_with_line_breaks_and_data_urls_are_images(model):
     (photo,) = _photos(1)
     text = _b64(photo)
     wrapped = "\n".join(text[i : i + 76] for i in range(0, len(text), 76))
-    rows = [wrapped, text.replace("A", "A\r\n"), f"data:image/jpeg;base64,{wrapped}",
-            photo.read_bytes()]  # fmt: skip
+    rows = [
+        wrapped,
+        text.replace("A", "A\r\n"),
+        f"data:image/jpeg;base64,{wrapped}",
+        photo.read_bytes(),
+    ]
     out = model.predict(pd.DataFrame({"image": rows}))
     assert out["error"].isna().all(), list(out["error"])
     assert len(set(out["caption"])) == 1  # the same photo, the same caption
@@ -518,9 +550,13 @@ def test_sat_serve_user_errors_are_one_line_and_exit_1(tmp_path, model_arg, stor
     extra = ["--model", model_arg] if model_arg else []
     extra += ["-S", "serve.max_rows=0"] if "max_rows" in expected else []
     done = subprocess.run(
-        [str(SAT), "serve", "--port", str(_free_port()), *extra], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [str(SAT), "serve", "--port", str(_free_port()), *extra],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sat serve: error: "), done.stderr
