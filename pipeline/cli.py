@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pipeline import serve
 from pipeline.stages import add_params_args
 
 __all__ = ["main"]
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # evaluation, registry and captioning commands are added by _register_more below
     _register_more(sub)
+    serve.add_parser(sub)
     return parser
 
 

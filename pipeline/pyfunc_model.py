@@ -1,13 +1,22 @@
 """The MLflow pyfunc model, logged "from code": MLflow stores this file, not a pickle.
 
-Input: a DataFrame with a column ``image``: a file path (on the serving machine), base64 text, a
-``data:`` URL, or raw bytes. Params (optional): ``beam_size`` (int), ``return_attention`` (bool).
-Output: a DataFrame with ``caption`` and ``error`` (null unless that row's image was unusable)
-and, with ``return_attention``, ``attention``: JSON ``{"words", "grid_h", "grid_w", "alphas"}``.
+Input: a DataFrame with a column ``image``: base64 text (line breaks allowed), a ``data:`` URL
+(``data:image/jpeg;base64,...``) or raw bytes; never a file path (the file system of the
+serving machine is never read). Params (optional): ``beam_size`` (1..``serve.max_beam_size``),
+``return_attention`` (bool). Output: a DataFrame with ``caption`` and ``error`` (null unless
+that row's image was unusable) and, with ``return_attention``, ``attention``: JSON
+``{"words", "grid_h", "grid_w", "alphas"}``.
 
-A request whose every image is unusable raises an ``INVALID_PARAMETER_VALUE`` error, which the
-scoring server answers with HTTP 400 and the reasons; in a mixed batch the good rows are
-captioned and the bad ones carry their reason.
+Limits come from the ``serve`` params section (:class:`sat_model.config.ServeConfig`): its
+defaults travel with the model (``sat_model`` is logged as code); ``sat serve`` passes the
+project's ``serve`` section through MLflow's model config (``context.model_config["serve"]``).
+A request over ``max_rows`` rows or ``max_request_bytes`` of image data, or with a bad
+``beam_size``, is refused whole (HTTP 400) before any image is decoded. Rows are decoded,
+encoded and captioned ``batch_size`` at a time, each image cut to the square the encoder sees
+as soon as it is decoded, so memory does not grow with the request. A row that is not a usable
+image gets its reason in ``error``; a request with no usable row is answered 400 with the
+reasons. No exception text of the server (paths, tracebacks) reaches a client: anything
+unexpected is logged on the server and answered with a generic 500.
 
 The model is rebuilt from its artifact ``checkpoint`` (``model.pt`` state dicts, ``config.json``,
 ``vocab.json``) by :class:`sat_model.captioner.Captioner`, which rebuilds the frozen encoder
@@ -17,16 +26,32 @@ from its recorded description (weights from installed packages, checksum verifie
 from __future__ import annotations
 
 import json
+import logging
+import numbers
 from typing import Any
 
 import mlflow
 import pandas as pd
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, INVALID_PARAMETER_VALUE
 
 __all__ = ["CHECKPOINT_ARTIFACT", "SatCaptionerModel"]
 
 CHECKPOINT_ARTIFACT = "checkpoint"
+_SHOWN_ERRORS = 10  # row reasons quoted in a 400; the rest are counted
+_logger = logging.getLogger(__name__)
+
+
+def _bad_request(message: str) -> MlflowException:
+    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
+
+
+def _serve_limits(model_config: dict[str, Any] | None) -> Any:
+    from sat_model.config import ServeConfig
+
+    raw = dict((model_config or {}).get("serve") or {})
+    raw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}  # JSON has no tuple
+    return ServeConfig.model_validate(raw)
 
 
 class SatCaptionerModel(mlflow.pyfunc.PythonModel):
@@ -34,30 +59,99 @@ class SatCaptionerModel(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context: Any) -> None:
         from sat_model.captioner import Captioner  # torch loads only in the serving process
+        from sat_model.request_images import ImageLimits
 
-        self.captioner = Captioner.from_dir(context.artifacts[CHECKPOINT_ARTIFACT])
+        self.serve = _serve_limits(getattr(context, "model_config", None))
+        self.image_limits = ImageLimits(self.serve.max_image_pixels, self.serve.formats)
+        self.captioner = Captioner.from_dir(
+            context.artifacts[CHECKPOINT_ARTIFACT], batch_size=self.serve.batch_size
+        )
 
     # no type hints on predict: MLflow would try to derive a (list-only) schema from them; the
     # signature logged with the model is the schema
     def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
-        from sat_model.captioner import decode_image_input
-        from sat_model.images import ImageError
+        try:
+            return self._predict(model_input, params or {})
+        except MlflowException:
+            raise
+        except Exception:  # a bug or an exhausted machine: the client learns no server detail
+            _logger.exception("captioning failed")
+            raise MlflowException(
+                "internal error while captioning; the server log has the details",
+                error_code=INTERNAL_ERROR,
+            ) from None
 
-        params = params or {}
+    def _predict(self, model_input: Any, params: dict[str, Any]) -> pd.DataFrame:
         values = _image_column(model_input)
-        images, errors = {}, {}
-        for i, value in enumerate(values):
-            try:
-                images[i] = decode_image_input(value)
-            except ImageError as e:
-                errors[i] = f"row {i}: not a usable image ({e})"
-        if not images:
-            raise MlflowException("; ".join(errors.values()), error_code=INVALID_PARAMETER_VALUE)
-        beam = params.get("beam_size")
-        results = dict(
-            zip(images, self.captioner.caption(list(images.values()), beam), strict=True)
-        )
+        _check_request(values, self.serve)
+        beam = _beam_size(params.get("beam_size"), self.serve.max_beam_size)
+        results, errors = self._caption_rows(values, beam)
+        if not results:
+            shown = list(errors.values())[:_SHOWN_ERRORS]
+            more = len(errors) - len(shown)
+            raise _bad_request(
+                "no usable image in the request: "
+                + "; ".join(shown)
+                + (f"; and {more} more" if more else "")
+            )
         return _frame(len(values), results, errors, bool(params.get("return_attention")))
+
+    def _caption_rows(
+        self, values: list[Any], beam: int | None
+    ) -> tuple[dict[int, Any], dict[int, str]]:
+        """Decode, encode and caption ``batch_size`` rows at a time."""
+        from sat_model.images import ImageError
+        from sat_model.request_images import decode_request_image
+
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        step = self.serve.batch_size
+        for start in range(0, len(values), step):
+            batch = {}
+            for i in range(start, min(start + step, len(values))):
+                try:
+                    batch[i] = decode_request_image(
+                        values[i], self.image_limits, side=self.captioner.resize
+                    )
+                except ImageError as e:
+                    errors[i] = f"row {i}: {e.reason}"
+            if batch:
+                captions = self.captioner.caption(list(batch.values()), beam)
+                results.update(zip(batch, captions, strict=True))
+        return results, errors
+
+
+def _check_request(values: list[Any], serve: Any) -> None:
+    """Refuse a request over the row or byte limits before any image is decoded."""
+    from sat_model.request_images import value_size
+
+    if not values:
+        raise _bad_request("the request holds no rows")
+    if len(values) > serve.max_rows:
+        raise _bad_request(
+            f"too many rows: {len(values)} images in one request, serve.max_rows is "
+            f"{serve.max_rows}; split the request"
+        )
+    size = sum(value_size(v) for v in values)
+    if size > serve.max_request_bytes:
+        raise _bad_request(
+            f"request too large: {size} bytes of image data, serve.max_request_bytes is "
+            f"{serve.max_request_bytes}; split the request or send smaller images"
+        )
+
+
+def _beam_size(value: Any, max_beam: int) -> int | None:
+    """``beam_size`` as given (None: the model's default), refused outside 1..max_beam."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or not 1 <= value <= max_beam
+    ):
+        shown = repr(value)[:20]
+        raise _bad_request(f"beam_size must be an integer in 1..{max_beam}, got {shown}")
+    return int(value)
 
 
 def _image_column(model_input: Any) -> list[Any]:
@@ -94,7 +188,8 @@ def _frame(
         if attention:
             row["attention"] = _attention_json(r) if r else None
         rows.append(row)
-    return pd.DataFrame(rows)
+    # object columns keep None: JSON null, not NaN (which strict JSON parsers refuse)
+    return pd.DataFrame(rows, dtype=object)
 
 
 mlflow.models.set_model(SatCaptionerModel())

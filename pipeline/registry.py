@@ -308,6 +308,14 @@ def _input_example() -> Any:
     return pd.DataFrame({"image": [base64.b64encode(buffer.getvalue()).decode()]})
 
 
+def _serve_model_config() -> dict[str, Any]:
+    """The serving limits logged with the model: the ``serve`` defaults. MLflow lets a load
+    override only keys logged here; ``sat serve`` replaces ``serve`` with the project's params."""
+    from sat_model.config import ServeConfig
+
+    return {"serve": ServeConfig().model_dump(mode="json")}
+
+
 def _staged_checkpoint(model_dir: Path, tmp: Path) -> Path:
     """Only the checkpoint files go into the model (not curves, gallery or other outputs)."""
     import shutil
@@ -388,6 +396,7 @@ def log_and_register(
             code_paths=[str(_SAT_MODEL_DIR)],
             signature=_signature(),
             input_example=_input_example(),
+            model_config=_serve_model_config(),
             pip_requirements=_pip_requirements(),
         )
         version = mlflow.register_model(info.model_uri, model_name, tags=version_tags)

@@ -29,6 +29,7 @@ __all__ = [
     "Params",
     "ParamsError",
     "RayConfig",
+    "ServeConfig",
     "SoftTrainConfig",
     "SyntheticConfig",
     "TrainConfig",
@@ -258,6 +259,25 @@ class MlflowConfig(_Section):
     retries: int = Field(3, ge=0)
 
 
+# ---------------------------------------------------------------------------- serve
+class ServeConfig(_Section):
+    """Limits of the served model (``sat serve``); a request beyond one is refused, not tried."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    # decompression-bomb guard: width x height from the header, checked before any pixel decodes
+    max_image_pixels: int = Field(16_000_000, ge=1)
+    # Pillow format names; an image in any other format is refused before it is decoded
+    formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP")
+    max_rows: int = Field(64, ge=1)  # images per request
+    # sum of the image fields of one request (base64 text or bytes), as received
+    max_request_bytes: int = Field(32_000_000, ge=1)
+    max_beam_size: int = Field(10, ge=1)  # beam_size must lie in 1..max_beam_size
+    batch_size: int = Field(8, ge=1)  # rows decoded, encoded and captioned together
+    # a request that arrives while more connections are open is answered 503 (uvicorn)
+    max_concurrent_requests: int = Field(4, ge=1)
+
+
 # ------------------------------------------------------------------------------ ray
 class RayConfig(_Section):
     # None: RAY_ADDRESS, else a local ray.init with num_cpus
@@ -279,6 +299,7 @@ class Params(_Section):
     tune: TuneConfig = TuneConfig()
     mlflow: MlflowConfig = MlflowConfig()
     ray: RayConfig = RayConfig()
+    serve: ServeConfig = ServeConfig()
 
 
 class _Yaml12Loader(yaml.SafeLoader):

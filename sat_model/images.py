@@ -8,7 +8,9 @@ reason fit for a skip report; ``preprocess`` turns that image into the encoder's
 
 from __future__ import annotations
 
+import io
 import math
+import struct
 import warnings
 from pathlib import Path
 
@@ -21,8 +23,10 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "ImageError",
+    "decode_image_bytes",
     "load_image",
     "preprocess",
+    "square_thumbnail",
     "to_rgb",
 ]
 
@@ -80,13 +84,15 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")  # 1, L, CMYK, YCbCr, LAB, HSV, RGBX
 
 
-def _check_size(image: Image.Image, path: str | Path, max_pixels: int) -> None:
+def _check_size(
+    image: Image.Image, path: str | Path, max_pixels: int, setting: str = "encoder.max_image_pixels"
+) -> None:
     width, height = image.size
     if width * height > max_pixels:
         raise ImageError(
             path,
             f"decompression bomb guard: {width}x{height} = {width * height} pixels "
-            f"exceeds encoder.max_image_pixels = {max_pixels}",
+            f"exceeds {setting} = {max_pixels}",
         )
     if width == 0 or height == 0:
         raise ImageError(path, f"empty image ({width}x{height})")
@@ -137,6 +143,87 @@ def load_image(
             # PIL raises UnidentifiedImageError (OSError) for unknown formats, OSError for
             # truncated data, SyntaxError/ValueError from some malformed headers.
             raise ImageError(path, f"cannot decode: {type(e).__name__}: {e}") from e
+
+
+def _sniff_format(prefix: bytes) -> str | None:
+    """The Pillow format whose magic bytes ``prefix`` starts with, read without parsing."""
+    Image.init()
+    for name in Image.ID:
+        accept = Image.OPEN[name][1]
+        if accept is not None and accept(prefix):
+            return name
+    return None
+
+
+def _accepted(image_format: str | None, formats: tuple[str, ...]) -> bool:
+    # a JPEG with an embedded second picture (phones) opens as MPO: it is still a JPEG
+    return image_format in formats or (image_format == "MPO" and "JPEG" in formats)
+
+
+def _open_untrusted(data: bytes, formats: tuple[str, ...], label: str) -> Image.Image:
+    """Open (header only) with only the parsers of ``formats``; name a refused format."""
+    try:
+        return Image.open(io.BytesIO(data), formats=list(formats))
+    except Image.UnidentifiedImageError:
+        found = _sniff_format(data[:16])
+        if found is not None and not _accepted(found, formats):
+            raise ImageError(
+                label, f"{found} images are not accepted (accepted: {', '.join(formats)})"
+            ) from None
+        raise ImageError(label, "not a recognised image") from None
+
+
+def decode_image_bytes(
+    data: bytes,
+    *,
+    max_pixels: int,
+    formats: tuple[str, ...],
+    min_side: int | None = None,
+    label: str = "<image>",
+    setting: str = "serve.max_image_pixels",
+) -> Image.Image:
+    """Decode untrusted image bytes into an upright RGB image; nothing reads the file system.
+
+    Only the parsers of ``formats`` (Pillow names: ``JPEG``, ``PNG``, ``WEBP``...) ever see the
+    bytes; width x height is checked against ``max_pixels`` from the header before any pixel is
+    decoded. Reasons name no file and quote no image content.
+
+    Raises:
+        ImageError: refused format, too many pixels, truncated or corrupt data.
+    """
+    if not data:
+        raise ImageError(label, "empty image data")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with _open_untrusted(data, formats, label) as image:
+                if not _accepted(image.format, formats):  # a plugin may report another format
+                    raise ImageError(label, f"{image.format} images are not accepted")
+                _check_size(image, label, max_pixels, setting)
+                if min_side is not None:
+                    _draft_for_resize(image, min_side)
+                image.load()
+                return to_rgb(ImageOps.exif_transpose(image))
+        except ImageError:
+            raise
+        except Image.DecompressionBombError:
+            raise ImageError(
+                label, f"decompression bomb guard: more pixels than {setting} = {max_pixels}"
+            ) from None
+        except (OSError, SyntaxError, ValueError, EOFError, struct.error):
+            raise ImageError(label, "truncated or corrupt image data") from None
+
+
+def square_thumbnail(image: Image.Image, side: int) -> Image.Image:
+    """The centred square of ``image`` resized to ``side`` x ``side`` (bilinear).
+
+    What :func:`preprocess` with ``resize=side`` sees of an image, at a size that no longer
+    depends on the input: a 16-megapixel photo (or a 16,000,000 x 1 strip) becomes side².
+    """
+    width, height = image.size
+    s = min(width, height)
+    left, top = (width - s) // 2, (height - s) // 2
+    return image.resize((side, side), Image.Resampling.BILINEAR, box=(left, top, left + s, top + s))
 
 
 def preprocess(

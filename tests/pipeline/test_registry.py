@@ -187,5 +187,5 @@ def test_register_dedup_promote_and_caption_over_http(server, tmp_path, monkeypa
     out = model.predict(pd.DataFrame({"image": [buffer.getvalue()]}))
     assert isinstance(out["caption"][0], str)
     assert set(out["caption"][0].split()) <= {"a", "red", "circle", "<unk>"}
-    with pytest.raises(MlflowException, match="not a usable image"):
+    with pytest.raises(MlflowException, match="no usable image in the request"):
         model.predict(pd.DataFrame({"image": ["definitely not an image"]}))

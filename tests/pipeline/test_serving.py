@@ -1,7 +1,9 @@
-"""Serving the champion: a real ``mlflow server`` and ``mlflow models serve`` on 127.0.0.1.
+"""Serving the champion: a real ``mlflow server`` and ``sat serve`` (MLflow's scoring server).
 
-A POST to ``/invocations`` with an image (base64 in a ``dataframe_split``) returns its caption;
-an input that is not an image is answered with HTTP 400 and a message saying so.
+One tracking server and one scoring server per module, both on free 127.0.0.1 ports. Requests
+that are about the server (real photos, rows, body size, ``beam_size``, memory) go over HTTP;
+the rest of the hostile-input matrix (paths, pixel bombs, refused formats, base64 forms) goes
+to the same registered model loaded in-process, which runs the same ``predict``.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ import io
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,6 +35,7 @@ from sat_model.model import build_model
 from sat_model.vocab import Vocab
 
 pytestmark = [pytest.mark.mlflow, pytest.mark.slow]
+SAT = Path(sys.executable).with_name("sat")
 NAME = "sat-captioner"
 WORDS = {"a", "red", "circle"}
 
@@ -40,9 +46,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(command: list[str], health_url: str, log: Path, env=None) -> subprocess.Popen:
+def _start(command: list[str], health_url: str, log: Path, env=None, cwd=None) -> subprocess.Popen:
     process = subprocess.Popen(
-        command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+        command,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
     )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -73,33 +84,66 @@ def _save_model(directory: Path) -> Path:
     d = build_encoder("random", input_size=64).description
     model = build_model(
         ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
-        vocab_size=len(vocab), annotation_dim=d.annotation_dim, num_locations=d.num_locations,
+        vocab_size=len(vocab),
+        annotation_dim=d.annotation_dim,
+        num_locations=d.num_locations,
         attention="soft",
-    )  # fmt: skip
+    )
     with torch.no_grad():
         model.out.bias[:4] = -1e4  # never a special token
     save_checkpoint(
-        directory, model_config=model.config, vocab=vocab, model_state=model.state_dict(),
+        directory,
+        model_config=model.config,
+        vocab=vocab,
+        model_state=model.state_dict(),
         extra_config={"attention": "soft", "encoder": {**d.to_dict(), "resize": 72}},
-    )  # fmt: skip
+    )
     return directory
+
+
+PARAMS = """\
+serve:
+  max_request_bytes: 2000000   # small, so that an oversized request stays cheap to send
+  max_rows: 64
+"""
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str
+    pid: int  # ``sat serve``: the scoring server runs in its process group
+    tracking: str
+    root: Path
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """Tracking server, one registered champion, and its scoring server; yields its URL."""
+    """Tracking server, one registered champion, and ``sat serve`` on a free port."""
     from mlflow import MlflowClient
 
     root = tmp_path_factory.mktemp("serving")
     port = _free_port()
     tracking = f"http://127.0.0.1:{port}"
     server = _start(
-        [sys.executable, "-m", "mlflow", "server",
-         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "mlartifacts"),
-         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        f"{tracking}/health", root / "server.log",
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "mlartifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        f"{tracking}/health",
+        root / "server.log",
+    )
     try:
         client = MlflowClient(tracking)
         registered = log_and_register(
@@ -108,22 +152,29 @@ def served(tmp_path_factory):
             params={}, tags={"attention": "soft"},
         )  # fmt: skip
         promote_if_better(client, NAME, registered.version, "bleu_4")
+        (root / "params.yaml").write_text(PARAMS)
         serve_port = _free_port()
-        bin_dir = str(Path(sys.executable).parent)
-        env = {**os.environ, "MLFLOW_TRACKING_URI": tracking,
-               "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}  # fmt: skip
+        env = {**os.environ, "MLFLOW_TRACKING_URI": tracking}
         scoring = _start(
-            [sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{NAME}@champion",
-             "--env-manager", "local", "--host", "127.0.0.1", "--port", str(serve_port),
-             "--workers", "1"],
-            f"http://127.0.0.1:{serve_port}/ping", root / "serve.log", env=env,
+            [str(SAT), "serve", "--params", str(root / "params.yaml"), "--port", str(serve_port)],
+            f"http://127.0.0.1:{serve_port}/ping", root / "serve.log", env=env, cwd=root,
         )  # fmt: skip
         try:
-            yield f"http://127.0.0.1:{serve_port}"
+            yield Served(f"http://127.0.0.1:{serve_port}", scoring.pid, tracking, root)
         finally:
             _stop(scoring)
     finally:
         _stop(server)
+
+
+def test_sat_serve_listens_on_loopback_by_default(served):
+    import psutil
+
+    tree = [psutil.Process(served.pid), *psutil.Process(served.pid).children(recursive=True)]
+    listening = [
+        c.laddr.ip for p in tree for c in p.net_connections("inet") if c.status == "LISTEN"
+    ]
+    assert listening and set(listening) == {"127.0.0.1"}
 
 
 def _post(url: str, payload: dict) -> tuple[int, dict]:
@@ -147,10 +198,12 @@ def _png_base64() -> str:
 
 def test_invocations_caption_an_image(served):
     status, body = _post(
-        served,
-        {"dataframe_split": {"columns": ["image"], "data": [[_png_base64()]]},
-         "params": {"return_attention": True}},
-    )  # fmt: skip
+        served.url,
+        {
+            "dataframe_split": {"columns": ["image"], "data": [[_png_base64()]]},
+            "params": {"return_attention": True},
+        },
+    )
     assert status == 200, body
     (row,) = body["predictions"]
     words = row["caption"].split()
@@ -163,6 +216,350 @@ def test_invocations_caption_an_image(served):
 
 def test_a_non_image_gets_a_clear_error_response(served):
     bogus = base64.b64encode(b"this is text, not a picture").decode()
-    status, body = _post(served, {"dataframe_split": {"columns": ["image"], "data": [[bogus]]}})
+    status, body = _post(served.url, {"dataframe_split": {"columns": ["image"], "data": [[bogus]]}})
     assert status == 400
-    assert "not a usable image" in body["message"]
+    assert "no usable image in the request: row 0: not a recognised image" in body["message"]
+
+
+# ------------------------------------------------------------------ real photos, hostile input
+SAMPLE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "flickr8k-sample"
+PHOTOS = SAMPLE / "Flickr8k_Dataset"
+
+
+def _photos(n: int) -> list[Path]:
+    """``n`` sample JPEGs of 20 KB or more (skips the test when the data is absent)."""
+    if not PHOTOS.is_dir():
+        pytest.skip(f"the Flickr8k sample is absent ({PHOTOS})")
+    found = [p for p in sorted(PHOTOS.glob("*.jpg")) if p.stat().st_size >= 20_000][:n]
+    assert len(found) == n, f"fewer than {n} photos of 20 KB or more in {PHOTOS}"
+    return found
+
+
+def _b64(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def _split(rows: list, params: dict | None = None) -> dict:
+    payload: dict = {"dataframe_split": {"columns": ["image"], "data": [[r] for r in rows]}}
+    return {**payload, "params": params} if params else payload
+
+
+def _server_paths(served: Served) -> list[str]:
+    """Paths of the serving machine that no response may name."""
+    return [str(served.root), sys.prefix, str(Path.home()), "site-packages", "/tmp/"]
+
+
+def _assert_no_server_path(served: Served, body: object) -> None:
+    text = json.dumps(body)
+    for path in _server_paths(served):
+        assert path not in text, f"response names {path!r}: {text[:500]}"
+    assert "Traceback" not in text and "stack_trace" not in text
+
+
+def test_three_photos_garbage_and_a_path_in_one_request(served):
+    photos = _photos(3)
+    garbage = base64.b64encode(b"just some text, not a picture").decode()
+    secret = served.root / "params.yaml"  # a file of the server that exists
+    rows = [_b64(p) for p in photos] + [garbage, str(secret)]
+    status, body = _post(served.url, _split(rows))
+    assert status == 200, body
+    preds = body["predictions"]
+    assert [bool(p["caption"]) for p in preds] == [True, True, True, False, False]
+    assert all(set(p["caption"].split()) <= WORDS for p in preds[:3])
+    assert [p["error"] for p in preds[:3]] == [None, None, None]
+    assert preds[3]["error"] == "row 3: not a recognised image"
+    assert preds[4]["error"] == "row 4: not an image: expected base64 or a data: URL"
+    _assert_no_server_path(served, {"predictions": [p["error"] for p in preds]})
+
+
+def test_a_request_of_bad_rows_only_is_a_400_with_reasons(served):
+    rows = ["/etc/passwd", "data:text/html;base64,PGgxPg==", ""]
+    status, body = _post(served.url, _split(rows))
+    assert status == 400, body
+    message = body["message"]
+    assert "no usable image in the request" in message
+    assert "row 0: not an image: expected base64 or a data: URL" in message
+    assert "row 1: data: URL media type 'text/html' is not accepted" in message
+    assert "row 2: empty value" in message
+    _assert_no_server_path(served, body)
+
+
+@pytest.mark.parametrize("beam", [-1, 0, 11, 5000, "x"])
+def test_beam_size_outside_1_to_10_is_a_clear_400(served, beam):
+    status, body = _post(served.url, _split([_png_base64()], {"beam_size": beam}))
+    assert status == 400, body
+    assert "beam_size" in body["message"]
+    if beam != "x":  # "x" is refused by MLflow's own params schema (type long)
+        assert f"beam_size must be an integer in 1..10, got {beam}" in body["message"]
+    _assert_no_server_path(served, body)
+
+
+def test_a_1000_row_request_is_refused_before_decoding(served):
+    status, body = _post(served.url, _split([_png_base64()] * 1000))
+    assert status == 400, body
+    assert "too many rows: 1000 images in one request, serve.max_rows is 64" in body["message"]
+
+
+def test_an_oversized_request_is_refused(served):
+    # params.yaml of the fixture: serve.max_request_bytes = 2,000,000 (reaches the model
+    # through `sat serve`); 3 MB of valid base64 in three rows
+    chunk = base64.b64encode(os.urandom(750_000)).decode()
+    status, body = _post(served.url, _split([chunk] * 3))
+    assert status == 400, body
+    assert "request too large: 3000000 bytes of image data" in body["message"]
+    assert "serve.max_request_bytes is 2000000" in body["message"]
+
+
+# a small file of each format that declares a huge image; _bomb(...) below patches the header
+def _saved(fmt: str, **options) -> bytearray:
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), (220, 40, 40)).save(buffer, format=fmt, **options)
+    return bytearray(buffer.getvalue())
+
+
+def _png_bomb(w: int, h: int) -> bytes:
+    d = _saved("PNG")
+    struct.pack_into(">II", d, 16, w, h)  # IHDR width, height
+    struct.pack_into(">I", d, 29, zlib.crc32(bytes(d[12:29])))  # IHDR CRC
+    return bytes(d)
+
+
+def _jpeg_bomb(w: int, h: int) -> bytes:
+    d = _saved("JPEG")
+    sof = d.index(b"\xff\xc0")  # SOF0: marker, length, precision, height, width
+    struct.pack_into(">HH", d, sof + 5, h, w)
+    return bytes(d)
+
+
+def _webp_bomb(w: int, h: int) -> bytes:
+    d = _saved("WEBP", lossless=True)
+    at = d.index(b"VP8L") + 9  # after the chunk header and the 0x2f signature: 14+14 bits
+    bits = struct.unpack_from("<I", d, at)[0] & ~((1 << 28) - 1)
+    struct.pack_into("<I", d, at, bits | (w - 1) | ((h - 1) << 14))
+    return bytes(d)
+
+
+def _bmp_bomb(w: int, h: int) -> bytes:
+    d = _saved("BMP")
+    struct.pack_into("<ii", d, 18, w, h)  # BITMAPINFOHEADER width, height
+    return bytes(d)
+
+
+def _gif_bomb(w: int, h: int) -> bytes:
+    d = _saved("GIF")
+    struct.pack_into("<HH", d, 6, w, h)  # logical screen
+    return bytes(d)
+
+
+def _tiff_bomb(w: int, h: int) -> bytes:
+    d = _saved("TIFF")
+    (ifd,) = struct.unpack_from("<I", d, 4)
+    (count,) = struct.unpack_from("<H", d, ifd)
+    for k in range(count):  # ImageWidth (256) and ImageLength (257) entries
+        tag, kind = struct.unpack_from("<HH", d, ifd + 2 + 12 * k)
+        if tag in (256, 257):
+            fmt = "<H" if kind == 3 else "<I"
+            struct.pack_into(fmt, d, ifd + 2 + 12 * k + 8, w if tag == 256 else h)
+    return bytes(d)
+
+
+def _ppm_bomb(w: int, h: int) -> bytes:
+    return f"P6\n{w} {h}\n255\n".encode() + b"\0" * 12
+
+
+ACCEPTED_BOMBS = {"PNG": _png_bomb, "JPEG": _jpeg_bomb, "WEBP": _webp_bomb}
+REFUSED_BOMBS = {"BMP": _bmp_bomb, "GIF": _gif_bomb, "TIFF": _tiff_bomb, "PPM": _ppm_bomb}
+
+
+@pytest.fixture(scope="module")
+def model(served):
+    """The champion loaded in-process with the serve params of the fixture's params.yaml."""
+    import mlflow
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_URI", served.tracking)  # the registry follows it
+        local = mlflow.artifacts.download_artifacts(
+            artifact_uri=f"models:/{NAME}@champion", dst_path=str(served.root / "inproc")
+        )
+    return mlflow.pyfunc.load_model(local, model_config={"serve": {"max_request_bytes": 2_000_000}})
+
+
+def _one_row(model, value) -> dict:
+    import pandas as pd
+
+    (row,) = model.predict(pd.DataFrame({"image": [value, _png_base64()]})).to_dict("records")[:1]
+    return row
+
+
+def _path_cases(tmp: Path) -> dict[str, str]:
+    """Each kind of path, every one naming a readable thing that holds (or streams) data."""
+    real = tmp / "photo.png"
+    real.write_bytes(base64.b64decode(_png_base64()))
+    (tmp / "innocent.png").symlink_to(real)
+    fifo = tmp / "fifo"
+    os.mkfifo(fifo)
+    return {
+        "absolute": str(real),
+        "relative": "photo.png",
+        "symlink": "innocent.png",
+        "dev_zero": "/dev/zero",
+        "fifo": str(fifo),
+        "file_uri": real.as_uri(),
+    }
+
+
+@pytest.mark.parametrize(
+    "kind", ["absolute", "relative", "symlink", "dev_zero", "fifo", "file_uri"]
+)
+def test_a_path_is_never_opened(model, tmp_path, monkeypatch, kind):
+    monkeypatch.chdir(tmp_path)
+    value = _path_cases(tmp_path)[kind]
+    row = _one_row(model, value)  # a FIFO or /dev/zero that was read would block or explode
+    assert row["caption"] is None
+    assert row["error"] == "row 0: not an image: expected base64 or a data: URL"
+
+
+@pytest.mark.parametrize("fmt", sorted(ACCEPTED_BOMBS))
+@pytest.mark.parametrize("size", [(16383, 16383), (5000, 4000)])
+def test_a_pixel_bomb_in_an_accepted_format_is_refused_from_its_header(model, fmt, size):
+    data = ACCEPTED_BOMBS[fmt](*size)
+    assert len(data) < 1000
+    row = _one_row(model, base64.b64encode(data).decode())
+    assert row["caption"] is None
+    assert row["error"].startswith("row 0: decompression bomb guard: ")
+    assert "serve.max_image_pixels = 16000000" in row["error"]
+
+
+@pytest.mark.parametrize("fmt", sorted(REFUSED_BOMBS))
+def test_a_refused_format_is_refused_undecoded(model, fmt):
+    row = _one_row(model, base64.b64encode(REFUSED_BOMBS[fmt](7000, 7000)).decode())
+    assert row["caption"] is None
+    assert row["error"] == f"row 0: {fmt} images are not accepted (accepted: JPEG, PNG, WEBP)"
+
+
+def test_base64_with_line_breaks_and_data_urls_are_images(model):
+    import pandas as pd
+
+    (photo,) = _photos(1)
+    text = _b64(photo)
+    wrapped = "\n".join(text[i : i + 76] for i in range(0, len(text), 76))
+    rows = [
+        wrapped,
+        text.replace("A", "A\r\n"),
+        f"data:image/jpeg;base64,{wrapped}",
+        photo.read_bytes(),
+    ]
+    out = model.predict(pd.DataFrame({"image": rows}))
+    assert out["error"].isna().all(), list(out["error"])
+    assert len(set(out["caption"])) == 1  # the same photo, the same caption
+
+
+@pytest.mark.parametrize(
+    "url, reason",
+    [
+        ("data:text/plain;base64,{b}", "data: URL media type 'text/plain' is not accepted"),
+        ("data:image/gif;base64,{b}", "data: URL media type 'image/gif' is not accepted"),
+        ("data:;base64,{b}", "data: URL media type 'none' is not accepted"),
+        ("data:image/png,{b}", "data: URL is not base64-encoded (needs ';base64,')"),
+        ("data:image/png;base64", "malformed data: URL"),
+    ],
+)
+def test_a_data_url_with_a_wrong_media_type_is_refused(model, url, reason):
+    row = _one_row(model, url.format(b=_png_base64()))
+    assert row["caption"] is None
+    assert row["error"].startswith(f"row 0: {reason}")
+
+
+def _peak_rss(pid: int) -> int:
+    """Sum of the peak RSS (VmHWM) of ``pid`` and its descendants, in bytes."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0
+    for p in [root, *root.children(recursive=True)]:
+        status = Path(f"/proc/{p.pid}/status").read_text()
+        kb = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))
+        total += int(kb) * 1024
+    return total
+
+
+# the serving tree (sat serve, mlflow models serve, uvicorn with torch and the model) peaks near
+# 1.3 GiB here; one decoded 16383x16383 bomb alone would add over 0.75 GiB
+RSS_BOUND = 2 * 2**30
+RSS_GROWTH_BOUND = 384 * 2**20
+
+
+def test_bombs_over_http_leave_memory_bounded_and_the_server_answering(served):
+    if not Path("/proc/self/status").exists():
+        pytest.skip("peak RSS is read from /proc")
+    bombs = [f(16383, 16383) for f in ACCEPTED_BOMBS.values()]
+    bombs += [f(7000, 7000) for f in REFUSED_BOMBS.values()]
+    before = _peak_rss(served.pid)
+    for _ in range(3):
+        status, body = _post(served.url, _split([base64.b64encode(b).decode() for b in bombs]))
+        assert status == 400, body
+        assert body["message"].count("decompression bomb guard") == 3
+        assert body["message"].count("images are not accepted") == 4
+    (photo,) = _photos(1)
+    status, body = _post(served.url, _split([_b64(photo)]))
+    assert status == 200 and body["predictions"][0]["caption"], body
+    after = _peak_rss(served.pid)
+    mib = f"peak RSS {after / 2**20:.0f} MiB, {before / 2**20:.0f} MiB before the bombs"
+    print(mib)
+    assert after < RSS_BOUND, mib
+    assert after - before < RSS_GROWTH_BOUND, mib
+
+
+def test_more_open_connections_than_the_limit_are_answered_503(served):
+    """serve.max_concurrent_requests = 4 (default): with 4 other connections open, 503."""
+    port = int(served.url.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    try:
+        time.sleep(1)  # let the server register them
+        request = urllib.request.Request(f"{served.url}/ping")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 503
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(1)
+    status, body = _post(served.url, _split([_png_base64()]))
+    assert status == 200, body
+
+
+@pytest.mark.parametrize(
+    "model_arg, store, expected",
+    [
+        (None, False, "cannot load models:/sat-captioner@champion: there is no MLflow store at"),
+        (None, True, "cannot load models:/sat-captioner@champion from sqlite:///"),
+        ("runs:/0123456789abcdef/model", True, "Run with id=0123456789abcdef not found"),
+        ("no/such/folder", False, "no/such/folder is not an MLflow model folder (no MLmodel file)"),
+        (None, False, "serve.max_rows: Input should be greater than or equal to 1"),
+    ],
+)
+def test_sat_serve_user_errors_are_one_line_and_exit_1(tmp_path, model_arg, store, expected):
+    """No champion (no store, an empty store), a bad URI or folder, bad params: one line."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/m.db"  # from params, not MLFLOW_TRACKING_URI
+    if store:
+        MlflowClient(uri).search_experiments()  # creates the store's tables
+    (tmp_path / "params.yaml").write_text(f"mlflow: {{tracking_uri: '{uri}'}}\n")
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    extra = ["--model", model_arg] if model_arg else []
+    extra += ["-S", "serve.max_rows=0"] if "max_rows" in expected else []
+    done = subprocess.run(
+        [str(SAT), "serve", "--port", str(_free_port()), *extra],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sat serve: error: "), done.stderr
+    assert expected in lines[0]
+    if model_arg is None and "max_rows" not in expected:
+        assert lines[0].endswith("(run `make run` to register a champion, or pass --model)")
