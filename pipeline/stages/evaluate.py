@@ -3,13 +3,16 @@
 Writes ``metrics.json`` (flat keys ``bleu_1``..``bleu_4``, ``meteor``, ``rouge_l``, ``cider``,
 ``pointing_accuracy`` where the source has boxes), ``captions.json`` and ``attention/`` (per-word
 overlay PNGs and ``index.html``). ``--model`` evaluates any model folder or MLflow model URI
-(``models:/sat-captioner@champion``) instead, as ``sat evaluate`` does.
+(``models:/sat-captioner@champion``, resolved in the tracking store of ``mlflow.tracking_uri``)
+instead, as ``sat evaluate`` does; its reports go to ``--out``, by default
+``reports/eval/<model name>``, never into the DVC output of an ``evaluate@<attention>`` stage.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -18,7 +21,7 @@ from pathlib import Path
 
 from pipeline.stages import stage_parser
 
-__all__ = ["main", "resolve_model_dir"]
+__all__ = ["default_out_dir", "is_model_uri", "main", "resolve_model_dir"]
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -26,14 +29,33 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--attention", choices=("soft", "hard"), default="soft")
     parser.add_argument("--model", default=None, help="model folder or models:/ URI")
     parser.add_argument("--split", default=None, help="split to evaluate (default: eval.split)")
-    parser.add_argument("--out", default=None, help="report folder (default: reports/<attention>)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="report folder (default: reports/<attention>, or reports/eval/<model> with --model)",
+    )
     return parser.parse_args(argv)
+
+
+def is_model_uri(model: str) -> bool:
+    """Whether ``model`` names an MLflow model (``models:/``, ``runs:/``, ``s3://`` ...)."""
+    return "://" in model or model.startswith(("models:/", "runs:/"))
+
+
+def default_out_dir(reports_dir: str | Path, attention: str, model: str | None) -> Path:
+    """``reports/<attention>`` for the stage's own model; ``reports/eval/<model name>`` for any
+    model named with ``--model`` (``models/hard`` -> ``hard``, ``models:/m@champion`` ->
+    ``m@champion``), so that it never overwrites another stage's DVC output."""
+    if model is None:
+        return Path(reports_dir) / attention
+    name = model.split(":/", 1)[-1] if is_model_uri(model) else Path(model).resolve().name
+    return Path(reports_dir) / "eval" / (re.sub(r"[^\w@.+-]+", "-", name).strip("-.") or "model")
 
 
 def resolve_model_dir(model: str, workdir: Path, tracking_uri: str | None = None) -> Path:
     """A local model folder as is; an MLflow URI (``models:/``, ``runs:/``) downloaded into
     ``workdir`` and its checkpoint artifact returned."""
-    if "://" not in model and not model.startswith("models:/") and not model.startswith("runs:/"):
+    if not is_model_uri(model):
         return Path(model)
     import mlflow
 
@@ -73,13 +95,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = load_params(args.params, args.overrides)
     ev = params.eval
     split = args.split or ev.split
-    out_dir = Path(args.out or Path(ev.reports_dir) / args.attention)
+    out_dir = (
+        Path(args.out) if args.out else default_out_dir(ev.reports_dir, args.attention, args.model)
+    )
     prepared = Path(params.data.prepared_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         model = args.model or str(Path(params.train.models_dir) / args.attention)
-        model_dir = resolve_model_dir(model, workdir)
+        model_dir = resolve_model_dir(model, workdir, _tracking_uri(params, args.params, model))
         result = evaluate_model(
             model_dir=model_dir, features_path=Path(params.encoder.features_dir) / f"{split}.arrow",
             captions_path=prepared / "captions.parquet", images_path=prepared / "images.parquet",
@@ -88,13 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             hard_decode=ev.hard_decode, batch_size=ev.batch_size,
             meteor_timeout_s=ev.meteor_timeout_s, device=device,
         )  # fmt: skip
-        grid_h, grid_w, crop = _grid(model_dir)
+        grid_h, grid_w, crop, attention = _grid(model_dir, args.attention)
         out_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".attention.", dir=out_dir))
         _, gallery_skipped = write_attention_gallery(
             result.captions, read_image_records(prepared / "images.parquet", split), staging,
             count=ev.gallery_images, grid_h=grid_h, grid_w=grid_w, resize=params.encoder.resize,
-            crop=crop, title=f"{args.attention} attention, {split} split",
+            crop=crop, title=f"{attention} attention, {split} split",
         )  # fmt: skip
         _replace_dir(staging, out_dir / "attention")
     result.skipped.extend({**s, "stage": "gallery"} for s in gallery_skipped)
@@ -103,10 +127,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _grid(model_dir: Path) -> tuple[int, int, int]:
-    """``(grid_h, grid_w, crop)`` recorded in the model's ``config.json`` encoder section."""
-    enc = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["encoder"]
-    return int(enc["grid_h"]), int(enc["grid_w"]), int(enc["input_size"])
+def _tracking_uri(params, params_file: str, model: str) -> str | None:  # type: ignore[no-untyped-def]
+    """The project's tracking store for an MLflow model URI (``mlflow.tracking_uri`` honoured)."""
+    if not is_model_uri(model):
+        return None
+    from pipeline.tracking import resolve_tracking_uri
+
+    return resolve_tracking_uri(params.mlflow, Path(params_file).resolve().parent)
+
+
+def _grid(model_dir: Path, attention: str) -> tuple[int, int, int, str]:
+    """``(grid_h, grid_w, crop, attention)`` recorded in the model's ``config.json``."""
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    enc = config["encoder"]
+    grid = int(enc["grid_h"]), int(enc["grid_w"]), int(enc["input_size"])
+    return (*grid, str(config.get("attention", attention)))
 
 
 if __name__ == "__main__":
