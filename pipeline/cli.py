@@ -461,6 +461,13 @@ def _quiet() -> None:
     for name in ("mlflow", "alembic"):  # alembic: MLflow's SQLite schema migrations
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
+    # MLflow re-enables its UserWarnings inside some calls (`filter_user_warnings_once`), past
+    # any filter: drop them where they would be shown
+    warnings.showwarning = _drop_warning
+
+
+def _drop_warning(*args: object, **kwargs: object) -> None:
+    """A ``warnings.showwarning`` that shows nothing."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

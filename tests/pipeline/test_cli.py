@@ -7,6 +7,10 @@ seeded `random` encoder; MLflow is the project's default SQLite store (no server
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -148,6 +152,16 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     image = project / "data" / "prepared" / "images" / "t1.png"
     assert main(["caption", str(image)]) == 0  # default: models:/sat-captioner@champion
     assert capsys.readouterr().out.startswith(f"{image}: ")
+    # the installed command, as a user runs it: the caption alone, unless -v asks for MLflow's
+    # warnings (and its artifact download progress bar)
+    sat = [str(Path(sys.executable).parent / "sat"), "caption", str(image)]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    quiet = subprocess.run(sat, cwd=project, env=env, capture_output=True, text=True)
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    assert quiet.stdout.startswith(f"{image}: ") and len(quiet.stdout.splitlines()) == 1
+    verbose = subprocess.run([*sat, "-v"], cwd=project, env=env, capture_output=True, text=True)
+    assert verbose.returncode == 0 and "UserWarning" in verbose.stderr  # MLflow's own
+
     assert main(["caption", str(image), "-S", "mlflow.model_name=absent"]) == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("sat caption: error: no champion model registered as ")
