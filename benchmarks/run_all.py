@@ -12,6 +12,7 @@ SCRIPTS = (
     "bench_model.py",
     "bench_ray_train.py",
     "bench_eval.py",
+    "bench_caption.py",
     "bench_pipeline.py",
 )
 

@@ -3,22 +3,41 @@
 Each subcommand is a thin handler that imports what it needs inside the function, so that
 ``sat --help`` stays fast and a handler's heavy dependencies (Ray, MLflow, torch) load only when
 that handler runs.
+
+A user error (bad params, a missing model or file, an unusable input, a tracking store that does
+not answer) ends with one line ``sat <command>: error: ...`` on stderr and exit status 1; ``-v``
+shows the traceback instead, and MLflow's warnings and download progress bars, which ``sat``
+otherwise keeps quiet. Any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pipeline import serve
 from pipeline.stages import add_params_args
 
-__all__ = ["main"]
+__all__ = ["CommandError", "main"]
 
 Handler = Callable[[argparse.Namespace], int]
+
+
+class CommandError(Exception):
+    """A user error found by a ``sat`` command; its message is the line ``sat`` prints."""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _forward_params(args: argparse.Namespace) -> list[str]:
@@ -70,10 +89,31 @@ def _tune(args: argparse.Namespace) -> int:
     return tune.main([*_forward_params(args), *extra]) or 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sat")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _add_verbose(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=default,
+        help="show tracebacks; caption, models, promote: MLflow's logs and progress bars too",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sat", description="Show, Attend and Tell: train, tune, evaluate, serve."
     )
+    parser.add_argument("--version", action="version", version=f"sat {_version()}")
+    _add_verbose(parser, 0)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("summary", help="print the metrics table of the evaluated models")
@@ -98,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     # evaluation, registry and captioning commands are added by _register_more below
     _register_more(sub)
     serve.add_parser(sub)
+    # `sat caption -v ...` as well as `sat -v caption ...`; SUPPRESS keeps a -v given before
+    # the command when the subcommand's own is absent
+    for command in sub.choices.values():
+        if "-v" not in command._option_string_actions:
+            _add_verbose(command, argparse.SUPPRESS)
     return parser
 
 
@@ -125,41 +170,117 @@ def _model_name(args: argparse.Namespace) -> str:
     return args.name or _mlflow_cfg(args).model_name
 
 
-def _caption(args: argparse.Namespace) -> int:
-    """Caption each image; a bad image gets its own message and the others still run."""
-    import tempfile
+NO_CHAMPION = (
+    "no champion model registered as {uri} (tracking store {store}): run `make run`, "
+    "or pass --model models/soft"
+)
 
-    from pipeline.stages.evaluate import resolve_model_dir
-    from sat_model.captioner import Captioner, decode_image_input
-    from sat_model.images import ImageError
-    from sat_model.visualize import write_word_overlays
+
+def _caption_model_dir(args: argparse.Namespace, workdir: Path) -> Path:
+    """The model folder to caption with: ``--model`` as a folder, or a downloaded MLflow model
+    (by default the champion); a missing model is a :class:`CommandError`."""
+    from pipeline.stages.evaluate import is_model_uri, resolve_model_dir
 
     model = args.model or f"models:/{_model_name(args)}@champion"
+    if not is_model_uri(model):
+        if not (Path(model) / "model.pt").is_file():
+            raise CommandError(f"{model} is not a model folder (no model.pt in it)")
+        return Path(model)
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.tracking import redact
+
+    uri = _tracking_uri(args)
+    missing = CommandError(NO_CHAMPION.format(uri=model, store=redact(uri)))
+    # an absent SQLite store holds no model: say so before MLflow creates an empty one here
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        raise missing
+    try:
+        return resolve_model_dir(model, workdir, uri)
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            raise missing from e
+        raise
+
+
+def _caption_device(choice: str) -> str:
+    import torch
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise CommandError("--device cuda: no CUDA device is available here")
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
+
+
+def _print_caption(found, fmt: str, attention_out: str | None) -> None:  # type: ignore[no-untyped-def]
+    from tqdm import tqdm
+
+    from sat_model.visualize import write_word_overlays
+
+    result = found.caption
+    if fmt == "jsonl":
+        row = {"path": found.path, "caption": result.text if result else None, "error": found.error}
+        tqdm.write(json.dumps(row), file=sys.stdout)
+    elif result is None:
+        tqdm.write(f"{found.path}: error: {found.error}", file=sys.stderr)
+    else:
+        tqdm.write(f"{found.path}: {result.text}", file=sys.stdout)
+    if result is not None and attention_out:
+        write_word_overlays(
+            result.crop,
+            result.words,
+            result.alphas,
+            grid_h=result.grid_h,
+            grid_w=result.grid_w,
+            out_dir=attention_out,
+            stem=Path(found.path).stem,
+        )
+
+
+def _caption(args: argparse.Namespace) -> int:
+    """Caption image files and folders in batches; a bad image gets its own error, the others
+    still run; exit 1 when no image could be captioned."""
+    import tempfile
+
+    from tqdm import tqdm
+
+    from sat_model.captioner import Captioner, find_image_files
+
+    paths = find_image_files(args.inputs)
+    if not paths:
+        raise CommandError(f"no image files in {' '.join(args.inputs)}")
+    params = _params_or_defaults(args)
+    ev = params.eval
     with tempfile.TemporaryDirectory() as tmp:
-        uri = None if Path(model).exists() else _tracking_uri(args)
-        ev = _params_or_defaults(args).eval
         captioner = Captioner.from_dir(
-            resolve_model_dir(model, Path(tmp), uri),
+            _caption_model_dir(args, Path(tmp)),
+            device=_caption_device(args.device),
             beam_size=ev.beam_size,
             max_length=ev.max_length,
+            batch_size=args.batch_size,
             length_normalization=ev.length_normalization,
             mode=ev.hard_decode,
         )
+    # a bar only where someone watches (a terminal) and only when there is more than one batch
+    bar = tqdm(
+        total=len(paths),
+        unit="image",
+        file=sys.stderr,
+        leave=False,
+        disable=None if len(paths) > args.batch_size else True,
+    )
     ok = 0
-    for path in args.images:
-        try:
-            image = decode_image_input(Path(path))
-        except ImageError as e:
-            print(f"{path}: error: {e.reason}", file=sys.stderr)
-            continue
-        (result,) = captioner.caption([image], args.beam_size)
-        print(f"{path}: {result.text}")
-        ok += 1
-        if args.attention_out:
-            write_word_overlays(
-                result.crop, result.words, result.alphas, grid_h=result.grid_h,
-                grid_w=result.grid_w, out_dir=args.attention_out, stem=Path(path).stem,
-            )  # fmt: skip
+    with bar:
+        for found in captioner.caption_files(
+            paths,
+            beam_size=args.beam_size,
+            max_pixels=params.encoder.max_image_pixels,
+            workers=args.workers,
+        ):
+            _print_caption(found, args.format, args.attention_out)
+            ok += found.caption is not None
+            bar.update()
     return 0 if ok else 1
 
 
@@ -203,49 +324,175 @@ def _promote(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     from pipeline.stages import evaluate
 
-    extra = ["--attention", args.attention]
-    for flag, value in (("--model", args.model), ("--split", args.split), ("--out", args.out)):
+    extra = []
+    for flag, value in (
+        ("--attention", args.attention),
+        ("--model", args.model),
+        ("--split", args.split),
+        ("--out", args.out),
+    ):
         extra += [flag, value] if value else []
     return evaluate.main([*_forward_params(args), *extra]) or 0
 
 
 def _register_more(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Subcommands for evaluation, the registry and captioning (caption, models, promote...)."""
-    p = sub.add_parser("caption", help="caption image files; write per-word attention overlays")
+    p = sub.add_parser("caption", help="caption image files and folders; attention overlays")
     add_params_args(p)
-    p.add_argument("images", nargs="+", metavar="IMAGE")
-    p.add_argument("--model", default=None, help="models:/NAME@ALIAS URI or a model folder "
-                   "(default: models:/<mlflow.model_name>@champion)")  # fmt: skip
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="IMAGE_OR_FOLDER",
+        help="image files, and folders searched recursively for image files",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="models:/NAME@ALIAS URI or a model folder "
+        "(default: models:/<mlflow.model_name>@champion)",
+    )
     p.add_argument("--name", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--beam-size", type=int, default=None)
-    p.add_argument("--attention-out", default=None, metavar="DIR")
-    p.set_defaults(handler=_caption)
+    p.add_argument(
+        "--format",
+        choices=["text", "jsonl"],
+        default="text",
+        help="text: 'path: caption' lines; jsonl: one {path, caption, error} per image",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: CUDA where present (%(default)s)",
+    )
+    p.add_argument(
+        "--batch-size", type=_positive_int, default=16, help="images per beam search (%(default)s)"
+    )
+    p.add_argument("--beam-size", type=_positive_int, default=None, help="default: eval.beam_size")
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=2,
+        help="threads decoding the next batch (%(default)s)",
+    )
+    p.add_argument(
+        "--attention-out",
+        default=None,
+        metavar="DIR",
+        help="write one attention overlay PNG per word here",
+    )
+    p.set_defaults(handler=_caption, quiet=True)
 
     p = sub.add_parser("models", help="registered versions with metrics and aliases")
     add_params_args(p)
     p.add_argument("--name", default=None, help="registered model (default: mlflow.model_name)")
-    p.set_defaults(handler=_models)
+    p.set_defaults(handler=_models, quiet=True)
 
     p = sub.add_parser("promote", help="move the champion alias to the best (or named) version")
     add_params_args(p)
     p.add_argument("--name", default=None, help="registered model (default: mlflow.model_name)")
     p.add_argument("--metric", default=None, help="default: mlflow.champion_metric")
     p.add_argument("--version", default=None)
-    p.set_defaults(handler=_promote)
+    p.set_defaults(handler=_promote, quiet=True)
 
     p = sub.add_parser("evaluate", help="the evaluate stage on any model folder or URI and split")
     add_params_args(p)
     p.add_argument("--model", default=None, help="model folder or models:/ URI")
-    p.add_argument("--attention", choices=["soft", "hard"], default="soft")
+    p.add_argument(
+        "--attention",
+        choices=["soft", "hard"],
+        default=None,
+        help="without --model: evaluate models/<attention> into reports/<attention>, "
+        "as the DVC stage does (default soft)",
+    )
     p.add_argument("--split", default=None)
-    p.add_argument("--out", default=None, help="report folder")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="report folder (default: reports/<attention> "
+        "without --model, reports/eval/<model name> with it)",
+    )
     p.set_defaults(handler=_evaluate)
+
+
+# Exceptions that report what the user asked for or gave (params, files, models, stores), as
+# opposed to bugs. Named by module so that `sat --help` imports none of them.
+_USER_ERRORS = {
+    "sat_model.config": ("ParamsError",),
+    "sat_model.vocab": ("VocabError",),
+    "sat_model.images": ("ImageError",),
+    "sat_model.sources": ("SourceError",),
+    "sat_model.prepare": ("PrepareError",),
+    "sat_model.extract": ("ExtractError",),
+    "sat_model.features": ("FeatureStoreError",),
+    "sat_model.encoders": ("EncoderError",),
+    "sat_model.checkpoint": ("CheckpointError",),
+    "sat_model.batching": ("BatchingError",),
+    "sat_model.training": ("NonFiniteLossError",),
+    "sat_model.metrics": ("MetricError",),
+    "sat_model.evaluate": ("EvaluationError",),
+    "pipeline.registry": ("RegistryError",),
+    "mlflow.exceptions": ("MlflowException",),
+}
+
+
+def _is_user_error(err: BaseException) -> bool:
+    if isinstance(err, CommandError | OSError):  # OSError: missing file, refused connection
+        return True
+    # a module never imported raised nothing
+    types = tuple(
+        getattr(sys.modules[module], name)
+        for module, names in _USER_ERRORS.items()
+        if module in sys.modules
+        for name in names
+    )
+    return isinstance(err, types)
+
+
+def _one_line(err: BaseException) -> str:
+    if "mlflow.exceptions" in sys.modules:
+        from mlflow.exceptions import MlflowException
+
+        if isinstance(err, MlflowException):
+            err = MlflowException(err.message)  # without MLflow's error-code prefix
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    text = text or type(err).__name__
+    # tracking URIs (which may hold a token) reach messages only through pipeline.tracking;
+    # importing it (and MLflow) just to print a params error would cost seconds
+    tracking = sys.modules.get("pipeline.tracking")
+    return tracking.redact(text) if tracking else text
+
+
+def _quiet() -> None:
+    """Keep MLflow's INFO/WARNING logs, Python warnings and artifact progress bars away."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")
+    for name in ("mlflow", "alembic"):  # alembic: MLflow's SQLite schema migrations
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
+    # MLflow re-enables its UserWarnings inside some calls (`filter_user_warnings_once`), past
+    # any filter: drop them where they would be shown
+    warnings.showwarning = _drop_warning
+
+
+def _drop_warning(*args: object, **kwargs: object) -> None:
+    """A ``warnings.showwarning`` that shows nothing."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
-    return handler(args)
+    if not args.verbose and getattr(args, "quiet", False):
+        _quiet()
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        print(f"sat {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.verbose or not _is_user_error(e):
+            raise
+        print(f"sat {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from collections.abc import Sequence
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +37,13 @@ from sat_model.visualize import centre_crop
 from sat_model.vocab import Vocab
 
 __all__ = [
+    "IMAGE_EXTENSIONS",
     "Captioner",
     "EncoderSpec",
+    "FileCaption",
     "ImageCaption",
     "decode_image_input",
+    "find_image_files",
 ]
 
 # the paper's preprocessing (resize 256, crop 224) when a model folder does not record resize
@@ -59,6 +64,38 @@ class ImageCaption:
     @property
     def text(self) -> str:
         return " ".join(self.words)
+
+
+@dataclass(frozen=True)
+class FileCaption:
+    """One image file's outcome: its caption, or ``error`` saying why it has none."""
+
+    path: str
+    caption: ImageCaption | None = None
+    error: str | None = None
+
+
+# what a folder given to ``sat caption`` is searched for (case-insensitive); a file named
+# explicitly is read whatever its name
+IMAGE_EXTENSIONS = frozenset(
+    {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
+)
+
+
+def find_image_files(inputs: Iterable[str | Path]) -> list[Path]:
+    """Each input file as given, and every image file under each input folder (recursive,
+    sorted, symlinked files included, symlinked folders not followed)."""
+    out: list[Path] = []
+    for item in map(Path, inputs):
+        if not item.is_dir():
+            out.append(item)  # a missing or unreadable file gets its error when read
+            continue
+        for root, dirs, files in os.walk(item):
+            dirs.sort()
+            out += [
+                Path(root) / f for f in sorted(files) if Path(f).suffix.lower() in IMAGE_EXTENSIONS
+            ]
+    return out
 
 
 @dataclass(frozen=True)
@@ -193,16 +230,76 @@ class Captioner:
             out += self._caption_batch(images[start : start + self.batch_size], beam_size)
         return out
 
+    def caption_files(
+        self,
+        paths: Sequence[str | Path],
+        *,
+        beam_size: int | None = None,
+        max_pixels: int = 50_000_000,
+        workers: int = 2,
+    ) -> Iterator[FileCaption]:
+        """Caption image files in order, ``batch_size`` per beam search; a file that cannot be
+        read gets its ``error`` and the others go on.
+
+        ``workers`` threads decode and preprocess the next batch while this one is captioned
+        (Pillow and torch release the GIL), so at most two batches of images are in memory.
+        """
+        batches = [paths[i : i + self.batch_size] for i in range(0, len(paths), self.batch_size)]
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+
+            def submit(k: int) -> list[Future[_Decoded | ImageError]]:
+                if k >= len(batches):
+                    return []
+                return [pool.submit(self._read, p, max_pixels) for p in batches[k]]
+
+            pending = submit(0)
+            for k, batch in enumerate(batches):
+                decoded = [f.result() for f in pending]
+                pending = submit(k + 1)
+                yield from self._caption_decoded(batch, decoded, beam_size)
+
+    def _read(self, path: str | Path, max_pixels: int) -> _Decoded | ImageError:
+        try:
+            image = load_image(path, max_pixels=max_pixels, min_side=self.resize)
+        except ImageError as e:
+            return e
+        return _Decoded(image, self._preprocess(image))
+
+    def _caption_decoded(
+        self,
+        paths: Sequence[str | Path],
+        decoded: Sequence[_Decoded | ImageError],
+        beam_size: int | None,
+    ) -> list[FileCaption]:
+        good = [d for d in decoded if isinstance(d, _Decoded)]
+        captions = iter(
+            self._caption_batch(
+                [d.image for d in good], beam_size, torch.stack([d.pixels for d in good])
+            )
+            if good
+            else []
+        )
+        return [
+            FileCaption(str(p), error=d.reason)
+            if isinstance(d, ImageError)
+            else FileCaption(str(p), caption=next(captions))
+            for p, d in zip(paths, decoded, strict=True)
+        ]
+
+    def _preprocess(self, image: Image.Image) -> torch.Tensor:
+        d = self.encoder.description
+        return preprocess(image.convert("RGB"), self.resize, d.input_size, d.mean, d.std)
+
     def _caption_batch(
-        self, images: Sequence[Image.Image], beam_size: int | None
+        self,
+        images: Sequence[Image.Image],
+        beam_size: int | None,
+        pixels: torch.Tensor | None = None,
     ) -> list[ImageCaption]:
         d = self.encoder.description
-        pixels = torch.stack(
-            [
-                preprocess(im.convert("RGB"), self.resize, d.input_size, d.mean, d.std)
-                for im in images
-            ]
-        ).to(self.device)  # (B, 3, S, S)
+        if pixels is None:
+            pixels = torch.stack([self._preprocess(im) for im in images])  # (B, 3, S, S)
+        pixels = pixels.to(self.device)
         with torch.inference_mode():
             annotations = self.encoder(pixels)  # (B, L, D)
         captions = beam_search(
@@ -219,6 +316,14 @@ class Captioner:
             crop = centre_crop(image, self.resize, d.input_size)
             out.append(ImageCaption(words, alphas, float(caption.score), crop, d.grid_h, d.grid_w))
         return out
+
+
+@dataclass(frozen=True)
+class _Decoded:
+    """A decoded image and its encoder input (3, S, S)."""
+
+    image: Image.Image
+    pixels: torch.Tensor
 
 
 def _words_and_alphas(

@@ -3,7 +3,9 @@
 Writes ``metrics.json`` (flat keys ``bleu_1``..``bleu_4``, ``meteor``, ``rouge_l``, ``cider``,
 ``pointing_accuracy`` where the source has boxes), ``captions.json`` and ``attention/`` (per-word
 overlay PNGs and ``index.html``). ``--model`` evaluates any model folder or MLflow model URI
-(``models:/sat-captioner@champion``) instead, as ``sat evaluate`` does.
+(``models:/sat-captioner@champion``, resolved in the tracking store of ``mlflow.tracking_uri``)
+instead, as ``sat evaluate`` does; its reports go to ``--out``, by default
+``reports/eval/<model name>``, never into the DVC output of an ``evaluate@<attention>`` stage.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -23,7 +26,7 @@ from pipeline.stages import run_locked, stage_parser
 if TYPE_CHECKING:
     from sat_model.config import Params
 
-__all__ = ["main", "resolve_model_dir"]
+__all__ = ["default_out_dir", "is_model_uri", "main", "resolve_model_dir"]
 
 T = TypeVar("T")
 
@@ -33,19 +36,40 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--attention", choices=("soft", "hard"), default="soft")
     parser.add_argument("--model", default=None, help="model folder or models:/ URI")
     parser.add_argument("--split", default=None, help="split to evaluate (default: eval.split)")
-    parser.add_argument("--out", default=None, help="report folder (default: reports/<attention>)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="report folder (default: reports/<attention>, or reports/eval/<model> with --model)",
+    )
     return parser.parse_args(argv)
+
+
+def is_model_uri(model: str) -> bool:
+    """Whether ``model`` names an MLflow model (``models:/``, ``runs:/``, ``s3://`` ...)."""
+    return "://" in model or model.startswith(("models:/", "runs:/"))
+
+
+def default_out_dir(reports_dir: str | Path, attention: str, model: str | None) -> Path:
+    """``reports/<attention>`` for the stage's own model; ``reports/eval/<model name>`` for any
+    model named with ``--model`` (``models/hard`` -> ``hard``, ``models:/m@champion`` ->
+    ``m@champion``), so that it never overwrites another stage's DVC output."""
+    if model is None:
+        return Path(reports_dir) / attention
+    name = model.split(":/", 1)[-1] if is_model_uri(model) else Path(model).resolve().name
+    return Path(reports_dir) / "eval" / (re.sub(r"[^\w@.+-]+", "-", name).strip("-.") or "model")
 
 
 def resolve_model_dir(model: str, workdir: Path, tracking_uri: str | None = None) -> Path:
     """A local model folder as is; an MLflow URI (``models:/``, ``runs:/``) downloaded into
     ``workdir`` and its checkpoint artifact returned."""
-    if "://" not in model and not model.startswith("models:/") and not model.startswith("runs:/"):
+    if not is_model_uri(model):
         return Path(model)
     import mlflow
 
     from pipeline.pyfunc_model import CHECKPOINT_ARTIFACT
 
+    if model.startswith("models:/") and tracking_uri:
+        model = _registry_location(model, tracking_uri)
     local = mlflow.artifacts.download_artifacts(
         artifact_uri=model, dst_path=str(workdir), tracking_uri=tracking_uri
     )
@@ -81,6 +105,26 @@ def _write_gallery(out_dir: Path, write: Callable[[Path], T]) -> T:
     return written
 
 
+def _registry_location(model: str, tracking_uri: str) -> str:
+    """Where the registered model version ``models:/NAME@ALIAS[/path]`` (or ``NAME/VERSION``)
+    stores its files, looked up in the registry at ``tracking_uri``.
+
+    MLflow's own download looks the name up in the process-wide registry URI whatever
+    ``tracking_uri`` it is given, so a store named only in params would never be asked.
+    """
+    from mlflow import MlflowClient
+    from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
+    from mlflow.store.artifact.utils.models import get_model_name_and_version
+
+    base, path = ModelsArtifactRepository.split_models_uri(model)
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    found = get_model_name_and_version(client, base)
+    if len(found) == 1:  # models:/<logged model id>, not a registry name
+        return model
+    location = client.get_model_version_download_uri(*found).rstrip("/")
+    return f"{location}/{path}" if path else location
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     from sat_model.config import load_params
@@ -92,7 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         lambda: (
             Path(args.out).resolve()  # named by the user on the command line
             if args.out
-            else output_path(params.eval.reports_dir, Path.cwd()) / args.attention
+            else output_path(
+                default_out_dir(params.eval.reports_dir, args.attention or "soft", args.model),
+                Path.cwd(),
+            )
         ),
         lambda: _evaluate(args, params),
     )
@@ -111,13 +158,15 @@ def _evaluate(args: argparse.Namespace, params: Params) -> int:
 
     ev = params.eval
     split = args.split or ev.split
-    out_dir = Path(args.out or Path(ev.reports_dir) / args.attention)
+    out_dir = (
+        Path(args.out) if args.out else default_out_dir(ev.reports_dir, args.attention, args.model)
+    )
     prepared = Path(params.data.prepared_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         model = args.model or str(Path(params.train.models_dir) / args.attention)
-        model_dir = resolve_model_dir(model, workdir)
+        model_dir = resolve_model_dir(model, workdir, _tracking_uri(params, args.params, model))
         result = evaluate_model(
             model_dir=model_dir, features_path=Path(params.encoder.features_dir) / f"{split}.arrow",
             captions_path=prepared / "captions.parquet", images_path=prepared / "images.parquet",
@@ -126,7 +175,7 @@ def _evaluate(args: argparse.Namespace, params: Params) -> int:
             hard_decode=ev.hard_decode, batch_size=ev.batch_size,
             meteor_timeout_s=ev.meteor_timeout_s, device=device,
         )  # fmt: skip
-        grid_h, grid_w, crop = _grid(model_dir)
+        grid_h, grid_w, crop, attention = _grid(model_dir, args.attention)
         records = read_image_records(
             prepared / "images.parquet", split, image_root(params.data, Path.cwd())
         )
@@ -139,7 +188,7 @@ def _evaluate(args: argparse.Namespace, params: Params) -> int:
             grid_w=grid_w,
             resize=params.encoder.resize,
             crop=crop,
-            title=f"{args.attention} attention, {split} split",
+            title=f"{attention} attention, {split} split",
         )
         _, gallery_skipped = _write_gallery(out_dir, gallery)
     result.skipped.extend({**s, "stage": "gallery"} for s in gallery_skipped)
@@ -148,10 +197,21 @@ def _evaluate(args: argparse.Namespace, params: Params) -> int:
     return 0
 
 
-def _grid(model_dir: Path) -> tuple[int, int, int]:
-    """``(grid_h, grid_w, crop)`` recorded in the model's ``config.json`` encoder section."""
-    enc = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["encoder"]
-    return int(enc["grid_h"]), int(enc["grid_w"]), int(enc["input_size"])
+def _tracking_uri(params, params_file: str, model: str) -> str | None:  # type: ignore[no-untyped-def]
+    """The project's tracking store for an MLflow model URI (``mlflow.tracking_uri`` honoured)."""
+    if not is_model_uri(model):
+        return None
+    from pipeline.tracking import resolve_tracking_uri
+
+    return resolve_tracking_uri(params.mlflow, Path(params_file).resolve().parent)
+
+
+def _grid(model_dir: Path, attention: str) -> tuple[int, int, int, str]:
+    """``(grid_h, grid_w, crop, attention)`` recorded in the model's ``config.json``."""
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    enc = config["encoder"]
+    grid = int(enc["grid_h"]), int(enc["grid_w"]), int(enc["input_size"])
+    return (*grid, str(config.get("attention", attention)))
 
 
 if __name__ == "__main__":

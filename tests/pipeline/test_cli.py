@@ -7,6 +7,10 @@ seeded `random` encoder; MLflow is the project's default SQLite store (no server
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -31,7 +35,7 @@ eval: {beam_size: 2, max_length: 4, gallery_images: 2, meteor_timeout_s: 120.0}
 """
 
 
-def _write_model(directory, seed=0):
+def _write_model(directory, seed=0, attention="soft"):
     torch.manual_seed(seed)
     vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", "a", "red", "circle"), 1, 100, 20)
     encoder = build_encoder("random", input_size=64)
@@ -39,13 +43,13 @@ def _write_model(directory, seed=0):
     model = build_model(
         ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
         vocab_size=len(vocab), annotation_dim=d.annotation_dim, num_locations=d.num_locations,
-        attention="soft",
+        attention=attention,
     )  # fmt: skip
     with torch.no_grad():
         model.out.bias[:4] = -1e4  # always max_length real words
     save_checkpoint(
         directory, model_config=model.config, vocab=vocab, model_state=model.state_dict(),
-        extra_config={"attention": "soft", "encoder": {**d.to_dict(), "resize": 72}},
+        extra_config={"attention": attention, "encoder": {**d.to_dict(), "resize": 72}},
     )  # fmt: skip
     return encoder
 
@@ -122,7 +126,12 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     gallery = (project / "reports/soft/attention/index.html").read_text()
     assert gallery.count("<figcaption>") == 2 * (1 + 4)  # gallery_images x (photo + 4 words)
 
+    # a store named in params (not the default mlflow.db) is the one every command uses
+    store = project / "elsewhere.db"
+    with (project / "params.yaml").open("a") as f:
+        f.write(f"mlflow: {{tracking_uri: 'sqlite:///{store}'}}\n")
     assert register.main([]) == 0
+    assert store.exists() and not (project / "mlflow.db").exists()
     report = json.loads((project / "reports/registry.json").read_text())
     assert report["champion"] == "1" and report["versions"][0]["reused"] is False
     assert report["skipped"] == [{"item": "hard", "reason": "no model or no metrics"}]
@@ -143,3 +152,31 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     image = project / "data" / "prepared" / "images" / "t1.png"
     assert main(["caption", str(image)]) == 0  # default: models:/sat-captioner@champion
     assert capsys.readouterr().out.startswith(f"{image}: ")
+    # the installed command, as a user runs it: the caption alone, unless -v asks for MLflow's
+    # warnings (and its artifact download progress bar)
+    sat = [str(Path(sys.executable).parent / "sat"), "caption", str(image)]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    quiet = subprocess.run(sat, cwd=project, env=env, capture_output=True, text=True)
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    assert quiet.stdout.startswith(f"{image}: ") and len(quiet.stdout.splitlines()) == 1
+    verbose = subprocess.run([*sat, "-v"], cwd=project, env=env, capture_output=True, text=True)
+    assert verbose.returncode == 0 and "UserWarning" in verbose.stderr  # MLflow's own
+
+    assert main(["caption", str(image), "-S", "mlflow.model_name=absent"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("sat caption: error: no champion model registered as ")
+    assert "models:/absent@champion" in line and "make run" in line
+
+    assert main(["evaluate", "--model", "models:/sat-captioner@champion"]) == 0
+    assert (project / "reports/eval/sat-captioner@champion/metrics.json").exists()
+
+
+@pytest.mark.java
+@pytest.mark.slow
+def test_evaluate_of_a_named_model_never_writes_another_stage_output(project):
+    _write_model(project / "models" / "hard", attention="hard")
+    assert main(["evaluate", "--model", "models/hard"]) == 0
+    out = project / "reports" / "eval" / "hard"
+    assert {"bleu_4", "meteor", "cider"} <= set(json.loads((out / "metrics.json").read_text()))
+    assert "hard attention" in (out / "attention" / "index.html").read_text()
+    assert sorted(p.name for p in (project / "reports").iterdir()) == ["eval"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from sat_model.captioner import Captioner, EncoderSpec, decode_image_input
+from sat_model.captioner import Captioner, EncoderSpec, decode_image_input, find_image_files
 from sat_model.checkpoint import save_checkpoint
 from sat_model.config import ModelParams
 from sat_model.encoders import EncoderError, build_encoder
@@ -166,3 +166,41 @@ def test_encoder_section_written_from_feature_store_metadata_is_read():
     spec = EncoderSpec.from_config({"encoder": section}, "x")
     assert (spec.name, spec.resize) == ("random", 73)  # round(64 * 256 / 224) = round(73.14)
     assert spec.build().description.num_locations == 16
+
+
+def test_caption_files_keeps_the_order_and_gives_each_bad_file_its_error(model_dir, tmp_path):
+    photos = _photos(5, seed=4)
+    paths = []
+    for i, photo in enumerate(photos):
+        paths.append(tmp_path / f"p{i}.png")
+        photo.save(paths[-1])  # lossless: the file decodes to these very pixels
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    files = [*paths[:2], tmp_path / "bad.png", *paths[2:], tmp_path / "missing.png"]
+    captioner = Captioner.from_dir(model_dir, beam_size=2, max_length=6, batch_size=2)
+    found = list(captioner.caption_files(files, workers=2))
+    assert [f.path for f in found] == [str(p) for p in files]
+    captioned = [f.caption for f in found if f.caption is not None]
+    assert [c.words for c in captioned] == [r.words for r in captioner.caption(photos)]
+    assert found[2].caption is None and found[2].error.startswith("cannot decode")
+    assert found[-1].caption is None and found[-1].error == "file not found"
+
+
+def test_find_image_files_walks_folders_and_keeps_files_named_explicitly(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    for name in ("a/x.JPG", "a/b/y.png", "a/b/z.webp", "a/notes.txt", "a/.hidden.jpeg"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "a" / "b" / "link.jpg").symlink_to(tmp_path / "a" / "x.JPG")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "a" / "b" / "folder_link").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere" / "w.jpg").write_bytes(b"")
+    found = find_image_files([tmp_path / "a", tmp_path / "a" / "notes.txt", "absent.jpg"])
+    names = [p.relative_to(tmp_path).as_posix() if p.is_absolute() else str(p) for p in found]
+    assert names == [
+        "a/.hidden.jpeg",
+        "a/x.JPG",
+        "a/b/link.jpg",
+        "a/b/y.png",
+        "a/b/z.webp",
+        "a/notes.txt",
+        "absent.jpg",
+    ]
