@@ -250,10 +250,10 @@ class HardAttention(SoftAttention):
         return AttentionOutput(alpha, context, location_log_prob=log_prob, entropy=entropy)
 
 
-# Elements of the (rows, A, L) attention tensor that ``_FusedScores`` handles at a time (~1 MiB
+# Elements of the (rows, A, L) attention tensor that ``_FusedScores`` handles at a time (~4 MiB
 # of float32): the add, σ and product, and backward their recomputation and gradients, then run
 # in cache instead of streaming the step's largest tensor through memory pass after pass.
-SCORE_CHUNK_ELEMENTS = 1 << 18
+SCORE_CHUNK_ELEMENTS = 1 << 20
 
 
 class ProjectedGradient:
@@ -468,10 +468,19 @@ class ShowAttendTell(nn.Module):
         state = self.init_state(annotations)
         embedded = self.embedding(inputs)  # (B, T, m)
         use_expected = self._semi_sampling_mask(B, mode, locations, annotations.device)
+        # the embedding's share of Eq. 1 does not depend on the recurrence: one product for all
+        # T steps; the context's and h_{t-1}'s shares stay in the loop
+        m = self.config.embed_dim
+        weight_ih, weight_hh = self.lstm.weight_ih, self.lstm.weight_hh
+        input_gates = torch.addmm(
+            self.lstm.bias_ih + self.lstm.bias_hh, embedded.reshape(B * T, m), weight_ih[:, :m].t()
+        ).view(B, T, -1)  # (B, T, 4n)
+        weights = (weight_ih[:, m:].t(), weight_hh.t())  # (D, 4n), (n, 4n)
         steps = []
         for t in range(T):
             location = None if locations is None else locations[:, t]
-            step = self._advance(embedded[:, t], state, mode, use_expected, location)
+            lstm_inputs = (input_gates[:, t], *weights)
+            step = self._advance(embedded[:, t], state, mode, use_expected, location, lstm_inputs)
             state = step.state
             steps.append(step)
         hidden = torch.stack([s.state.h for s in steps], dim=1)  # (B, T, n)
@@ -507,8 +516,10 @@ class ShowAttendTell(nn.Module):
         mode: str,
         use_expected: Tensor | None,
         location: Tensor | None,
+        lstm_inputs: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> _Advance:
-        """Attention from h_{t-1} (Eq. 4-6), gate, then the LSTM (Eq. 1-3)."""
+        """Attention from h_{t-1} (Eq. 4-6), gate, then the LSTM (Eq. 1-3); ``lstm_inputs``
+        (see ``_lstm_from_gates``) when the embedding's share of Eq. 1 is already computed."""
         if isinstance(self.attention, HardAttention):
             att = self.attention(
                 state.annotations,
@@ -529,7 +540,10 @@ class ShowAttendTell(nn.Module):
         else:
             beta = att.context.new_ones(att.context.size(0))
             context = att.context
-        h, c = self._lstm(torch.cat([embedded, context], dim=1), state.h, state.c)
+        if lstm_inputs is None:
+            h, c = self._lstm(torch.cat([embedded, context], dim=1), state.h, state.c)
+        else:
+            h, c = _lstm_from_gates(*lstm_inputs, context, state.h, state.c)
         new_state = dataclasses.replace(state, h=h, c=c)
         return _Advance(state=new_state, context=context, attention=att, beta=beta)
 
@@ -575,6 +589,19 @@ class ShowAttendTell(nn.Module):
                 f"annotations must have shape (B, {expected[0]}, {expected[1]}), "
                 f"got {tuple(annotations.shape)}"
             )
+
+
+def _lstm_from_gates(
+    gates: Tensor, weight_z: Tensor, weight_h: Tensor, z: Tensor, h: Tensor, c: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Eq. 1-3 as ``nn.LSTMCell`` computes them (gates i, f, g, o), from the embedding's share
+    of the gates with both biases (rows, 4n) and the transposed weights for ẑ_t (D, 4n) and
+    h_{t-1} (n, 4n): (rows, n) x 2."""
+    gates = torch.addmm(torch.addmm(gates, z, weight_z), h, weight_h)  # (rows, 4n)
+    n = h.size(1)
+    i, f, _, o = torch.sigmoid(gates).chunk(4, dim=1)
+    c = f * c + i * torch.tanh(gates[:, 2 * n : 3 * n])
+    return o * torch.tanh(c), c
 
 
 def torch_lstm_step(cell: nn.LSTMCell, x: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
