@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from reference_model import reference_forward, reference_soft_loss
 
 from sat_model.config import HardTrainConfig, ModelParams, SoftTrainConfig, load_params
 from sat_model.decoding import beam_search
@@ -181,6 +182,50 @@ def bench_training(d: Dims, attention: str, batch: int, steps: int, iters: int) 
     }
 
 
+def bench_against_reference(
+    d: Dims, batch: int, rounds: int, doubly_stochastic: float = 1.0
+) -> dict:
+    """Training captions/s of the project's step and of the plain reference
+    (benchmarks/reference_model.py) at the same sizes, soft attention with the doubly
+    stochastic term, Adam, captions of 8-20 words; interleaved rounds, best of each."""
+    gen = torch.Generator().manual_seed(0)
+    config = ModelConfig(vocab_size=d.K, annotation_dim=d.D, num_locations=d.L, embed_dim=d.m,
+                         hidden_dim=d.n, attention_dim=d.A, dropout=0.5, gate=True,
+                         attention="soft")  # fmt: skip
+    ours, theirs = ShowAttendTell(config), ShowAttendTell(config)
+    theirs.load_state_dict(ours.state_dict())
+    criterion = build_criterion("soft", SoftTrainConfig(doubly_stochastic=doubly_stochastic))
+    opt_ours = torch.optim.Adam(ours.parameters(), lr=1e-4)
+    opt_theirs = torch.optim.Adam(theirs.parameters(), lr=1e-4)
+    annotations = torch.randn(batch, d.L, d.D, generator=gen)
+    captions = _captions(batch, 20, d.K, gen)  # lengths 10-20 tokens after <start>
+
+    def our_step() -> None:
+        opt_ours.zero_grad(set_to_none=True)
+        criterion(ours(annotations, captions), captions).loss.backward()
+        opt_ours.step()
+
+    def reference_step() -> None:
+        opt_theirs.zero_grad(set_to_none=True)
+        out = reference_forward(theirs, annotations, captions)
+        reference_soft_loss(out, captions, doubly_stochastic).backward()
+        opt_theirs.step()
+
+    our_step(), reference_step()  # warm-up
+    ours_s = theirs_s = float("inf")
+    for _ in range(rounds):
+        ours_s = min(ours_s, _best_time(our_step, 1))
+        theirs_s = min(theirs_s, _best_time(reference_step, 1))
+    return {
+        "dims": d.name,
+        "batch": batch,
+        "captions_per_s": batch / ours_s,
+        "reference_captions_per_s": batch / theirs_s,
+        "speedup_over_reference": theirs_s / ours_s,
+        "matmul_flops_per_s": train_step_flops(d, batch, 20) / ours_s,
+    }
+
+
 def bench_attention_nonlinearity(d: Dims, rows: int, repeats: int = 20) -> dict:
     """f_att's largest tensor (rows, A, L): torch.tanh against the 2σ(2u) form model.py uses."""
     u = torch.randn(rows, d.A, d.L)
@@ -262,7 +307,14 @@ def main(argv: list[str] | None = None) -> dict:
             row = bench_training(d, attention, batch=64, steps=16, iters=iters)
             row["fraction_of_matmul_peak"] = row["matmul_flops_per_s"] / peak
             training.append(row)
+    tutorial = Dims("tutorial", 196, 512, 512, 512, 512, 2600)
+    against_reference = []
+    for d in [dims[0]] if args.quick else [dims[0], tutorial]:
+        row = bench_against_reference(d, batch=64, rounds=2 if args.quick else 3)
+        row["fraction_of_matmul_peak"] = row["matmul_flops_per_s"] / peak
+        against_reference.append(row)
     result = {
+        "training_against_reference": against_reference,
         "device": "cpu",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -32,6 +32,7 @@ __all__ = [
     "MODES",
     "ONEDNN_LSTM_MIN_ROWS",
     "PAD_ID",
+    "SCORE_CHUNK_ELEMENTS",
     "SEMI_SAMPLING_PER",
     "START_ID",
     "AttentionOutput",
@@ -39,6 +40,7 @@ __all__ = [
     "ForwardOutput",
     "HardAttention",
     "ModelConfig",
+    "ProjectedGradient",
     "ShowAttendTell",
     "SoftAttention",
     "StepOutput",
@@ -136,6 +138,8 @@ class DecoderState:
     c: Tensor  # (B*k, n)
     annotations: Tensor  # (B, L, D)
     projected: Tensor  # (B, A, L), 2(W_a a_i + b) (Eq. 4, scaled for σ(2u)), once per image
+    # where the steps' backward passes add up the gradient for ``projected`` (training only)
+    projected_grad: ProjectedGradient | None = None
 
     def reorder(self, index: Tensor) -> DecoderState:
         """Select rows of the LSTM state (beam search: each image's one row to its first k
@@ -182,7 +186,9 @@ class SoftAttention(nn.Module):
         rather than A (32 at the default sizes), ~1.3x faster on the step's largest tensor."""
         return 2.0 * self.annotation_proj(annotations).transpose(1, 2).contiguous()
 
-    def scores(self, projected: Tensor, hidden: Tensor) -> Tensor:
+    def scores(
+        self, projected: Tensor, hidden: Tensor, sink: ProjectedGradient | None = None
+    ) -> Tensor:
         """e_ti (Eq. 4) up to a shift that is the same at every location: (B*k, L), for
         ``projected`` (B, A, L) from ``project`` and ``hidden`` (B*k, n) with k rows per image.
 
@@ -191,22 +197,22 @@ class SoftAttention(nn.Module):
         σ, because the pinned torch's CPU tanh ran 5-9x slower than its sigmoid on this, the
         step's largest tensor, on the 2-core CI machine (benchmarks/bench_model.py,
         "attention_nonlinearity"; builds where tanh is the faster one lose little).
+        The (B*k, A, L) tensor is never held whole: ``_FusedScores`` works through it a few
+        images at a time and its backward recomputes σ; ``sink`` (from ``init_state``) collects
+        the gradient for ``projected`` over all steps.
         """
-        B, A, L = projected.shape
-        k = hidden.size(0) // B  # rows per image (beams)
         hidden = 2.0 * self.hidden_proj(hidden)  # (B*k, A)
-        pre = projected.unsqueeze(1) + hidden.view(B, k, A, 1)  # (B, k, A, L): 2u
-        # in place: one allocation for the step's largest tensor instead of two
-        pre = pre.sigmoid_().view(B * k, A, L)
-        # w_att^T σ per row as one bmm over a broadcast (1, A): torch.matmul of the (1, A) weight
-        # with the 4-d tensor took ~10x longer with the pinned torch on CPU
-        weight = self.score.weight.expand(B * k, 1, A)
-        return 2.0 * torch.bmm(weight, pre).view(B * k, L)  # (B*k, L)
+        return _FusedScores.apply(projected, hidden, self.score.weight, sink)  # (B*k, L)
 
     def forward(
-        self, annotations: Tensor, projected: Tensor, hidden: Tensor, mode: str = "expected"
+        self,
+        annotations: Tensor,
+        projected: Tensor,
+        hidden: Tensor,
+        mode: str = "expected",
+        sink: ProjectedGradient | None = None,
     ) -> AttentionOutput:
-        alpha = torch.softmax(self.scores(projected, hidden), dim=-1)  # (B, L), Eq. 5
+        alpha = torch.softmax(self.scores(projected, hidden, sink), dim=-1)  # (B, L), Eq. 5
         if mode in ("train", "expected"):
             return AttentionOutput(alpha=alpha, context=_expected_context(annotations, alpha))
         location = _pick_location(alpha, mode)
@@ -224,10 +230,11 @@ class HardAttention(SoftAttention):
         mode: str = "expected",
         use_expected: Tensor | None = None,
         location: Tensor | None = None,
+        sink: ProjectedGradient | None = None,
     ) -> AttentionOutput:
         """``use_expected`` (B,) bool: semi-sampling, α instead of s̃ for those images.
         ``location`` (B,) long forces s̃_t (exact enumeration of Eq. 10)."""
-        log_alpha = torch.log_softmax(self.scores(projected, hidden), dim=-1)  # (B, L)
+        log_alpha = torch.log_softmax(self.scores(projected, hidden, sink), dim=-1)  # (B, L)
         alpha = log_alpha.exp()
         entropy = -(alpha * log_alpha).sum(-1)  # (B,) H[α_t], the entropy term of Sec. 4.1
         if mode == "expected" and location is None:
@@ -241,6 +248,101 @@ class HardAttention(SoftAttention):
             context = torch.where(use_expected.unsqueeze(1), expected, context)
         log_prob = log_alpha.gather(1, location.unsqueeze(1)).squeeze(1)  # (B,) log α_{t,s̃}
         return AttentionOutput(alpha, context, location_log_prob=log_prob, entropy=entropy)
+
+
+# Elements of the (rows, A, L) attention tensor that ``_FusedScores`` handles at a time (~4 MiB
+# of float32): the add, σ and product, and backward their recomputation and gradients, then run
+# in cache instead of streaming the step's largest tensor through memory pass after pass.
+SCORE_CHUNK_ELEMENTS = 1 << 20
+
+
+class ProjectedGradient:
+    """Where the fused scores of all steps add up their gradient for 2(W_a a + b) (B, A, L), in
+    place, rather than each step handing autograd a (B, A, L) tensor to sum."""
+
+    def __init__(self) -> None:
+        self.grad: Tensor | None = None
+
+
+class _CollectProjected(torch.autograd.Function):
+    """Identity on ``projected`` whose backward returns what the steps left in the sink.
+    Every step takes its output, so autograd runs this backward after all of theirs."""
+
+    @staticmethod
+    def forward(ctx, projected: Tensor, sink: ProjectedGradient) -> Tensor:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        ctx.sink = sink
+        return projected.view_as(projected)
+
+    @staticmethod
+    def backward(ctx, _none: Tensor | None) -> tuple[Tensor | None, None]:  # type: ignore[override]
+        grad, ctx.sink.grad = ctx.sink.grad, None
+        return grad, None
+
+
+class _FusedScores(torch.autograd.Function):
+    """2 w_att^T σ(P + q): (B, A, L), (B*k, A), (1, A) -> (B*k, L), a few images at a time; the
+    backward recomputes σ rather than keeping it (``SoftAttention.scores``)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, projected: Tensor, hidden: Tensor, weight: Tensor, sink: ProjectedGradient | None
+    ) -> Tensor:
+        ctx.save_for_backward(projected, hidden, weight)
+        ctx.sink = sink
+        B, A, L = projected.shape
+        k = hidden.size(0) // B  # rows per image (beams)
+        scores = projected.new_empty(B * k, L)
+        weight2 = (2.0 * weight).view(1, 1, A)
+        for b0, b1 in _chunks(B, k * A * L):
+            sig = _sigmoid_of_sum(projected, hidden, b0, b1)  # (rows, A, L)
+            rows = sig.size(0)
+            torch.bmm(weight2.expand(rows, 1, A), sig, out=scores[b0 * k : b1 * k].unsqueeze(1))
+        return scores
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor, Tensor, None]:  # type: ignore[override]
+        projected, hidden, weight = ctx.saved_tensors
+        B, A, L = projected.shape
+        k = hidden.size(0) // B
+        sink: ProjectedGradient | None = ctx.sink
+        out = None  # (B, A, L), ∂/∂P: this step's own or the sink's running sum
+        accumulate = False
+        if ctx.needs_input_grad[0]:
+            accumulate = sink is not None and sink.grad is not None
+            out = sink.grad if accumulate else projected.new_empty(B, A, L)
+        grad_hidden = hidden.new_empty(B * k, A)
+        grad_weight = weight.new_zeros(A, 1)
+        weight2 = (2.0 * weight).view(1, A, 1)
+        for b0, b1 in _chunks(B, k * A * L):
+            sig = _sigmoid_of_sum(projected, hidden, b0, b1)  # (rows, A, L)
+            g = grad[b0 * k : b1 * k].unsqueeze(2)  # (rows, L, 1)
+            grad_weight += torch.bmm(sig, g).sum(0)  # (A, 1), Σ σ g
+            pre = torch.mul(weight2, g.transpose(1, 2))  # (rows, A, L), ∂/∂σ
+            torch.ops.aten.sigmoid_backward(pre, sig, grad_input=pre)  # ∂/∂(P + q)
+            torch.sum(pre, dim=2, out=grad_hidden[b0 * k : b1 * k])
+            if out is not None:
+                per_image = pre if k == 1 else pre.view(b1 - b0, k, A, L).sum(1)
+                (out[b0:b1].add_ if accumulate else out[b0:b1].copy_)(per_image)
+        grad_projected = out
+        if sink is not None and out is not None:
+            sink.grad, grad_projected = out, None
+        return grad_projected, grad_hidden, (2.0 * grad_weight).view(1, A), None
+
+
+def _chunks(images: int, per_image: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of images of about ``SCORE_CHUNK_ELEMENTS`` elements each."""
+    step = max(1, SCORE_CHUNK_ELEMENTS // per_image)
+    return [(b0, min(b0 + step, images)) for b0 in range(0, images, step)]
+
+
+def _sigmoid_of_sum(projected: Tensor, hidden: Tensor, b0: int, b1: int) -> Tensor:
+    """σ(P + q) for images [b0, b1) and their k rows each: (rows, A, L)."""
+    B, A, L = projected.shape
+    k = hidden.size(0) // B
+    pre = projected[b0:b1].unsqueeze(1) + hidden[b0 * k : b1 * k].view(b1 - b0, k, A, 1)
+    return pre.sigmoid_().view(-1, A, L)  # in place: one allocation
 
 
 def _expected_context(annotations: Tensor, alpha: Tensor) -> Tensor:
@@ -333,11 +435,17 @@ class ShowAttendTell(nn.Module):
             coords = self.coords.to(annotations.dtype).expand(annotations.size(0), -1, -1)
             annotations = torch.cat([annotations, coords], dim=2)  # (B, L, D + 2)
         mean = annotations.mean(dim=1)  # (B, D)
+        projected = self.attention.project(annotations)  # (B, A, L)
+        sink = None
+        if projected.requires_grad:
+            sink = ProjectedGradient()
+            projected = _CollectProjected.apply(projected, sink)
         return DecoderState(
             h=torch.tanh(self.init_h(mean)),  # (B, n)
             c=torch.tanh(self.init_c(mean)),  # (B, n)
             annotations=annotations,
-            projected=self.attention.project(annotations),  # (B, A, L)
+            projected=projected,
+            projected_grad=sink,
         )
 
     def forward(
@@ -360,10 +468,19 @@ class ShowAttendTell(nn.Module):
         state = self.init_state(annotations)
         embedded = self.embedding(inputs)  # (B, T, m)
         use_expected = self._semi_sampling_mask(B, mode, locations, annotations.device)
+        # the embedding's share of Eq. 1 does not depend on the recurrence: one product for all
+        # T steps; the context's and h_{t-1}'s shares stay in the loop
+        m = self.config.embed_dim
+        weight_ih, weight_hh = self.lstm.weight_ih, self.lstm.weight_hh
+        input_gates = torch.addmm(
+            self.lstm.bias_ih + self.lstm.bias_hh, embedded.reshape(B * T, m), weight_ih[:, :m].t()
+        ).view(B, T, -1)  # (B, T, 4n)
+        weights = (weight_ih[:, m:].t(), weight_hh.t())  # (D, 4n), (n, 4n)
         steps = []
         for t in range(T):
             location = None if locations is None else locations[:, t]
-            step = self._advance(embedded[:, t], state, mode, use_expected, location)
+            lstm_inputs = (input_gates[:, t], *weights)
+            step = self._advance(embedded[:, t], state, mode, use_expected, location, lstm_inputs)
             state = step.state
             steps.append(step)
         hidden = torch.stack([s.state.h for s in steps], dim=1)  # (B, T, n)
@@ -399,21 +516,34 @@ class ShowAttendTell(nn.Module):
         mode: str,
         use_expected: Tensor | None,
         location: Tensor | None,
+        lstm_inputs: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> _Advance:
-        """Attention from h_{t-1} (Eq. 4-6), gate, then the LSTM (Eq. 1-3)."""
+        """Attention from h_{t-1} (Eq. 4-6), gate, then the LSTM (Eq. 1-3); ``lstm_inputs``
+        (see ``_lstm_from_gates``) when the embedding's share of Eq. 1 is already computed."""
         if isinstance(self.attention, HardAttention):
             att = self.attention(
-                state.annotations, state.projected, state.h, mode, use_expected, location
+                state.annotations,
+                state.projected,
+                state.h,
+                mode,
+                use_expected,
+                location,
+                state.projected_grad,
             )
         else:
-            att = self.attention(state.annotations, state.projected, state.h, mode)
+            att = self.attention(
+                state.annotations, state.projected, state.h, mode, state.projected_grad
+            )
         if self.gate is not None:
             beta = torch.sigmoid(self.gate(state.h)).squeeze(1)  # (B,), β_t = σ(f_β(h_{t-1}))
             context = beta.unsqueeze(1) * att.context  # (B, D)
         else:
             beta = att.context.new_ones(att.context.size(0))
             context = att.context
-        h, c = self._lstm(torch.cat([embedded, context], dim=1), state.h, state.c)
+        if lstm_inputs is None:
+            h, c = self._lstm(torch.cat([embedded, context], dim=1), state.h, state.c)
+        else:
+            h, c = _lstm_from_gates(*lstm_inputs, context, state.h, state.c)
         new_state = dataclasses.replace(state, h=h, c=c)
         return _Advance(state=new_state, context=context, attention=att, beta=beta)
 
@@ -459,6 +589,19 @@ class ShowAttendTell(nn.Module):
                 f"annotations must have shape (B, {expected[0]}, {expected[1]}), "
                 f"got {tuple(annotations.shape)}"
             )
+
+
+def _lstm_from_gates(
+    gates: Tensor, weight_z: Tensor, weight_h: Tensor, z: Tensor, h: Tensor, c: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Eq. 1-3 as ``nn.LSTMCell`` computes them (gates i, f, g, o), from the embedding's share
+    of the gates with both biases (rows, 4n) and the transposed weights for ẑ_t (D, 4n) and
+    h_{t-1} (n, 4n): (rows, n) x 2."""
+    gates = torch.addmm(torch.addmm(gates, z, weight_z), h, weight_h)  # (rows, 4n)
+    n = h.size(1)
+    i, f, _, o = torch.sigmoid(gates).chunk(4, dim=1)
+    c = f * c + i * torch.tanh(gates[:, 2 * n : 3 * n])
+    return o * torch.tanh(c), c
 
 
 def torch_lstm_step(cell: nn.LSTMCell, x: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
