@@ -237,7 +237,7 @@ class TuneConfig(_Section):
     max_concurrent: int = Field(2, ge=1)
     # optuna: Optuna's TPE (model-based) through Ray Tune; random: Tune's random search
     search_alg: Literal["optuna", "random"] = "optuna"
-    seed: int = 0  # the TPE sampler's seed (optuna)
+    seed: int = 0  # the searcher's seed (TPE sampler or random search)
     max_epochs: int = Field(4, ge=1)
     grace_period: int = Field(1, ge=1)  # ASHA
     lr: tuple[float, float] = (1e-4, 1e-2)  # log-uniform bounds; contain the default 6e-3
