@@ -86,6 +86,7 @@ def _tune(args: argparse.Namespace) -> int:
     from pipeline.stages import tune
 
     extra = ["--address", args.address] if args.address else []
+    extra += ["--apply"] if args.apply else []
     return tune.main([*_forward_params(args), *extra]) or 0
 
 
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tune", help="Ray Tune sweep; each trial an MLflow child run")
     add_params_args(p)
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS)")
+    p.add_argument("--apply", action="store_true", help="then train the winner (dvc exp run -S)")
     p.set_defaults(handler=_tune)
 
     # evaluation, registry and captioning commands are added by _register_more below

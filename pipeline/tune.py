@@ -5,16 +5,20 @@ The pattern of Ray Train V2 (Ray >= 2.43): a Tune *function trainable* per trial
 weak trials early on validation BLEU-4 (``val_bleu_4``, time attribute ``epoch``). Searched:
 the learning rate (log-uniform) and λ (Eq. 14) for soft attention; λ_r, λ_e and the
 semi-sampling probability (Sec. 4.1) for hard attention. Bounds come from the ``tune`` params.
+The searcher is Optuna's TPE (``tune.search_alg: optuna``, model-based: the authors tuned with
+Whetlab, a Bayesian optimiser) or Tune's random search (``random``); ASHA schedules either.
 
 MLflow: one parent run per sweep, one child run per trial (``mlflow.parentRunId``) holding that
 trial's sampled values as params and its per-epoch metrics. The best trial's values go to
-``<tune.output_dir>/best_params.yaml`` as ``-S``-ready dotted keys.
+``<tune.output_dir>/best_params.yaml`` as ``-S``-ready dotted keys, with the
+``dvc exp run -S ...`` line that trains the winner (also printed).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +39,14 @@ from .tracking import (
     log_params,
 )
 
-__all__ = ["METRIC", "TuneOutcome", "run_tune", "search_space"]
+__all__ = [
+    "METRIC",
+    "TuneOutcome",
+    "best_overrides",
+    "exp_run_command",
+    "run_tune",
+    "search_space",
+]
 
 METRIC, MODE = "val_bleu_4", "max"
 _log = logging.getLogger(__name__)
@@ -118,10 +129,35 @@ def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
 
 
 def _search_alg(cfg: TuneConfig) -> Any:
+    """Tune's searcher for ``tune.search_alg``: Optuna's TPE, or random sampling; both seeded."""
     if cfg.search_alg == "random":
-        return None  # Tune's BasicVariantGenerator: random sampling, no extra package
-    # the Literal admits only what works with the pinned packages (hyperopt, optuna: absent)
-    raise ValueError(f"unknown tune.search_alg {cfg.search_alg!r}; expected 'random'")
+        from ray.tune.search.basic_variant import BasicVariantGenerator
+
+        return BasicVariantGenerator(random_state=cfg.seed)
+    if cfg.search_alg == "optuna":
+        import optuna
+        from ray.tune.search.optuna import OptunaSearch
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial otherwise
+        return OptunaSearch(sampler=optuna.samplers.TPESampler(seed=cfg.seed))
+    raise ValueError(f"unknown tune.search_alg {cfg.search_alg!r}; expected optuna or random")
+
+
+def best_overrides(values: dict[str, float]) -> list[str]:
+    """``key=value`` items that ``dvc exp run -S``, ``sat train -S`` and params.yaml take.
+
+    ``repr`` is the shortest text that reads back as the same float, so applying them gives the
+    trial's values exactly.
+    """
+    return [f"{key}={value!r}" for key, value in sorted(values.items())]
+
+
+def exp_run_command(values: dict[str, float]) -> list[str]:
+    """``dvc exp run -S k=v ...``: the pipeline run that trains the sweep's winner."""
+    command = ["dvc", "exp", "run"]
+    for item in best_overrides(values):
+        command += ["-S", item]
+    return command
 
 
 def _placement_group_reaper() -> Any:
@@ -253,7 +289,14 @@ def _record_best(
     out_dir = root / cfg.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "best_params.yaml"
-    doc = {"attention": cfg.attention, "metric": METRIC, "score": score, "params": values}
+    doc = {
+        "attention": cfg.attention,
+        "metric": METRIC,
+        "score": score,
+        "trial_id": best.metrics.get("trial_id"),
+        "params": values,  # dotted keys: `-S` items, or paths into params.yaml
+        "apply": shlex.join(exp_run_command(values)),
+    }
     tmp = path.with_suffix(".yaml.tmp")
     tmp.write_text(yaml.safe_dump(doc, sort_keys=True), encoding="utf-8")
     tmp.replace(path)  # atomic: a reader sees the old file or the new one
@@ -265,4 +308,5 @@ def _record_best(
     print(
         f"best {METRIC} = {score:.4f} with " + ", ".join(f"{k}={v:.4g}" for k, v in values.items())
     )
+    print(f"train the winner with:  {doc['apply']}")
     return TuneOutcome(values, score, path, parent_id, len(results))

@@ -236,16 +236,27 @@ class TuneConfig(_Section):
     attention: Literal["soft", "hard"] = "soft"
     num_samples: int = Field(8, ge=1)
     max_concurrent: int = Field(2, ge=1)
-    # only what works with the pinned packages: hyperopt and optuna are not dependencies
-    search_alg: Literal["random"] = "random"
+    # optuna: Optuna's TPE (model-based) through Ray Tune; random: Tune's random search
+    search_alg: Literal["optuna", "random"] = "optuna"
+    seed: int = 0  # the searcher's seed (TPE sampler or random search)
     max_epochs: int = Field(4, ge=1)
     grace_period: int = Field(1, ge=1)  # ASHA
-    lr: tuple[float, float] = (1e-4, 2e-3)  # log-uniform bounds
+    lr: tuple[float, float] = (1e-4, 1e-2)  # log-uniform bounds; contain the default 6e-3
     doubly_stochastic: tuple[float, float] = (0.0, 2.0)
     lambda_r: tuple[float, float] = (0.01, 1.0)
     lambda_e: tuple[float, float] = (0.0, 0.01)
     semi_sampling_p: tuple[float, float] = (0.0, 1.0)
     output_dir: str = "reports/tune"
+
+    @model_validator(mode="after")
+    def _ordered_bounds(self) -> TuneConfig:
+        for key in ("lr", "doubly_stochastic", "lambda_r", "lambda_e", "semi_sampling_p"):
+            lo, hi = getattr(self, key)
+            if lo > hi:
+                raise ValueError(f"{key}: lower bound {lo} exceeds upper bound {hi}")
+        if self.lr[0] <= 0 or self.lambda_r[0] <= 0:
+            raise ValueError("lr and lambda_r are searched log-uniformly: bounds must be > 0")
+        return self
 
 
 # --------------------------------------------------------------------------- mlflow

@@ -42,6 +42,7 @@ from sat_model.visualize import GalleryEntry, centre_crop, write_gallery, write_
 from sat_model.vocab import Vocab
 
 __all__ = [
+    "GALLERY_IMAGES_DIR",
     "DecodedCaption",
     "EvaluationError",
     "EvaluationResult",
@@ -52,6 +53,9 @@ __all__ = [
     "write_attention_gallery",
     "write_reports",
 ]
+
+# the gallery's PNGs, under the gallery folder (beside its index.html)
+GALLERY_IMAGES_DIR = "images"
 
 
 class EvaluationError(RuntimeError):
@@ -289,7 +293,9 @@ def write_attention_gallery(
     Returns the gallery page and the images skipped (unreadable photo, no image record).
     """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # the PNGs in a folder of their own: DVC declares it as image plots (a page is no plot)
+    png_dir = out_dir / GALLERY_IMAGES_DIR
+    png_dir.mkdir(parents=True, exist_ok=True)
     entries, skipped = [], []
     for c in sorted(captions, key=lambda c: c.image_id)[:count]:
         record = records.get(c.image_id)
@@ -305,10 +311,10 @@ def write_attention_gallery(
             skipped.append({"item": c.image_id, "reason": e.reason})
             continue
         stem = f"{len(entries):03d}"
-        photo_file = out_dir / f"{stem}_image.png"
+        photo_file = png_dir / f"{stem}_image.png"
         photo.save(photo_file)
         files = write_word_overlays(
-            photo, c.words, c.alphas, grid_h=grid_h, grid_w=grid_w, out_dir=out_dir, stem=stem
+            photo, c.words, c.alphas, grid_h=grid_h, grid_w=grid_w, out_dir=png_dir, stem=stem
         )
         entries.append(GalleryEntry(c.image_id, c.text, photo_file, c.words, tuple(files)))
     return write_gallery(entries, out_dir, title), skipped

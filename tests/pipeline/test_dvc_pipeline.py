@@ -172,6 +172,53 @@ def test_pointing_the_pipeline_at_a_cluster_and_a_server_reruns_nothing(project:
         params.write_text(before)
 
 
+def _git(cwd: Path, *args: str) -> str:
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    return subprocess.run([*git, *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+def test_push_then_a_fresh_clone_pulls_and_finds_nothing_to_run(
+    project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README "DVC remote", as a team walks it, against a real S3 API (moto) on 127.0.0.1."""
+    from tests.pipeline.servers import S3_CREDENTIALS, s3_server
+
+    for key, value in S3_CREDENTIALS.items():  # credentials only from the environment
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)  # the endpoint comes from the config
+    with s3_server(tmp_path) as s3:
+        s3.create_bucket("sat-dvc")
+        dvc(project, "remote", "add", "-d", "store", "s3://sat-dvc/cache")
+        dvc(project, "remote", "modify", "store", "endpointurl", s3.endpoint_url)
+        assert "testing" not in (project / ".dvc" / "config").read_text()  # no secret in git
+        _git(project, "add", "dvc.lock", ".dvc/config")
+        _git(project, "commit", "-qm", "pipeline run and its DVC remote")
+        assert "pushed" in dvc(project, "push")
+        assert "in sync" in dvc(project, "status", "--cloud")
+        listed = s3.client().list_objects_v2(Bucket="sat-dvc", MaxKeys=10000)["Contents"]
+        cache = project / ".dvc" / "cache"
+        local = {p.relative_to(cache).as_posix() for p in (cache / "files").rglob("*")}
+        pushed = {o["Key"].removeprefix("cache/") for o in listed}
+        assert pushed == {k for k in local if (cache / k).is_file()}
+
+        fresh = tmp_path / "fresh"
+        subprocess.run(["git", "clone", "-q", str(project), str(fresh)], check=True)
+        assert not (fresh / "models").exists()
+        dvc(fresh, "pull")
+    for rel in (
+        "data/features/train.arrow",
+        "models/soft/model.pt",
+        "models/hard/curves.csv",
+        "reports/hard/metrics.json",
+        "reports/soft/attention/index.html",
+        "reports/registry.json",
+    ):
+        assert (fresh / rel).read_bytes() == (project / rel).read_bytes(), rel
+    # the pipeline (dvc.yaml); the on-demand sweep (sweeps/dvc.yaml) never ran in this project
+    assert "Data and pipelines are up to date" in dvc(fresh, "status", "dvc.yaml")
+    assert stages_run(dvc(fresh, "repro")) == set()
+
+
 def test_soft_param_change_reruns_only_the_soft_branch_and_register(project: Path) -> None:
     params = project / "params.yaml"
     raw = read_yaml(params.read_text())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import shutil
 from pathlib import Path
 
@@ -10,8 +11,8 @@ import yaml
 
 from pipeline.stages import tune as tune_stage
 from pipeline.tracking import PARENT_TAG, connect
-from pipeline.tune import _with_overrides, search_space
-from sat_model.config import Params, TuneConfig, load_params
+from pipeline.tune import _search_alg, _with_overrides, search_space
+from sat_model.config import Params, ParamsError, TuneConfig, apply_overrides, load_params
 
 
 def test_search_space_covers_lambda_for_soft_and_the_reinforce_weights_for_hard() -> None:
@@ -43,6 +44,49 @@ def test_a_hard_trial_overrides_its_sampled_values_and_the_sweep_epochs_only() -
         _with_overrides(params, {"train.hard.semi_sampling_p": 1.5}, 3)
 
 
+def test_the_search_bounds_contain_the_default_params() -> None:
+    for attention in ("soft", "hard"):
+        params = Params(tune=TuneConfig(attention=attention))
+        section = getattr(params.train, attention)
+        for key in search_space(params.tune):
+            lo, hi = getattr(params.tune, key.rsplit(".", 1)[1])
+            assert lo <= getattr(section, key.rsplit(".", 1)[1]) <= hi, key
+
+
+def test_optuna_tpe_is_the_default_searcher_and_random_the_option() -> None:
+    from optuna.samplers import TPESampler
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+    from ray.tune.search.optuna import OptunaSearch
+
+    assert TuneConfig().search_alg == "optuna"
+    searcher = _search_alg(TuneConfig())
+    assert isinstance(searcher, OptunaSearch) and isinstance(searcher._sampler, TPESampler)
+    assert isinstance(_search_alg(TuneConfig(search_alg="random")), BasicVariantGenerator)
+    with pytest.raises(ValueError, match="lower bound"):
+        TuneConfig(lr=(1e-2, 1e-4))
+
+
+def test_an_unknown_search_alg_is_refused_naming_the_key(tmp_path: Path) -> None:
+    (tmp_path / "params.yaml").write_text("tune: {search_alg: hyperopt}\n")
+    with pytest.raises(ParamsError, match=r"tune\.search_alg"):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_apply_trains_the_winner_with_the_sweeps_own_overrides_and_the_best_values() -> None:
+    best = {"train.soft.lr": 0.004123456789, "train.soft.doubly_stochastic": 1e-05}
+    given = ["tune.num_samples=4", "model.hidden_dim=64", "train.soft.lr=0.1"]
+    command = tune_stage.apply_command(best, given)
+    assert command[:3] == ["dvc", "exp", "run"] and set(command[3::2]) == {"-S"}
+    assert command[4::2] == [
+        "model.hidden_dim=64",  # the trial trained with it: so does the winner
+        "train.soft.doubly_stochastic=1e-05",
+        "train.soft.lr=0.004123456789",  # the best value, not the one given to the sweep
+    ]
+    applied = apply_overrides(Params().model_dump(mode="json"), command[4::2])
+    assert applied["train"]["soft"]["doubly_stochastic"] == 1e-05  # a float, not the string
+    assert applied["train"]["soft"]["lr"] == 0.004123456789
+
+
 @pytest.mark.ray
 @pytest.mark.mlflow
 @pytest.mark.java
@@ -56,7 +100,8 @@ def test_tiny_sweep_records_parent_and_child_runs_and_best_params(
     best = yaml.safe_load(best_file.read_text())
     assert best["metric"] == "val_bleu_4" and best["attention"] == "soft"
     assert set(best["params"]) == {"train.soft.lr", "train.soft.doubly_stochastic"}
-    assert f"{best['score']:.4f}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{best['score']:.4f}" in out
 
     params = load_params(tiny_project / "params.yaml")
     tracking = connect(params.mlflow, tiny_project)
@@ -82,3 +127,21 @@ def test_tiny_sweep_records_parent_and_child_runs_and_best_params(
     # last MLflow values: a trial that ASHA stops can log one more epoch than Tune received
     assert any(best["score"] == pytest.approx(s, rel=1e-9, abs=0.0) for s in scores)
     assert parent.data.metrics["best_val_bleu_4"] == pytest.approx(best["score"])
+
+    # the best is the trial it names: that trial logged the score and the params recorded
+    (winner,) = [c for c in children if c.data.tags["sat.trial_id"] == best["trial_id"]]
+    history = client.get_metric_history(winner.info.run_id, "val_bleu_4")
+    assert best["score"] in [m.value for m in history]
+    trial_values = {k: float(v) for k, v in winner.data.params.items()}
+    assert best["params"] == trial_values
+    # applying the printed `dvc exp run -S ...` line gives that trial's values exactly
+    printed = [line for line in out.splitlines() if "dvc exp run" in line]
+    assert printed and printed[-1].endswith(best["apply"])
+    command = shlex.split(best["apply"])
+    assert command[:3] == ["dvc", "exp", "run"]
+    flags, overrides = command[3::2], command[4::2]
+    assert set(flags) == {"-S"} and len(flags) == len(overrides) == 2
+    applied = load_params(tiny_project / "params.yaml", overrides)
+    assert applied.train.soft.lr == trial_values["train.soft.lr"]
+    assert applied.train.soft.doubly_stochastic == trial_values["train.soft.doubly_stochastic"]
+    assert applied.train.hard == params.train.hard and applied.model == params.model

@@ -199,7 +199,9 @@ def test_gallery_has_one_overlay_per_word_and_skips_missing_photos(data, result,
         crop=CROP, title="soft",
     )  # fmt: skip
     assert skipped == [{"item": "img1", "reason": "not in the image table"}]
-    overlays = [p for p in tmp_path.glob("*.png") if not p.name.endswith("_image.png")]
+    assert not list(tmp_path.glob("*.png"))  # the PNGs have a folder of their own (DVC plots)
+    pngs = tmp_path / "images"
+    overlays = [p for p in pngs.glob("*.png") if not p.name.endswith("_image.png")]
     assert len(overlays) == 2 * MAX_LEN
     html = page.read_text()
-    assert all(p.name in html for p in overlays)
+    assert all(f"images/{p.name}" in html for p in overlays)
