@@ -296,7 +296,7 @@ def train_with_ray(
     workers' ``train_loop_config`` (tests use it to inject faults).
     """
     from .ray_runtime import ray_session, resolve_storage_path
-    from .tracking import connect, find_or_create_run, lineage_tags
+    from .tracking import connect, find_or_create_run, lineage_tags, tag_trained_checkpoint
 
     root = project_root.resolve()
     prepared = _abs(params.data.prepared_dir, root)
@@ -339,6 +339,7 @@ def train_with_ray(
         raise RuntimeError(f"Ray Train run {name} finished without a checkpoint")
     model_dir = _abs(params.train.models_dir, root) / attention
     copy_checkpoint(outcome.checkpoint_dir, model_dir)
+    tag_trained_checkpoint(tracking, run_id, model_dir)  # how `register` finds this run
     metrics_file = model_dir / "train_metrics.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
     return TrainOutcome(model_dir, name, run_id, metrics)
