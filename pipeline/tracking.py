@@ -335,16 +335,48 @@ def lineage_tags(
     return tags
 
 
+def _dvc_source(path: str):  # type: ignore[no-untyped-def]
+    """An MLflow dataset source naming a DVC-tracked path of this project (metadata only)."""
+    from mlflow.data.dataset_source import DatasetSource
+
+    class DvcDatasetSource(DatasetSource):
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        @staticmethod
+        def _get_source_type() -> str:
+            return "dvc"
+
+        def load(self, **kwargs):  # type: ignore[no-untyped-def]
+            raise NotImplementedError(f"`dvc pull {self.path}` fetches it")
+
+        @staticmethod
+        def _can_resolve(raw_source) -> bool:  # type: ignore[no-untyped-def]
+            return False
+
+        @classmethod
+        def _resolve(cls, raw_source):  # type: ignore[no-untyped-def]
+            return cls(str(raw_source))
+
+        def to_dict(self) -> dict[str, str]:
+            return {"path": self.path}
+
+        @classmethod
+        def from_dict(cls, source_dict):  # type: ignore[no-untyped-def]
+            return cls(source_dict["path"])
+
+    return DvcDatasetSource(path)
+
+
 def dataset_inputs(
     project_root: Path, *, prepared_dir: str, features_dir: str, context: str = "training"
 ) -> list:  # type: ignore[type-arg]
     """MLflow dataset inputs for the prepared data and the features, digest = DVC hash.
 
-    Metadata only (nothing is read or uploaded): the source is the project-relative DVC path,
-    ``dvc pull`` fetches the content of that hash. Outputs not locked in ``dvc.lock`` are left
-    out (nothing to name them by).
+    Metadata only (nothing is read or uploaded): the source (type ``dvc``) is the
+    project-relative path, and ``dvc pull`` fetches the content of that hash. Outputs not locked
+    in ``dvc.lock`` are left out (nothing to name them by).
     """
-    from mlflow.data.artifact_dataset_sources import LocalArtifactDatasetSource
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
 
@@ -355,7 +387,7 @@ def dataset_inputs(
         digest = hashes.get(key)
         if not digest:
             continue
-        dataset = MetaDataset(LocalArtifactDatasetSource(key), name=name, digest=digest[:36])
+        dataset = MetaDataset(_dvc_source(key), name=name, digest=digest[:36])
         tags = [InputTag("mlflow.data.context", context), InputTag("dvc.md5", digest)]
         inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags))
     return inputs
