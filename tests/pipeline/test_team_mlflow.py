@@ -125,10 +125,12 @@ def _caption_in_a_second_process(team: Team, image: Path) -> dict:
         "import json, sys, pandas as pd, mlflow\n"
         f"model = mlflow.pyfunc.load_model('models:/{NAME}@champion')\n"
         "out = model.predict(pd.DataFrame({'image': [open(sys.argv[1], 'rb').read()]}))\n"
-        "print(json.dumps({'caption': out['caption'][0], 'error': out.get('error', [None])[0]}))\n"
+        "print('CAPTION', json.dumps({'caption': out['caption'][0],"
+        " 'error': out.get('error', [None])[0]}))\n"
     )
     out = run(team, sys.executable, "-c", script, str(image))
-    return json.loads(out.strip().splitlines()[-1])
+    line = next(x for x in out.splitlines() if x.startswith("CAPTION "))  # stderr follows stdout
+    return json.loads(line.removeprefix("CAPTION "))
 
 
 def _a_test_image(project: Path) -> Path:
