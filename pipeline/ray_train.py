@@ -385,6 +385,7 @@ def train_with_ray(
     """
     from .ray_runtime import resolve_storage_path
     from .run_identity import train_identity
+    from .tracking import connect, tag_trained_checkpoint
 
     root = project_root.resolve()
     prepared = _abs(params.data.prepared_dir, root)
@@ -410,6 +411,8 @@ def train_with_ray(
         }
         checkpoint, run_id = _fit_run(params, attention, root, name, identity, config, address)
     copy_checkpoint(checkpoint, model_dir)
+    if run_id:  # how `register` finds the training run of the model it registers
+        tag_trained_checkpoint(connect(params.mlflow, root), run_id, model_dir)
     metrics_file = model_dir / "train_metrics.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
     return TrainOutcome(model_dir, name, run_id, metrics)

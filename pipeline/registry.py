@@ -1,10 +1,13 @@
 """The MLflow model registry: log a trained model as a pyfunc, register it, move `champion`.
 
-Versions are found again by the sha256 of their checkpoint (tag ``checkpoint_sha256``): logging
-the same checkpoint twice (a retry after the server was down) reuses the version instead of
-registering a duplicate. The ``champion`` alias (aliases, not the deprecated stages) moves only
-when a version beats the current champion on the chosen metric; every caption metric here is
-better when higher.
+Versions are found again by the sha256 of their checkpoint (tag ``sat.checkpoint_sha256``):
+logging the same checkpoint twice (a retry after the server was down) reuses the version instead
+of registering a duplicate. A model is logged into its training run when that run is known
+(``run_id``), so the version's run is the training run: its curves, params, test metrics and
+artifacts are one click away in MLflow's UI. The ``champion`` alias (aliases, not the deprecated
+stages) moves only when a version beats the current champion on the chosen metric; every
+caption metric here is better when higher. :func:`promotion_allowed` says whether the register
+stage may move it at all (``mlflow.promote``; not inside a ``dvc exp run`` by default).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
+
+from pipeline.tracking import ATTENTION_TAG, CHECKPOINT_TAG
 
 __all__ = [
     "CHAMPION_ALIAS",
@@ -39,10 +44,10 @@ __all__ = [
     "log_and_register",
     "promote",
     "promote_if_better",
+    "promotion_allowed",
 ]
 
 CHAMPION_ALIAS = "champion"
-CHECKPOINT_TAG = "checkpoint_sha256"
 # what makes a model: weights, model/encoder config and vocabulary (a new vocab is a new model)
 CHECKPOINT_FILES = ("model.pt", "config.json", "vocab.json")
 
@@ -62,7 +67,7 @@ class VersionInfo:
     """One registered version as ``sat models`` shows it."""
 
     version: str
-    run_id: str | None
+    run_id: str | None  # the training run when it was known at registration
     attention: str | None
     metrics: Mapping[str, float]
     aliases: tuple[str, ...]
@@ -121,7 +126,7 @@ def find_version_by_checkpoint(
 ) -> ModelVersion | None:
     """The lowest version of ``model_name`` tagged with this checkpoint hash, if any."""
     found = client.search_model_versions(
-        f"name = '{model_name}' and tags.{CHECKPOINT_TAG} = '{sha256}'"
+        f"name = '{model_name}' and tags.`{CHECKPOINT_TAG}` = '{sha256}'"
     )
     return min(found, key=lambda v: int(v.version)) if found else None
 
@@ -165,7 +170,7 @@ def list_versions(client: MlflowClient, model_name: str) -> list[VersionInfo]:
             VersionInfo(
                 version=str(v.version),
                 run_id=v.run_id,
-                attention=v.tags.get("attention"),
+                attention=v.tags.get(ATTENTION_TAG),
                 metrics=_version_metrics(client, v),
                 aliases=tuple(sorted(aliases.get(str(v.version), []))),
                 checkpoint_sha256=v.tags.get(CHECKPOINT_TAG),
@@ -202,6 +207,23 @@ def _apply(
         promoted=decision.promote,
         reason=decision.reason,
     )
+
+
+def promotion_allowed(policy: str, experiment: str | None) -> tuple[bool, str]:
+    """May the register stage move ``champion``? ``policy`` is ``mlflow.promote``.
+
+    ``auto``: yes, except inside a DVC experiment (``experiment`` names it): an experiment
+    registers its versions and leaves the champion alone (``sat promote`` moves it). ``always``:
+    yes, experiments too (still only when better). ``never``: no, promotion is ``sat promote``.
+    """
+    if policy == "never":
+        return False, "mlflow.promote is never: promote with `sat promote <version>`"
+    if policy == "auto" and experiment is not None:
+        return False, (
+            f"registered from DVC experiment {experiment!r}: the champion stays "
+            "(`sat promote <version>`, or mlflow.promote=always)"
+        )
+    return True, ""
 
 
 def promote_if_better(
@@ -327,6 +349,24 @@ def _staged_checkpoint(model_dir: Path, tmp: Path) -> Path:
     return out
 
 
+def _log_new_params(client: MlflowClient, run_id: str, params: Mapping[str, str]) -> None:
+    """Params the run does not hold yet: a training run already holds its training params."""
+    import mlflow
+
+    held = client.get_run(run_id).data.params
+    mlflow.log_params({k: v for k, v in params.items() if k not in held})
+
+
+def _log_run_artifacts(run_artifacts: Sequence[tuple[str, str | Path]]) -> None:
+    import mlflow
+
+    for folder, local in run_artifacts:
+        if Path(local).is_dir():
+            mlflow.log_artifacts(str(local), artifact_path=folder)
+        elif Path(local).is_file():
+            mlflow.log_artifact(str(local), artifact_path=folder)
+
+
 @contextmanager
 def _fluent_tracking_uri(uri: str) -> Iterator[None]:
     """Point MLflow's fluent API at ``uri`` for a block, then put back what was there.
@@ -358,14 +398,17 @@ def log_and_register(
     metrics: Mapping[str, float],
     params: Mapping[str, str],
     tags: Mapping[str, str],
-    run_artifacts: Mapping[str, str | Path] | None = None,
+    run_artifacts: Sequence[tuple[str, str | Path]] = (),
     run_name: str | None = None,
+    run_id: str | None = None,
 ) -> RegisteredVersion:
-    """Log ``model_dir`` as a pyfunc from code in a new run and register it, unless a version
-    with the same checkpoint hash exists (then that version is returned, ``reused=True``).
+    """Log ``model_dir`` as a pyfunc from code and register it, unless a version with the same
+    checkpoint hash exists (then that version is returned, ``reused=True``).
 
-    ``run_artifacts`` maps artifact folders to local directories (e.g. the attention gallery).
-    ``client`` names the tracking store: the fluent API is pointed at the same URI.
+    The model, ``metrics``, ``params`` and ``tags`` go into run ``run_id`` (the training run)
+    when given, else into a new run called ``run_name``. ``run_artifacts`` pairs artifact folders
+    with local files or directories (captions, curves, the attention gallery); missing ones are
+    left out. ``client`` names the tracking store: the fluent API is pointed at the same URI.
     """
     import tempfile
 
@@ -381,14 +424,15 @@ def log_and_register(
         _fluent_tracking_uri(client.tracking_uri),
         tempfile.TemporaryDirectory() as tmp,
         mlflow.start_run(
-            experiment_id=experiment_id, run_name=run_name, tags=dict(version_tags)
+            run_id=run_id,
+            experiment_id=None if run_id else experiment_id,
+            run_name=None if run_id else run_name,
+            tags=dict(version_tags),
         ) as run,
     ):
-        mlflow.log_params(dict(params))
+        _log_new_params(client, run.info.run_id, params)
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
-        for folder, local in (run_artifacts or {}).items():
-            if Path(local).is_dir():
-                mlflow.log_artifacts(str(local), artifact_path=folder)
+        _log_run_artifacts(run_artifacts)
         info = mlflow.pyfunc.log_model(
             name="model",
             python_model=str(PYFUNC_FILE),

@@ -1,8 +1,10 @@
 """MLflow tracking: where runs go, which run a training resumes, and what each epoch logs.
 
 The tracking URI comes from ``MLFLOW_TRACKING_URI``, else ``mlflow.tracking_uri`` in params, else
-``sqlite:////<absolute project root>/mlflow.db``; artifacts of a newly created experiment go to
-``<project root>/<mlflow.artifact_root>``. The driver creates (or finds, by its deterministic
+``sqlite:////<absolute project root>/mlflow.db``. Artifacts of a newly created experiment go to
+``<project root>/<mlflow.artifact_root>`` on a local store; on a tracking server (``http(s)://``)
+the server decides (``mlflow server --artifacts-destination s3://...`` proxies them) unless
+``mlflow.artifact_root`` is itself a URI. The driver creates (or finds, by its deterministic
 name) a run and hands its id to the Ray workers; rank 0 alone logs params and per-epoch metrics
 through :class:`EpochLogger`, which skips epochs the run already holds so a restarted worker
 never logs an epoch twice.
@@ -13,6 +15,12 @@ its own too (by default 7 times with doubling waits and 120 s timeouts: minutes 
 :func:`connect` bounds it unless the user set those variables: a server that is down gives a
 clear error within about half a minute. Tracking URIs may carry credentials
 (``http://user:token@host``); :func:`redact` removes them from anything printed.
+
+Lineage uses one tag vocabulary on runs and registered versions: MLflow's own
+``mlflow.source.git.commit``, and ``sat.*`` for the rest (``sat.attention``,
+``sat.checkpoint_sha256``, ``sat.prepared_md5``, ``sat.features_md5``, ``sat.dvc_experiment``).
+The prepared data and the features are also logged as MLflow dataset inputs whose digest is
+their DVC hash from ``dvc.lock``.
 """
 
 from __future__ import annotations
@@ -34,17 +42,26 @@ from mlflow.exceptions import MlflowException
 from sat_model.config import MlflowConfig
 
 __all__ = [
+    "ATTENTION_TAG",
+    "CHECKPOINT_TAG",
+    "EXPERIMENT_TAG",
+    "GIT_COMMIT_TAG",
     "EpochLogger",
     "Tracking",
     "artifact_location",
     "bound_http_retries",
     "connect",
+    "dataset_inputs",
+    "dvc_experiment",
     "find_or_create_run",
+    "find_training_run",
     "flatten",
+    "is_tracking_server",
     "lineage_tags",
     "log_params",
     "redact",
     "resolve_tracking_uri",
+    "tag_trained_checkpoint",
     "tracking_root",
     "with_retries",
 ]
@@ -52,6 +69,10 @@ __all__ = [
 T = TypeVar("T")
 
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests child runs under it
+GIT_COMMIT_TAG = "mlflow.source.git.commit"  # MLflow's own tag: the UI shows it on the run
+ATTENTION_TAG = "sat.attention"
+CHECKPOINT_TAG = "sat.checkpoint_sha256"  # on a training run and on its registered version
+EXPERIMENT_TAG = "sat.dvc_experiment"  # the DVC experiment a run or version came from
 # Error codes of failures that another attempt may not meet (locked SQLite, server restarting).
 _TRANSIENT_CODES = frozenset(
     {
@@ -116,11 +137,21 @@ def resolve_tracking_uri(cfg: MlflowConfig, project_root: Path) -> str:
     return f"sqlite:///{(tracking_root(project_root) / path).resolve()}"
 
 
-def artifact_location(cfg: MlflowConfig, project_root: Path) -> str:
-    """Absolute artifact location (a URI) for experiments this project creates (a relative
-    folder under :func:`tracking_root`, like the store that records it)."""
+def is_tracking_server(uri: str) -> bool:
+    """True for a remote tracking server (``http(s)://``, ``databricks``), not a local store."""
+    return uri.split(":", 1)[0].lower() in ("http", "https", "databricks")
+
+
+def artifact_location(
+    cfg: MlflowConfig, project_root: Path, tracking_uri: str | None = None
+) -> str | None:
+    """Artifact location (a URI) for experiments this project creates; ``None`` on a tracking
+    server when ``artifact_root`` is a local path: the server's own default (its proxied
+    ``--artifacts-destination``), since a client's folder is nowhere a teammate can read."""
     if "://" in cfg.artifact_root:
         return cfg.artifact_root
+    if tracking_uri is not None and is_tracking_server(tracking_uri):
+        return None
     root = Path(cfg.artifact_root).expanduser()
     root = root if root.is_absolute() else tracking_root(project_root) / root
     return root.resolve().as_uri()
@@ -177,7 +208,7 @@ def connect(cfg: MlflowConfig, project_root: Path, experiment: str | None = None
         if found is not None:
             return found.experiment_id
         try:
-            return client.create_experiment(name, artifact_location(cfg, project_root))
+            return client.create_experiment(name, artifact_location(cfg, project_root, uri))
         except MlflowException as err:  # another process created it between the two calls
             if err.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
@@ -309,16 +340,113 @@ def lineage_tags(
 ) -> dict[str, str]:
     """Tags naming what a model was built from: git commit and the dvc.lock data hashes.
 
-    Keys: ``lineage.git_commit``, ``lineage.prepared_md5``, ``lineage.features_md5``; a key is
-    absent when its source is (no git, no dvc.lock, stage not locked yet).
+    Keys: ``mlflow.source.git.commit`` (MLflow's own), ``sat.prepared_md5``,
+    ``sat.features_md5``; a key is absent when its source is (no git, no dvc.lock, stage not
+    locked yet).
     """
     tags: dict[str, str] = {}
     commit = _git_commit(project_root)
     if commit:
-        tags["lineage.git_commit"] = commit
+        tags[GIT_COMMIT_TAG] = commit
     hashes = _dvc_out_hashes(project_root)
     for key, path in (("prepared", prepared_dir), ("features", features_dir)):
         digest = hashes.get(Path(path).as_posix().rstrip("/"))
         if digest:
-            tags[f"lineage.{key}_md5"] = digest
+            tags[f"sat.{key}_md5"] = digest
     return tags
+
+
+def _dvc_source(path: str):  # type: ignore[no-untyped-def]
+    """An MLflow dataset source naming a DVC-tracked path of this project (metadata only)."""
+    from mlflow.data.dataset_source import DatasetSource
+
+    class DvcDatasetSource(DatasetSource):
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        @staticmethod
+        def _get_source_type() -> str:
+            return "dvc"
+
+        def load(self, **kwargs):  # type: ignore[no-untyped-def]
+            raise NotImplementedError(f"`dvc pull {self.path}` fetches it")
+
+        @staticmethod
+        def _can_resolve(raw_source) -> bool:  # type: ignore[no-untyped-def]
+            return False
+
+        @classmethod
+        def _resolve(cls, raw_source):  # type: ignore[no-untyped-def]
+            return cls(str(raw_source))
+
+        def to_dict(self) -> dict[str, str]:
+            return {"path": self.path}
+
+        @classmethod
+        def from_dict(cls, source_dict):  # type: ignore[no-untyped-def]
+            return cls(source_dict["path"])
+
+    return DvcDatasetSource(path)
+
+
+def dataset_inputs(
+    project_root: Path, *, prepared_dir: str, features_dir: str, context: str = "training"
+) -> list:  # type: ignore[type-arg]
+    """MLflow dataset inputs for the prepared data and the features, digest = DVC hash.
+
+    Metadata only (nothing is read or uploaded): the source (type ``dvc``) is the
+    project-relative path, and ``dvc pull`` fetches the content of that hash. Outputs not locked
+    in ``dvc.lock`` are left out (nothing to name them by).
+    """
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    hashes = _dvc_out_hashes(project_root)
+    inputs = []
+    for name, path in (("prepared", prepared_dir), ("features", features_dir)):
+        key = Path(path).as_posix().rstrip("/")
+        digest = hashes.get(key)
+        if not digest:
+            continue
+        dataset = MetaDataset(_dvc_source(key), name=name, digest=digest[:36])
+        tags = [InputTag("mlflow.data.context", context), InputTag("dvc.md5", digest)]
+        inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags))
+    return inputs
+
+
+def dvc_experiment(environ: Mapping[str, str] | None = None) -> str | None:
+    """The name of the DVC experiment this process runs in (``dvc exp run``), else ``None``.
+
+    ``dvc exp run`` gives every stage ``DVC_EXP_NAME`` and ``DVC_EXP_BASELINE_REV`` (see
+    ``dvc/repo/experiments/queue/base.py``); ``dvc repro`` sets neither.
+    """
+    env = os.environ if environ is None else environ
+    if not env.get("DVC_EXP_BASELINE_REV"):
+        return None
+    return env.get("DVC_EXP_NAME") or "unnamed"
+
+
+def tag_trained_checkpoint(tracking: Tracking, run_id: str, model_dir: Path) -> str:
+    """Tag the training run with the sha256 of the checkpoint it produced; return the hash.
+
+    The register stage finds the training run of a model folder by this tag
+    (:func:`find_training_run`), however the run was named.
+    """
+    from .registry import checkpoint_sha256
+
+    sha = checkpoint_sha256(model_dir)
+    tracking.call(lambda c: c.set_tag(run_id, CHECKPOINT_TAG, sha), f"tag run {run_id}")
+    return sha
+
+
+def find_training_run(tracking: Tracking, checkpoint_sha: str) -> str | None:
+    """Id of the newest run tagged with ``checkpoint_sha`` (the run that trained it), if any."""
+    query = f"tags.`{CHECKPOINT_TAG}` = '{checkpoint_sha}'"
+
+    def find(client: MlflowClient) -> str | None:
+        runs = client.search_runs(
+            [tracking.experiment_id], query, max_results=1, order_by=["start_time DESC"]
+        )
+        return runs[0].info.run_id if runs else None
+
+    return tracking.call(find, f"training run of checkpoint {checkpoint_sha[:12]}")

@@ -267,6 +267,9 @@ class MlflowConfig(_Section):
     experiment: str = "sat"
     model_name: str = "sat-captioner"
     champion_metric: str = "bleu_4"
+    # auto: the register stage moves champion when better, except in a `dvc exp run`;
+    # always: in experiments too; never: only `sat promote` moves it
+    promote: Literal["auto", "always", "never"] = "auto"
     retries: int = Field(3, ge=0)
 
 

@@ -1,10 +1,15 @@
 """DVC stage ``register``: log and register each evaluated model, then move ``champion``.
 
-For each attention type with a model folder and a ``metrics.json``: one MLflow run holding the
-evaluation metrics, the params, the attention gallery, lineage tags, and the model as a pyfunc
-built from code; one registered version under ``mlflow.model_name`` (reused when the same
-checkpoint was registered before). ``champion`` moves to a new version only when it beats the
-current champion on ``mlflow.champion_metric``. ``reports/registry.json`` records what happened.
+For each attention type with a model folder and a ``metrics.json``: the model is logged as a
+pyfunc built from code INTO ITS TRAINING RUN (found by the checkpoint hash the train stage tags
+it with), together with the test metrics, the evaluation params, ``captions.json``,
+``metrics.json``, the attention gallery, ``curves.csv`` and the prepared data and features as
+dataset inputs (DVC hashes); then it is registered under ``mlflow.model_name`` (reused when the
+same checkpoint was registered before), so the version's run is the training run. A model with
+no known training run (trained ``--in-process``) gets a run of its own,
+``register-<attention>-<hash>``. ``champion`` moves to a new version only when it beats the
+current champion on ``mlflow.champion_metric``, and only where ``mlflow.promote`` allows
+(``auto``: not inside a ``dvc exp run``). ``reports/registry.json`` records what happened.
 """
 
 from __future__ import annotations
@@ -29,10 +34,65 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _run_artifacts(model_dir: Path, reports: Path) -> list[tuple[str, Path]]:
+    """What the version's run shows beside the model (missing files are left out)."""
+    return [
+        ("evaluation", reports / "metrics.json"),
+        ("evaluation", reports / "captions.json"),
+        ("evaluation/attention", reports / "attention"),
+        ("training", model_dir / "curves.csv"),
+        ("training", model_dir / "train_metrics.json"),
+    ]
+
+
+def _register_one(  # type: ignore[no-untyped-def]
+    params, project_root: Path, tracking, attention: str, tags: dict
+):
+    """Log one evaluated model into its training run (or a new run) and register it."""
+    from pipeline.registry import checkpoint_sha256, log_and_register
+    from pipeline.tracking import dataset_inputs, find_training_run, flatten, with_retries
+
+    cfg = params.mlflow
+    model_dir = project_root / params.train.models_dir / attention
+    reports = project_root / params.eval.reports_dir / attention
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    sha = checkpoint_sha256(model_dir)
+    training_run = find_training_run(tracking, sha)
+    client = tracking.client()
+
+    def register():  # type: ignore[no-untyped-def]
+        return log_and_register(
+            client, model_dir=model_dir, model_name=cfg.model_name,
+            experiment_id=tracking.experiment_id,
+            metrics=json.loads((reports / "metrics.json").read_text(encoding="utf-8")),
+            params=flatten({"model": config.get("model", {}), "train": config.get("train", {}),
+                            "eval": params.eval.model_dump()}),
+            tags=tags, run_artifacts=_run_artifacts(model_dir, reports),
+            run_name=f"register-{attention}-{sha[:8]}", run_id=training_run,
+        )  # fmt: skip
+
+    registered = with_retries(register, retries=cfg.retries, what=f"register {attention}")
+    inputs = dataset_inputs(
+        project_root,
+        prepared_dir=params.data.prepared_dir,
+        features_dir=params.encoder.features_dir,
+    )
+    if inputs and not registered.reused and registered.run_id:
+        tracking.call(lambda c: c.log_inputs(registered.run_id, inputs), "dataset inputs")
+    return registered, training_run
+
+
 def register_models(params, project_root: Path) -> dict:  # type: ignore[no-untyped-def]
     """Register what was evaluated; return the ``registry.json`` content."""
-    from pipeline.registry import log_and_register, promote_if_better
-    from pipeline.tracking import connect, flatten, lineage_tags, with_retries
+    from pipeline.registry import current_champion, promote_if_better, promotion_allowed
+    from pipeline.tracking import (
+        ATTENTION_TAG,
+        EXPERIMENT_TAG,
+        connect,
+        dvc_experiment,
+        lineage_tags,
+        with_retries,
+    )  # fmt: skip
 
     cfg = params.mlflow
     tracking = connect(cfg, project_root)
@@ -42,28 +102,27 @@ def register_models(params, project_root: Path) -> dict:  # type: ignore[no-unty
         prepared_dir=params.data.prepared_dir,
         features_dir=params.encoder.features_dir,
     )
+    experiment = dvc_experiment()
+    if experiment is not None:
+        lineage[EXPERIMENT_TAG] = experiment
+    allowed, why_not = promotion_allowed(cfg.promote, experiment)
     report: dict = {"model_name": cfg.model_name, "metric": cfg.champion_metric, "versions": []}
-    report["skipped"], report["promotions"] = [], []
+    report.update(skipped=[], promotions=[], dvc_experiment=experiment)
     for attention in ATTENTIONS:
         model_dir = project_root / params.train.models_dir / attention
         metrics_file = project_root / params.eval.reports_dir / attention / "metrics.json"
         if not (model_dir / "model.pt").is_file() or not metrics_file.is_file():
             report["skipped"].append({"item": attention, "reason": "no model or no metrics"})
             continue
-        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        registered = with_retries(
-            lambda md=model_dir, mf=metrics_file, c=config, a=attention: log_and_register(
-                client, model_dir=md, model_name=cfg.model_name,
-                experiment_id=tracking.experiment_id, metrics=json.loads(mf.read_text()),
-                params=flatten({"model": c.get("model", {}), "train": c.get("train", {}),
-                                "eval": params.eval.model_dump()}),
-                tags={"attention": a, **lineage},
-                run_artifacts={"attention": mf.parent / "attention"},
-                run_name=f"register-{a}",
-            ),
-            retries=cfg.retries, what=f"register {attention}",
-        )  # fmt: skip
-        report["versions"].append({"attention": attention, **asdict(registered)})
+        tags = {ATTENTION_TAG: attention, **lineage}
+        registered, training_run = _register_one(params, project_root, tracking, attention, tags)
+        report["versions"].append(
+            {"attention": attention, "training_run_id": training_run, **asdict(registered)}
+        )
+        if not allowed:
+            report["promotions"].append({"candidate": registered.version, "promoted": False,
+                                         "reason": why_not})  # fmt: skip
+            continue
         outcome = with_retries(
             lambda v=registered.version: promote_if_better(
                 client, cfg.model_name, v, cfg.champion_metric
@@ -72,12 +131,13 @@ def register_models(params, project_root: Path) -> dict:  # type: ignore[no-unty
             what="promotion",
         )
         report["promotions"].append(asdict(outcome))
-        report["champion"] = outcome.champion
     if not report["versions"]:
         raise FileNotFoundError(
             f"nothing to register: no model with metrics under {params.train.models_dir}/"
             f"{{soft,hard}} and {params.eval.reports_dir}/{{soft,hard}}/metrics.json"
         )
+    champion = tracking.call(lambda c: current_champion(c, cfg.model_name), "champion")
+    report["champion"] = str(champion.version) if champion else None
     return report
 
 
@@ -110,8 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out or Path(params.eval.reports_dir) / "registry.json")
     write_text_atomic(out, json.dumps(report, indent=1) + "\n")
     for p in report["promotions"]:
-        verb = "promoted" if p["promoted"] else "kept"
-        print(f"version {p['candidate']}: {verb} (champion {p['champion']}): {p['reason']}")
+        verb = "promoted" if p["promoted"] else "not promoted"
+        print(f"version {p['candidate']}: {verb} (champion {report['champion']}): {p['reason']}")
     return 0
 
 

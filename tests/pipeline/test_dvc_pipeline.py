@@ -133,7 +133,7 @@ def test_repro_registers_both_models_and_a_champion(project: Path) -> None:
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
     versions = client.search_model_versions("name='sat-captioner'")
     assert len(versions) == 2
-    assert {v.tags.get("attention") for v in versions} == {"soft", "hard"}
+    assert {v.tags.get("sat.attention") for v in versions} == {"soft", "hard"}
     champion = client.get_model_version_by_alias("sat-captioner", "champion")
     assert champion.version in {v.version for v in versions}
     assert str(registry["champion"]) == str(champion.version)

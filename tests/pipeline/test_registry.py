@@ -26,6 +26,7 @@ from pipeline.registry import (
     log_and_register,
     promote,
     promote_if_better,
+    promotion_allowed,
 )
 from sat_model.checkpoint import save_checkpoint
 from sat_model.config import ModelParams
@@ -50,6 +51,20 @@ NAME = "sat-captioner"
 )
 def test_promotion_rule(candidate, champion, promote_it):
     assert decide_promotion(candidate, champion).promote is promote_it
+
+
+@pytest.mark.parametrize(
+    ("policy", "experiment", "allowed"),
+    [
+        ("auto", None, True),  # `dvc repro`
+        ("auto", "lr-try", False),  # `dvc exp run`: the champion stays
+        ("always", "lr-try", True),  # asked for
+        ("never", None, False),  # only `sat promote`
+    ],
+)
+def test_promotion_policy(policy, experiment, allowed):
+    ok, reason = promotion_allowed(policy, experiment)
+    assert ok is allowed and (ok or "sat promote" in reason)
 
 
 def save_tiny_model(directory: Path, seed: int = 0) -> Path:
@@ -140,7 +155,7 @@ def _register(client, model_dir, bleu_4, experiment_id):
     return log_and_register(
         client, model_dir=model_dir, model_name=NAME, experiment_id=experiment_id,
         metrics={"bleu_4": bleu_4, "cider": 0.5}, params={"model.embed_dim": "8"},
-        tags={"attention": "soft", "lineage.git_commit": "abc"}, run_name="t",
+        tags={"sat.attention": "soft", "mlflow.source.git.commit": "abc"}, run_name="t",
     )  # fmt: skip
 
 
@@ -175,7 +190,7 @@ def test_register_dedup_promote_and_caption_over_http(server, tmp_path, monkeypa
     assert [r.aliases for r in rows] == [(), (), (CHAMPION_ALIAS,)]
     assert [r.metrics["bleu_4"] for r in rows] == [0.2, 0.1, 0.3]
     v1 = client.get_model_version(NAME, "1")
-    assert v1.tags["attention"] == "soft" and v1.tags["lineage.git_commit"] == "abc"
+    assert v1.tags["sat.attention"] == "soft" and v1.tags["mlflow.source.git.commit"] == "abc"
 
     assert promote(client, NAME, "bleu_4", version="2").champion == "2"  # the user's choice
     assert promote(client, NAME, "bleu_4").champion == "3"  # the best again

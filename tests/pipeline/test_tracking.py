@@ -15,6 +15,7 @@ from pipeline.tracking import (
     Tracking,
     artifact_location,
     connect,
+    dvc_experiment,
     find_or_create_run,
     flatten,
     lineage_tags,
@@ -141,9 +142,9 @@ def test_lineage_tags_hold_the_commit_and_dvc_lock_hashes(tmp_path: Path) -> Non
     _git(tmp_path, "commit", "-q", "-m", "lock")
     head = (tmp_path / ".git" / _git(tmp_path, "symbolic-ref", "HEAD")).read_text().strip()
     assert lineage_tags(tmp_path) == {
-        "lineage.git_commit": head,
-        "lineage.prepared_md5": "1111aaaa.dir",
-        "lineage.features_md5": "2222bbbb.dir",
+        "mlflow.source.git.commit": head,
+        "sat.prepared_md5": "1111aaaa.dir",
+        "sat.features_md5": "2222bbbb.dir",
     }
 
 
@@ -187,3 +188,19 @@ def test_with_retries_gives_up_after_the_retry_budget() -> None:
     with pytest.raises(ConnectionError):
         with_retries(down, retries=2, what="down", delay_s=0.0)
     assert len(calls) == 3
+
+
+def test_artifact_location_is_the_servers_own_on_a_tracking_server(tmp_path: Path) -> None:
+    # a client's folder is nowhere a teammate can read: the server proxies to its destination
+    assert artifact_location(MlflowConfig(), tmp_path, "http://127.0.0.1:5999") is None
+    s3 = MlflowConfig(artifact_root="s3://bucket/sat")
+    assert artifact_location(s3, tmp_path, "https://mlflow.example") == "s3://bucket/sat"
+    local = artifact_location(MlflowConfig(), tmp_path, f"sqlite:///{tmp_path / 'm.db'}")
+    assert local == (tmp_path / "mlartifacts").as_uri()
+
+
+def test_dvc_experiment_is_read_from_what_dvc_exp_run_sets() -> None:
+    # dvc/repo/experiments/queue/base.py gives every stage of `dvc exp run` both variables
+    assert dvc_experiment({"DVC_EXP_BASELINE_REV": "abc123", "DVC_EXP_NAME": "lr-try"}) == "lr-try"
+    assert dvc_experiment({"DVC_ROOT": "/p", "DVC_STAGE": "register"}) is None  # `dvc repro`
+    assert dvc_experiment({}) is None
