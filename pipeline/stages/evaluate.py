@@ -83,10 +83,16 @@ def resolve_model_dir(model: str, workdir: Path, tracking_uri: str | None = None
 
 
 def _is_gallery(folder: Path) -> bool:
-    """A gallery this stage wrote: ``index.html`` and overlay PNGs, nothing else."""
-    return all(
-        p.is_file() and (p.name == "index.html" or p.suffix == ".png") for p in folder.iterdir()
-    )
+    """A gallery this stage wrote: ``index.html`` and overlay PNGs (in ``images/``), nothing
+    else."""
+    from sat_model.evaluate import GALLERY_IMAGES_DIR
+
+    def ours(path: Path) -> bool:
+        if path.is_dir() and path.name == GALLERY_IMAGES_DIR:
+            return all(p.is_file() and p.suffix == ".png" for p in path.iterdir())
+        return path.is_file() and (path.name == "index.html" or path.suffix == ".png")
+
+    return all(ours(p) for p in folder.iterdir())
 
 
 def _write_gallery(out_dir: Path, write: Callable[[Path], T]) -> T:

@@ -247,8 +247,10 @@ def test_register_with_the_server_down_fails_clearly_then_succeeds_once_it_is_ba
         run = client.get_run(versions[0].run_id)
         logged = json.dumps([run.data.params, run.data.tags, versions[0].tags])
         assert "s3cret-token" not in logged and "sat-user" not in logged
-        # the experiment's artifacts live under the project (mlflow.artifact_root)
-        (mlmodel,) = (project / "mlartifacts").rglob("MLmodel")
+        # on a tracking server the artifacts go to the server's --artifacts-destination, never
+        # to a folder of the client's (mlflow.artifact_root is a local path here)
+        assert not list((project / "mlartifacts").rglob("MLmodel"))
+        (mlmodel,) = (server_root / "server-artifacts").rglob("MLmodel")
         _assert_model_is_code_not_pickle(mlmodel.parent)
     finally:
         _stop(server)
