@@ -12,7 +12,12 @@ from PIL import Image
 
 from sat_model.config import DataConfig, SyntheticConfig
 from sat_model.encoders import build_encoder
-from sat_model.evaluate import DecodedCaption, read_image_records, write_attention_gallery
+from sat_model.evaluate import (
+    GALLERY_IMAGES_DIR,
+    DecodedCaption,
+    read_image_records,
+    write_attention_gallery,
+)
 from sat_model.extract import extract_features, read_image_table
 from sat_model.paths import image_root
 from sat_model.sources import read_source
@@ -69,7 +74,7 @@ def test_gallery_opens_photos_only_under_the_root_given(tampered: Path, tmp_path
         crop=32, title="t",
     )  # fmt: skip
     assert sorted(s["item"] for s in skipped) == ["passwd", "secret"]
-    assert len(list((tmp_path / "gallery").glob("*_image.png"))) == 1
+    assert len(list((tmp_path / "gallery" / GALLERY_IMAGES_DIR).glob("*_image.png"))) == 1
 
 
 def test_without_a_root_no_photo_is_opened_but_sizes_are_kept(tampered: Path) -> None:
