@@ -3,7 +3,7 @@
 The tracking URI comes from ``MLFLOW_TRACKING_URI``, else ``mlflow.tracking_uri`` in params, else
 ``sqlite:////<absolute project root>/mlflow.db``. Artifacts of a newly created experiment go to
 ``<project root>/<mlflow.artifact_root>`` on a local store; on a tracking server (``http(s)://``)
-the server decides (``mlflow server --artifacts-destination s3://...`` proxies them) unless
+the server decides (its ``--artifacts-destination``, e.g. ``s3://...``, proxies them) unless
 ``mlflow.artifact_root`` is itself a URI. The driver creates (or finds, by its deterministic
 name) a run and hands its id to the Ray workers; rank 0 alone logs params and per-epoch metrics
 through :class:`EpochLogger`, which skips epochs the run already holds so a restarted worker
