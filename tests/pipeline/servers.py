@@ -197,8 +197,12 @@ def postgres_server(
         cmd += ["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"]
         with _server(cmd, port, "postgres", tmp / "postgres.log"):
             server = PostgresServer(host="127.0.0.1", port=port, user=user, data_dir=data)
-            _create_databases(server, databases)
-            yield server
+            try:
+                _create_databases(server, databases)
+                yield server
+            finally:  # a fast shutdown that waits until the postmaster (postmaster.pid) is gone
+                stop = [*prefix, "pg_ctl", "stop", "-D", str(data), "-m", "fast", "-w"]
+                subprocess.run(stop, capture_output=True, timeout=60, check=False)
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
