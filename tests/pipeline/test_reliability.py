@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import struct
 import types
@@ -326,7 +327,11 @@ def _damage(model: Path, how: str, marker: Path) -> str:
 
 @pytest.mark.parametrize("how", ["pickled code", "corrupted", "another vocabulary"])
 def test_sat_caption_refuses_a_bad_checkpoint_and_runs_no_code(
-    zoo_and_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+    zoo_and_model,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    how: str,
 ) -> None:
     from pipeline.cli import main
 
@@ -335,8 +340,13 @@ def test_sat_caption_refuses_a_bad_checkpoint_and_runs_no_code(
     marker = tmp_path / "code-ran"
     words = _damage(copy, how, marker)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointError, match=words):
-        main(["caption", str(zoo / "plain.jpg"), "--model", str(copy)])
+    # a user error: one line naming the CheckpointError's reason, exit 1, no traceback
+    assert main(["caption", str(zoo / "plain.jpg"), "--model", str(copy)]) == 1
+    err = capsys.readouterr().err
+    assert re.search(words, err) and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    with pytest.raises(CheckpointError, match=words):  # -v shows the error itself
+        main(["-v", "caption", str(zoo / "plain.jpg"), "--model", str(copy)])
     assert not marker.exists()
 
 
