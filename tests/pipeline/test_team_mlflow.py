@@ -136,8 +136,9 @@ def _caption_in_a_second_process(team: Team, image: Path) -> dict:
 def _a_test_image(project: Path) -> Path:
     from sat_model.evaluate import read_image_records
 
-    records = read_image_records(project / "data/prepared/images.parquet", "test")
-    return next(iter(records.values())).path
+    prepared = project / "data/prepared"  # the generated scenes live in <prepared_dir>/images
+    records = read_image_records(prepared / "images.parquet", "test", prepared / "images")
+    return next(r.path for r in records.values() if not r.refused)
 
 
 def test_promote_then_load_the_champion_from_a_second_process(team: Team) -> None:
