@@ -317,7 +317,7 @@ def test_objects_rebuilt_from_the_boxes_column_ground_like_the_scene(tmp_path: P
         assert np.allclose([o.box for o in rebuilt], [o.box for o in scene.objects])
 
 
-SAMPLE = Path("/work/shared/data/flickr8k-sample")
+SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k-sample"
 
 
 @pytest.mark.skipif(not SAMPLE.is_dir(), reason=f"shared Flickr8k sample not found at {SAMPLE}")

@@ -19,7 +19,7 @@ from sat_model.sources import (
 )
 from sat_model.text import tokenize
 
-SAMPLE = Path("/work/shared/data/flickr8k-sample")
+SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k-sample"
 needs_sample = pytest.mark.skipif(
     not (SAMPLE / "dataset_flickr8k.json").is_file(),
     reason=f"shared Flickr8k sample not found at {SAMPLE}",

@@ -9,7 +9,7 @@ import pytest
 
 from sat_model.text import PTB_SPLITS, detokenize, tokenize
 
-SAMPLE = Path("/work/shared/data/flickr8k-sample")
+SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k-sample"
 
 
 def test_tokenize_lowercases_and_drops_punctuation() -> None:
