@@ -1,7 +1,8 @@
 """Evaluation figures: scoring time for 1,000 images × 5 references with every metric (METEOR's
 Java start included), and captioning throughput of image files (what ``sat caption`` does).
 
-Data: the Flickr8k sample (``../shared/data/flickr8k-sample`` beside the repository or ``--flickr8k``) when present,
+Data: the Flickr8k sample (``../shared/data/flickr8k-sample`` beside the repository, or
+``--flickr8k``) when present,
 else synthetic scenes. Hypotheses are another image's human caption, so the scores are those of
 a plausible but unrelated caption. The captioning model is untrained (beam search costs the same
 whatever the weights) over the default EfficientNet-Lite0 encoder.
