@@ -40,6 +40,7 @@ from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir, write_tex
 from sat_model.checkpoint import is_checkpoint_dir
 from sat_model.config import RayConfig
 from sat_model.paths import output_path
+from sat_model.tables import CAPTIONS_FILE, VOCAB_FILE
 from sat_model.training import Callback, EpochState
 
 from .ray_runtime import loopback_env, resolve_use_gpu
@@ -391,7 +392,7 @@ def train_with_ray(
     prepared = _abs(params.data.prepared_dir, root)
     features = _abs(params.encoder.features_dir, root)
     seed = [resume_from.resolve()] if resume_from else []
-    inputs = [prepared / "captions.parquet", prepared / "vocab.json", features, *seed]
+    inputs = [prepared / CAPTIONS_FILE, prepared / VOCAB_FILE, features, *seed]
     identity = train_identity(params, attention, root, inputs=inputs)
     storage = resolve_storage_path(params.ray, root)
     base = f"sat-{attention}-{identity.short}"

@@ -26,6 +26,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from pipeline.tracking import ATTENTION_TAG, CHECKPOINT_TAG
+from sat_model.checkpoint import CONFIG_FILE, MODEL_FILE, VOCAB_FILE
 
 __all__ = [
     "CHAMPION_ALIAS",
@@ -49,7 +50,7 @@ __all__ = [
 
 CHAMPION_ALIAS = "champion"
 # what makes a model: weights, model/encoder config and vocabulary (a new vocab is a new model)
-CHECKPOINT_FILES = ("model.pt", "config.json", "vocab.json")
+CHECKPOINT_FILES = (MODEL_FILE, CONFIG_FILE, VOCAB_FILE)
 
 
 class RegistryError(RuntimeError):

@@ -24,10 +24,9 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 
+from sat_model.tables import read_caption_rows
 from sat_model.vocab import Vocab
 
 __all__ = [
@@ -38,7 +37,6 @@ __all__ = [
     "LengthGroupedBatchSampler",
     "SkippedCaption",
     "load_caption_dataset",
-    "load_references",
 ]
 
 
@@ -126,8 +124,7 @@ def load_caption_dataset(
     Captions whose image has no features (the extract stage skipped it) are returned as
     :class:`SkippedCaption`; :class:`BatchingError` only when none is left.
     """
-    table = pq.read_table(captions_path, columns=["image_id", "split", "caption_index", "tokens"])
-    rows = table.filter(pc.equal(table["split"], split)).to_pydict()
+    rows = read_caption_rows(captions_path, split, ["image_id", "caption_index", "tokens"])
     row_of = {image_id: i for i, image_id in enumerate(store.ids)}
     indices, captions, skipped = [], [], []
     for image_id, cap_idx, tokens in zip(
@@ -144,17 +141,6 @@ def load_caption_dataset(
             f"{len(skipped)} skipped (e.g. {[s.image_id for s in skipped[:3]]})"
         )
     return CaptionDataset(store, indices, captions, vocab.pad_id), skipped
-
-
-def load_references(captions_path: str | Path, split: str) -> dict[str, list[str]]:
-    """Raw reference captions per image id of ``split``, in caption order (for scoring)."""
-    table = pq.read_table(captions_path, columns=["image_id", "split", "caption_index", "raw"])
-    rows = table.filter(pc.equal(table["split"], split)).to_pydict()
-    order = sorted(zip(rows["image_id"], rows["caption_index"], rows["raw"], strict=True))
-    refs: dict[str, list[str]] = {}
-    for image_id, _, raw in order:
-        refs.setdefault(image_id, []).append(raw)
-    return refs
 
 
 class LengthGroupedBatchSampler:

@@ -6,8 +6,7 @@ Dimensions: ``B`` images per batch, ``L`` locations, ``D`` annotation size.
 2. Scores against all of that image's references with pycocoevalcap's own scorers
    (:func:`sat_model.metrics.score_captions`: PTB tokeniser, BLEU-1..4, METEOR, ROUGE-L, CIDEr-D).
 3. Where the source has boxes (synthetic scenes): pointing accuracy of α on the objects the
-   generated words name (:mod:`sat_model.grounding`, words matched by
-   :func:`sat_model.scenes.ground_tokens`).
+   generated words name (:mod:`sat_model.grounding`).
 4. Attention pictures (Sec. 5.4) for the first ``gallery_images`` images (by id).
 
 Images are evaluated when they have both features and references; every other image of the split
@@ -21,23 +20,19 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 from sat_model.atomic import write_text_atomic
-from sat_model.batching import load_references
 from sat_model.checkpoint import load_model
 from sat_model.decoding import beam_search
 from sat_model.features import FeatureStore
-from sat_model.grounding import Box, GroundingSample, PointingResult, pointing_accuracy
+from sat_model.grounding import GroundingSample, PointingResult, ground_tokens, pointing_accuracy
 from sat_model.images import ImageError, load_image
 from sat_model.metrics import DEFAULT_METRICS, score_captions
 from sat_model.model import ShowAttendTell
-from sat_model.paths import resolve_inside
-from sat_model.scenes import SceneObject, ground_tokens
+from sat_model.tables import ImageRecord, load_references, read_images
 from sat_model.visualize import GalleryEntry, centre_crop, write_gallery, write_word_overlays
 from sat_model.vocab import Vocab
 
@@ -46,7 +41,6 @@ __all__ = [
     "DecodedCaption",
     "EvaluationError",
     "EvaluationResult",
-    "ImageRecord",
     "decode_split",
     "evaluate_model",
     "read_image_records",
@@ -75,18 +69,6 @@ class DecodedCaption:
 
 
 @dataclass(frozen=True)
-class ImageRecord:
-    """What evaluation needs of ``images.parquet``: where the photo is, its size and boxes."""
-
-    image_id: str
-    path: Path
-    width: int
-    height: int
-    boxes: tuple[dict[str, Any], ...]
-    refused: str = ""  # why the photo is never opened (its path leaves the image root), or ""
-
-
-@dataclass(frozen=True)
 class EvaluationResult:
     metrics: dict[str, float]
     captions: list[DecodedCaption]
@@ -97,31 +79,12 @@ class EvaluationResult:
 def read_image_records(
     images_path: str | Path, split: str, image_root: str | Path | None = None
 ) -> dict[str, ImageRecord]:
-    """The usable images of ``split`` from ``images.parquet``, keyed by id.
+    """The usable images of ``split`` keyed by id (:func:`sat_model.tables.read_images`).
 
-    Photos are opened only under ``image_root``, from params (the table's own ``image_root``
-    metadata is never trusted); without it every record is refused for opening (sizes and boxes,
-    all grounding needs, are still read).
+    Photos are opened only under ``image_root``, from params; without it every record is refused
+    for opening (sizes and boxes, all grounding needs, are still read).
     """
-    table = pq.read_table(images_path)
-    root = None if image_root is None else Path(image_root).resolve()
-    records = {}
-    for row in table.to_pylist():
-        if row["split"] == split and row["status"] == "ok":
-            # "../x", an absolute path or a symlink out of the root: never opened (gallery skip)
-            if root is None:
-                path, refused = Path(row["file"]), "no image root given"
-            else:
-                path, refused = resolve_inside(root, row["file"])
-            records[row["image_id"]] = ImageRecord(
-                row["image_id"],
-                path,
-                int(row["width"]),
-                int(row["height"]),
-                tuple(row.get("boxes") or ()),
-                refused,
-            )
-    return records
+    return {r.image_id: r for r in read_images(images_path, image_root, split)}
 
 
 def _decode_batch(
@@ -177,15 +140,6 @@ def _select_images(
     return ids, skipped
 
 
-def _scene_object(box: Mapping[str, Any]) -> SceneObject:
-    # ground_tokens matches words on shape, colour and size; the drawing fields are not needed
-    xyxy = (box["x0"], box["y0"], box["x1"], box["y1"])
-    return SceneObject(
-        shape=box["shape"], colour=box["colour"], size=box["size"], box=xyxy, footprint=xyxy,
-        rgb=(0, 0, 0),
-    )  # fmt: skip
-
-
 def _grounding(
     captions: Sequence[DecodedCaption],
     records: Mapping[str, ImageRecord],
@@ -198,12 +152,12 @@ def _grounding(
     samples = []
     for c in captions:
         record = records.get(c.image_id)
-        if record is None or not record.boxes:
+        if record is None or not record.boxes or record.width is None or record.height is None:
             continue
-        objects = [_scene_object(b) for b in record.boxes]
-        boxes = [Box(b["x0"], b["y0"], b["x1"], b["y1"], b["label"]) for b in record.boxes]
-        targets = ground_tokens(list(c.words), objects)
-        samples.append(GroundingSample(c.alphas, boxes, targets, record.width, record.height))
+        targets = ground_tokens(c.words, record.boxes)
+        samples.append(
+            GroundingSample(c.alphas, record.boxes, targets, record.width, record.height)
+        )
     if not samples:  # the source has no boxes: grounding is not measured
         return None
     return pointing_accuracy(samples, grid_h=grid_h, grid_w=grid_w, resize=resize, crop=crop)

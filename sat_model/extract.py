@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
@@ -25,7 +24,7 @@ from tqdm import tqdm
 from sat_model.encoders import Encoder, EncoderDescription
 from sat_model.features import FeatureMeta, FeatureWriter
 from sat_model.images import ImageError, load_image, preprocess
-from sat_model.paths import resolve_inside
+from sat_model.tables import TableError, read_images, split_order
 
 __all__ = [
     "DecodedBatch",
@@ -42,8 +41,6 @@ __all__ = [
     "feature_meta",
     "read_image_table",
 ]
-
-SPLITS = ("train", "val", "test")
 
 
 class ExtractError(RuntimeError):
@@ -120,33 +117,19 @@ class ExtractReport:
 
 
 def read_image_table(path: str | Path, image_root: str | Path) -> dict[str, list[ImageItem]]:
-    """Images with ``status == "ok"`` per split, in table order (docs/ARCHITECTURE.md).
+    """Images with ``status == "ok"`` per split, in table order (:mod:`sat_model.tables`).
 
-    Names resolve against ``image_root``, which comes from params
-    (:func:`sat_model.paths.image_root`): the table's own ``image_root`` metadata is only a
-    record of where prepare read, never trusted, so editing it cannot open other files.
+    A name that leaves ``image_root`` is never opened: its item carries the reason and is
+    skipped.
     """
     try:
-        table = pq.read_table(path, columns=["image_id", "split", "file", "status"])
-    except (OSError, ValueError) as e:
-        raise ExtractError(f"cannot read image table {path}: {e}") from e
-    root = Path(image_root).resolve()
+        records = read_images(path, image_root)
+    except TableError as e:
+        raise ExtractError(str(e)) from e
     items: dict[str, list[ImageItem]] = {}
-    for row in table.to_pylist():
-        if row["status"] == "ok" and row["split"] is not None:
-            items.setdefault(row["split"], []).append(_item(row["image_id"], row["file"], root))
-    return {s: items[s] for s in sorted(items, key=_split_order)}
-
-
-def _item(image_id: str, file: str, root: Path) -> ImageItem:
-    # A table edited by hand (or by an attacker) may hold "../x.jpg", an absolute path or a
-    # symlink out of the root: such a file is never opened, the row is skipped with the reason.
-    path, refused = resolve_inside(root, file)
-    return ImageItem(image_id, str(path), refused) if refused else ImageItem(image_id, str(path))
-
-
-def _split_order(split: str) -> tuple[int, str]:
-    return (SPLITS.index(split) if split in SPLITS else len(SPLITS), split)
+    for r in records:
+        items.setdefault(r.split, []).append(ImageItem(r.image_id, str(r.path), r.refused))
+    return {s: items[s] for s in sorted(items, key=split_order)}
 
 
 def feature_meta(description: EncoderDescription) -> FeatureMeta:

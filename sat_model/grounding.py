@@ -8,39 +8,29 @@ to ``resize``, then cropped ``crop × crop`` from the centre, Sec. 3.1.1 in docs
 Boxes are in
 the original image's pixels, so they are first mapped into the crop's frame, and a word counts as
 a hit when the centre of its peak cell lies inside (any of) the box(es) the word names.
+Which boxes a word names is :func:`ground_tokens`' answer, from the scenes' words alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from sat_model.scene_grammar import COLOURS, SHAPE_NOUNS, SIZES, Described
+from sat_model.tables import Box
+
 __all__ = [
-    "Box",
     "GroundingSample",
     "PointingResult",
     "box_to_crop",
     "cell_centre",
     "crop_geometry",
+    "ground_tokens",
     "peak_hits_box",
     "pointing_accuracy",
 ]
-
-
-@dataclass(frozen=True)
-class Box:
-    """An axis-aligned box in pixels, ``x0 <= x1``, ``y0 <= y1``; ``label`` names the object."""
-
-    x0: float
-    y0: float
-    x1: float
-    y1: float
-    label: str = ""
-
-    def contains(self, x: float, y: float) -> bool:
-        return self.x0 <= x <= self.x1 and self.y0 <= y <= self.y1
 
 
 @dataclass(frozen=True)
@@ -100,12 +90,12 @@ def crop_geometry(width: int, height: int, resize: int, crop: int) -> CropGeomet
 def box_to_crop(box: Box, geometry: CropGeometry) -> Box:
     """Map ``box`` from original pixels into the crop's frame (may extend past the crop)."""
     g = geometry
-    return Box(
-        box.x0 * g.scale_x - g.left,
-        box.y0 * g.scale_y - g.top,
-        box.x1 * g.scale_x - g.left,
-        box.y1 * g.scale_y - g.top,
-        box.label,
+    return replace(
+        box,
+        x0=box.x0 * g.scale_x - g.left,
+        y0=box.y0 * g.scale_y - g.top,
+        x1=box.x1 * g.scale_x - g.left,
+        y1=box.y1 * g.scale_y - g.top,
     )
 
 
@@ -152,3 +142,31 @@ def pointing_accuracy(
             total += 1
             hits += peak_hits_box(sample.alphas[t], in_crop, grid_h, grid_w, crop)
     return PointingResult(hits=hits, total=total)
+
+
+def ground_tokens(tokens: Sequence[str], objects: Sequence[Described]) -> list[tuple[int, ...]]:
+    """For each token, the indices of ``objects`` it names (empty for other words).
+
+    A shape noun ("circle", "circles") names the objects of that shape that also match the
+    size and colour words right before it ("large red circle"). A noun naming nothing in the
+    scene (a hallucinated object) gives an empty tuple, like any non-object word.
+    """
+    out: list[tuple[int, ...]] = []
+    for i, token in enumerate(tokens):
+        shape = SHAPE_NOUNS.get(token)
+        if shape is None:
+            out.append(())
+            continue
+        modifiers = set()
+        j = i - 1
+        while j >= 0 and (tokens[j] in COLOURS or tokens[j] in SIZES):
+            modifiers.add(tokens[j])
+            j -= 1
+        out.append(
+            tuple(
+                k
+                for k, o in enumerate(objects)
+                if o.shape == shape and modifiers <= {o.colour, o.size}
+            )
+        )
+    return out

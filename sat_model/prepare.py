@@ -1,5 +1,5 @@
 """The ``prepare`` stage: a caption source -> ``captions.parquet``, ``images.parquet``,
-``vocab.json`` and ``prepare_report.json`` (columns in docs/ARCHITECTURE.md).
+``vocab.json`` and ``prepare_report.json`` (names and schemas owned by :mod:`sat_model.tables`).
 
 Bad input never stops the stage by itself: each bad image or caption is skipped with its
 reason (in ``images.parquet`` and the report) and every valid item is kept. The stage fails
@@ -18,7 +18,7 @@ import warnings
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -38,13 +38,19 @@ from sat_model.sources import (
     SourceImage,
     read_source,
 )
+from sat_model.tables import (
+    CAPTIONS_FILE,
+    CAPTIONS_SCHEMA,
+    IMAGES_FILE,
+    IMAGES_SCHEMA,
+    REPORT_FILE,
+    SPLITS,
+    VOCAB_FILE,
+)
 from sat_model.text import tokenize
 from sat_model.vocab import Vocab, build_vocab, save_vocab
 
 __all__ = [
-    "BOX_TYPE",
-    "CAPTIONS_SCHEMA",
-    "IMAGES_SCHEMA",
     "REPORT_KEYS",
     "ImageCheck",
     "PrepareError",
@@ -54,32 +60,6 @@ __all__ = [
     "prepare_source",
 ]
 
-BOX_TYPE = pa.struct(
-    [("label", pa.string()), ("shape", pa.string()), ("colour", pa.string()), ("size", pa.string())]
-    + [(k, pa.float32()) for k in ("x0", "y0", "x1", "y1")]
-)
-IMAGES_SCHEMA = pa.schema(
-    [
-        ("image_id", pa.string()),
-        ("split", pa.string()),
-        ("file", pa.string()),
-        ("width", pa.int32()),
-        ("height", pa.int32()),
-        ("status", pa.string()),
-        ("boxes", pa.list_(BOX_TYPE)),
-    ]
-)
-CAPTIONS_SCHEMA = pa.schema(
-    [
-        ("image_id", pa.string()),
-        ("split", pa.string()),
-        ("file", pa.string()),
-        ("caption_index", pa.int32()),
-        ("raw", pa.string()),
-        ("tokens", pa.list_(pa.string())),
-    ]
-)
-SPLITS = ("train", "val", "test")
 REPORT_KEYS = (
     "images_total",
     "images_ok",
@@ -201,7 +181,7 @@ def _images_table(src: SourceData, checks: list[ImageCheck], statuses: list[str]
         "width": [checks[i].width for i in order],
         "height": [checks[i].height for i in order],
         "status": [statuses[i] for i in order],
-        "boxes": [[b.__dict__ for b in r.boxes] for r in rows],
+        "boxes": [[asdict(b) for b in r.boxes] for r in rows],
     }
     meta = {"image_root": str(src.image_root), "source": src.source}
     return pa.table(columns, schema=IMAGES_SCHEMA.with_metadata(meta))
@@ -331,11 +311,11 @@ def _write_outputs(
     out_dir: Path, images: pa.Table, captions: pa.Table, vocab: Vocab, report: dict[str, object]
 ) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(out_dir / "images.parquet", _to_parquet(images))
-    write_bytes_atomic(out_dir / "captions.parquet", _to_parquet(captions))
-    save_vocab(vocab, out_dir / "vocab.json")
+    write_bytes_atomic(out_dir / IMAGES_FILE, _to_parquet(images))
+    write_bytes_atomic(out_dir / CAPTIONS_FILE, _to_parquet(captions))
+    save_vocab(vocab, out_dir / VOCAB_FILE)
     text = json.dumps(report, ensure_ascii=False, indent=1) + "\n"
-    write_text_atomic(out_dir / "prepare_report.json", text)
+    write_text_atomic(out_dir / REPORT_FILE, text)
 
 
 def prepare_dataset(

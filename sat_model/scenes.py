@@ -10,60 +10,39 @@ Everything is deterministic from ``(seed, split, index)``: one image never depen
 others are generated. Object sizes are in pixels at 224 (``SIZE_RANGES``) and scale with the
 image so objects stay visible on a 14×14 feature grid (16 px cells at 224).
 
-Grounding: :func:`ground_tokens` maps each token of any caption (reference or generated) that
-names an object ("circle", "red squares", ...) to the indices of the objects it can refer to.
+The words and the caption grammar live in :mod:`sat_model.scene_grammar`; matching a caption's
+words back onto the objects in :mod:`sat_model.grounding`.
 """
 
 from __future__ import annotations
 
 import io
 import os
-from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
 
 from sat_model.atomic import write_bytes_atomic
+from sat_model.scene_grammar import COLOURS, SHAPES, SIZES, scene_captions
 
 __all__ = [
     "BACKGROUNDS",
-    "COLOURS",
-    "SHAPES",
-    "SHAPE_NOUNS",
-    "SIZES",
     "SIZE_RANGES",
     "Scene",
     "SceneObject",
     "generate_scene",
     "generate_scenes",
-    "ground_tokens",
-    "objects_from_boxes",
     "render_scene",
-    "scene_captions",
     "scene_id",
 ]
 
-SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star")
-# saturated hues, far from the muted backgrounds below
-COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (220, 40, 40),
-    "green": (40, 170, 60),
-    "blue": (40, 80, 225),
-    "yellow": (240, 210, 30),
-    "purple": (150, 60, 190),
-    "orange": (245, 135, 25),
-}
-SIZES: tuple[str, ...] = ("small", "large")
 # side of the object's square footprint at 224 px: small ~3 grid cells, large ~6 (14×14 grid)
 SIZE_RANGES: dict[str, tuple[int, int]] = {"small": (40, 56), "large": (80, 100)}
 BACKGROUNDS: tuple[str, ...] = ("plain", "gradient", "textured")
-SHAPE_NOUNS: dict[str, str] = {**{s: s for s in SHAPES}, **{s + "s": s for s in SHAPES}}
 
-_NUMBERS = ("zero", "one", "two", "three", "four")
 _SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
 _MARGIN = 4  # px at 224 between an object and the image border
 _GAP = 8  # px at 224 between two objects' boxes, so they never touch
@@ -219,76 +198,6 @@ def generate_scene(
     return replace(scene, captions=captions)
 
 
-# ------------------------------------------------------------------------------ captions
-def _a(word: str) -> str:
-    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
-
-
-def _full(o: SceneObject) -> str:
-    return _a(f"{o.size} {o.colour} {o.shape}")
-
-
-def _short(o: SceneObject) -> str:
-    return _a(f"{o.colour} {o.shape}")
-
-
-def _join(parts: Sequence[str]) -> str:
-    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
-
-
-def _relation(a: SceneObject, b: SceneObject) -> str:
-    """Where ``a`` is relative to ``b``, along the axis where their centres differ most."""
-    dx, dy = b.centre[0] - a.centre[0], b.centre[1] - a.centre[1]
-    if abs(dx) >= abs(dy):
-        return "to the left of" if dx > 0 else "to the right of"
-    return "above" if dy > 0 else "below"  # image y grows downwards
-
-
-def _position(o: SceneObject, image_size: int) -> str:
-    """Which third of the image, across and down, holds the object's centre."""
-    cx, cy = o.centre
-    h = ("left", "centre", "right")[min(int(3 * cx / image_size), 2)]
-    v = ("top", "middle", "bottom")[min(int(3 * cy / image_size), 2)]
-    if h == "centre" and v == "middle":
-        return "in the middle"
-    if v == "middle":
-        return f"on the {h}"
-    return f"at the {v}" if h == "centre" else f"at the {v} {h}"
-
-
-def _counts(objects: Sequence[SceneObject]) -> str:
-    order = list(dict.fromkeys(o.shape for o in objects))  # first appearance, left to right
-    n = {s: sum(o.shape == s for o in objects) for s in order}
-    parts = [f"{_NUMBERS[n[s]]} {s}{'s' if n[s] > 1 else ''}" for s in order]
-    verb = "is" if n[order[0]] == 1 else "are"  # agrees with the first noun phrase
-    return f"there {verb} {_join(parts)}"
-
-
-def scene_captions(objects: Sequence[SceneObject], background: str, image_size: int) -> list[str]:
-    """Six captions for a scene, each true of it; objects are named left to right."""
-    n = len(objects)
-    if n == 0:
-        raise ValueError("a scene needs at least one object to describe")
-    shapes = f"{_NUMBERS[n]} shape{'s' if n > 1 else ''}"
-    listing = _join([_full(o) for o in objects])
-    if n == 1:
-        (o,) = objects
-        third = f"{_full(o)} on {_a(background)} background"
-        fourth = f"{_short(o)} {_position(o, image_size)}"
-    else:
-        a, b = objects[0], objects[1]
-        third = f"{_full(a)} {_relation(a, b)} {_full(b)}"
-        fourth = f"{_short(b)} {_relation(b, a)} {_short(a)}"
-    return [
-        listing,
-        f"{shapes}: {_join([_short(o) for o in objects])}",
-        third,
-        fourth,
-        _counts(objects),
-        f"{shapes} on {_a(background)} background",
-    ]
-
-
 # ------------------------------------------------------------------------------ drawing
 def _background(scene: Scene) -> np.ndarray:
     s = scene.image_size
@@ -370,44 +279,3 @@ def generate_scenes(
         if stale.name not in keep:
             stale.unlink()
     return scenes
-
-
-# ----------------------------------------------------------------------------- grounding
-def objects_from_boxes(boxes: Sequence[Mapping[str, Any]]) -> tuple[SceneObject, ...]:
-    """Objects from an ``images.parquet`` ``boxes`` cell (shape, colour, size, x0..y1 fields).
-
-    The drawn fill is not stored, so ``rgb`` is the named colour; ``footprint`` is the box.
-    """
-    out = []
-    for b in boxes:
-        box = (float(b["x0"]), float(b["y0"]), float(b["x1"]), float(b["y1"]))
-        out.append(SceneObject(b["shape"], b["colour"], b["size"], box, box, COLOURS[b["colour"]]))
-    return tuple(out)
-
-
-def ground_tokens(tokens: Sequence[str], objects: Sequence[SceneObject]) -> list[tuple[int, ...]]:
-    """For each token, the indices of ``objects`` it names (empty for other words).
-
-    A shape noun ("circle", "circles") names the objects of that shape that also match the
-    size and colour words right before it ("large red circle"). A noun naming nothing in the
-    scene (a hallucinated object) gives an empty tuple, like any non-object word.
-    """
-    out: list[tuple[int, ...]] = []
-    for i, token in enumerate(tokens):
-        shape = SHAPE_NOUNS.get(token)
-        if shape is None:
-            out.append(())
-            continue
-        modifiers = set()
-        j = i - 1
-        while j >= 0 and (tokens[j] in COLOURS or tokens[j] in SIZES):
-            modifiers.add(tokens[j])
-            j -= 1
-        out.append(
-            tuple(
-                k
-                for k, o in enumerate(objects)
-                if o.shape == shape and modifiers <= {o.colour, o.size}
-            )
-        )
-    return out

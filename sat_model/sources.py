@@ -23,12 +23,12 @@ import numpy as np
 
 from sat_model.config import DataConfig
 from sat_model.scenes import generate_scenes
+from sat_model.tables import Box
 
 __all__ = [
     "EXCLUDED",
     "LEAVES_FOLDER",
     "OK",
-    "Box",
     "Skip",
     "SourceCaption",
     "SourceData",
@@ -48,20 +48,6 @@ LEAVES_FOLDER = "file name leaves the dataset folder"
 
 class SourceError(ValueError):
     """Raised when a source cannot be read at all (a missing or unparseable index file)."""
-
-
-@dataclass(frozen=True)
-class Box:
-    """An object's pixel box in the original image (synthetic scenes only)."""
-
-    label: str
-    shape: str
-    colour: str
-    size: str
-    x0: float
-    y0: float
-    x1: float
-    y1: float
 
 
 @dataclass(frozen=True)
@@ -349,7 +335,10 @@ def read_synthetic(
     )
     images, captions = [], []
     for s in scenes:
-        boxes = tuple(Box(o.label, o.shape, o.colour, o.size, *o.box) for o in s.objects)
+        boxes = tuple(
+            Box(*o.box, label=o.label, shape=o.shape, colour=o.colour, size=o.size)
+            for o in s.objects
+        )
         images.append(SourceImage(s.image_id, s.split, f"{s.image_id}.png", OK, boxes))
         captions += [
             SourceCaption(s.image_id, c, f"{s.image_id}#{i}") for i, c in enumerate(s.captions)

@@ -35,7 +35,6 @@ from sat_model.batching import (
     CaptionDataset,
     LengthGroupedBatchSampler,
     load_caption_dataset,
-    load_references,
 )
 from sat_model.checkpoint import (
     MODEL_FILE,
@@ -49,6 +48,7 @@ from sat_model.features import FeatureStore, channel_statistics
 from sat_model.losses import build_criterion
 from sat_model.metrics import score_captions
 from sat_model.model import ShowAttendTell, build_model
+from sat_model.tables import CAPTIONS_FILE, VOCAB_FILE, load_references
 from sat_model.training import (
     Callback,
     EpochState,
@@ -296,10 +296,10 @@ def train_model(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     prepared_dir, features_dir = Path(prepared_dir), Path(features_dir)
     model_dir = Path(out_dir) / attention
-    vocab = load_vocab(prepared_dir / "vocab.json")
+    vocab = load_vocab(prepared_dir / VOCAB_FILE)
     train_store = FeatureStore(features_dir / "train.arrow")
     dataset, skipped = load_caption_dataset(
-        prepared_dir / "captions.parquet", "train", train_store, vocab
+        prepared_dir / CAPTIONS_FILE, "train", train_store, vocab
     )
     sampler = LengthGroupedBatchSampler(
         dataset.lengths, cfg.batch_size, seed=params.train.seed, num_replicas=world_size, rank=rank
@@ -330,7 +330,7 @@ def train_model(
         val_store = FeatureStore(features_dir / "val.arrow")
         validate = make_validator(
             val_store,
-            load_references(prepared_dir / "captions.parquet", "val"),
+            load_references(prepared_dir / CAPTIONS_FILE, "val"),
             vocab,
             max_images=params.train.val_images,
             max_length=params.train.val_max_length,

@@ -16,8 +16,8 @@ from sat_model.batching import (
     CaptionDataset,
     LengthGroupedBatchSampler,
     load_caption_dataset,
-    load_references,
 )
+from sat_model.tables import load_references
 from sat_model.vocab import build_vocab
 
 L, D = 6, 4

@@ -10,7 +10,6 @@ import torch
 from torchvision.transforms import v2
 
 from sat_model.grounding import (
-    Box,
     GroundingSample,
     box_to_crop,
     cell_centre,
@@ -18,6 +17,7 @@ from sat_model.grounding import (
     peak_hits_box,
     pointing_accuracy,
 )
+from sat_model.tables import Box
 
 
 def test_square_image_at_crop_size_is_identity():

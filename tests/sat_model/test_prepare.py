@@ -11,15 +11,10 @@ import pytest
 from PIL import Image
 
 from sat_model.config import DataConfig
-from sat_model.prepare import (
-    CAPTIONS_SCHEMA,
-    IMAGES_SCHEMA,
-    REPORT_KEYS,
-    PrepareError,
-    check_image,
-    prepare_dataset,
-)
-from sat_model.scenes import generate_scene, ground_tokens, objects_from_boxes
+from sat_model.grounding import ground_tokens
+from sat_model.prepare import REPORT_KEYS, PrepareError, check_image, prepare_dataset
+from sat_model.scenes import generate_scene
+from sat_model.tables import CAPTIONS_SCHEMA, IMAGES_SCHEMA, Box
 from sat_model.text import tokenize
 
 OUTPUTS = ("images.parquet", "captions.parquet", "vocab.json", "prepare_report.json")
@@ -310,11 +305,12 @@ def test_objects_rebuilt_from_the_boxes_column_ground_like_the_scene(tmp_path: P
     for row in read_rows(out / "images.parquet"):
         split, index = row["image_id"].split("_")
         scene = generate_scene(4, split, int(index))
-        rebuilt = objects_from_boxes(row["boxes"])
+        rebuilt = [Box.from_row(b) for b in row["boxes"]]
         for caption in scene.captions:
             tokens = tokenize(caption)
             assert ground_tokens(tokens, rebuilt) == ground_tokens(tokens, scene.objects)
-        assert np.allclose([o.box for o in rebuilt], [o.box for o in scene.objects])
+        boxes = [(b.x0, b.y0, b.x1, b.y1) for b in rebuilt]
+        assert np.allclose(boxes, [o.box for o in scene.objects])
 
 
 SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k-sample"

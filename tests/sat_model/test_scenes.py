@@ -12,17 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sat_model.scenes import (
-    COLOURS,
-    SHAPES,
-    SIZES,
-    Scene,
-    SceneObject,
-    generate_scene,
-    generate_scenes,
-    ground_tokens,
-    render_scene,
-)
+from sat_model.grounding import ground_tokens
+from sat_model.scene_grammar import COLOURS, SHAPES, SIZES
+from sat_model.scenes import Scene, SceneObject, generate_scene, generate_scenes, render_scene
 from sat_model.text import tokenize
 
 NUMBER = {"one": 1, "two": 2, "three": 3, "four": 4}
