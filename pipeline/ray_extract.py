@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from sat_model.encoders import Encoder, build_encoder
+from sat_model.encoders import Encoder, EncoderSpec
 from sat_model.extract import (
     DecodedBatch,
     ImageItem,
@@ -29,36 +28,22 @@ from sat_model.extract import (
     batch_slices,
     decode_batch,
     encode_batch,
-    feature_meta,
 )
-from sat_model.features import FeatureWriter
+from sat_model.features import FeatureMeta, FeatureWriter
 
-__all__ = ["EncoderSpec", "RaySplitRunner"]
-
-
-@dataclass(frozen=True)
-class EncoderSpec:
-    """How an actor rebuilds the driver's encoder (weights paths must be absolute)."""
-
-    name: str
-    layer: str
-    weights: str | None
-    input_size: int
-    seed: int
-    torch_threads: int
+__all__ = ["RaySplitRunner"]
 
 
 class _BatchEncoder:
     """Ray Data actor: decode one batch slice and encode it (rows in, rows out)."""
 
-    def __init__(self, spec: EncoderSpec, prep: Preprocessing, use_gpu: bool) -> None:
+    def __init__(
+        self, spec: EncoderSpec, prep: Preprocessing, use_gpu: bool, torch_threads: int
+    ) -> None:
         # the same thread count as the local engine: CPU kernels' float results depend on it
-        torch.set_num_threads(spec.torch_threads)
+        torch.set_num_threads(torch_threads)
         self.device = torch.device("cuda" if use_gpu else "cpu")
-        encoder = build_encoder(
-            spec.name, spec.layer, spec.weights, input_size=spec.input_size, seed=spec.seed
-        )
-        self.encoder = encoder.to(self.device)
+        self.encoder = spec.build().to(self.device)
         self.prep = prep
 
     def __call__(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -85,10 +70,13 @@ class RaySplitRunner:
     Ray must already be initialised (``pipeline.ray_runtime.ray_session``).
     """
 
-    def __init__(self, spec: EncoderSpec, num_actors: int, use_gpu: bool) -> None:
-        self.spec = spec
+    def __init__(
+        self, spec: EncoderSpec, num_actors: int, use_gpu: bool, torch_threads: int
+    ) -> None:
+        self.spec = spec  # weights path absolute: actors do not share the driver's directory
         self.num_actors = num_actors
         self.use_gpu = use_gpu
+        self.torch_threads = torch_threads
 
     def __call__(
         self,
@@ -108,7 +96,7 @@ class RaySplitRunner:
         bar = tqdm(
             total=len(items), desc=f"extract {split} (ray)", unit="img", disable=not progress
         )
-        meta = feature_meta(encoder.description)
+        meta = FeatureMeta.of(encoder.description)
         with FeatureWriter(out_path, meta) as writer, bar:
             for index, row in enumerate(rows):
                 if row["batch_index"] != index:
@@ -136,9 +124,14 @@ class RaySplitRunner:
         ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 64)))
         return ds.map_batches(
             _BatchEncoder,
-            fn_constructor_kwargs={"spec": self.spec, "prep": prep, "use_gpu": self.use_gpu},
+            fn_constructor_kwargs={
+                "spec": self.spec,
+                "prep": prep,
+                "use_gpu": self.use_gpu,
+                "torch_threads": self.torch_threads,
+            },
             batch_size=1,  # one row is one whole batch slice
             concurrency=max(1, min(self.num_actors, len(rows))),  # no idle actors
-            num_cpus=self.spec.torch_threads,
+            num_cpus=self.torch_threads,
             num_gpus=1 if self.use_gpu else None,
         )

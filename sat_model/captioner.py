@@ -18,7 +18,7 @@ import base64
 import binascii
 import io
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +28,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from sat_model.checkpoint import load_checkpoint, load_model
+from sat_model.checkpoint import load_checkpoint, model_from_checkpoint
 from sat_model.decoding import beam_search
-from sat_model.encoders import Encoder, EncoderError, build_encoder
+from sat_model.encoders import Encoder, EncoderError, EncoderSpec
+from sat_model.features import FeatureMeta
 from sat_model.images import ImageError, load_image, preprocess
 from sat_model.model import ShowAttendTell
 from sat_model.visualize import centre_crop
@@ -39,9 +40,9 @@ from sat_model.vocab import Vocab
 __all__ = [
     "IMAGE_EXTENSIONS",
     "Captioner",
-    "EncoderSpec",
     "FileCaption",
     "ImageCaption",
+    "RecordedEncoder",
     "decode_image_input",
     "find_image_files",
 ]
@@ -99,48 +100,41 @@ def find_image_files(inputs: Iterable[str | Path]) -> list[Path]:
 
 
 @dataclass(frozen=True)
-class EncoderSpec:
-    """The encoder a model folder was trained on, as read from ``config.json``."""
+class RecordedEncoder:
+    """The encoder a model folder was trained on: its stored description and ``resize``."""
 
-    name: str
-    layer: str
-    input_size: int
+    meta: FeatureMeta
     resize: int
-    weights_sha256: str
-    grid_h: int
-    grid_w: int
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], source: str | Path) -> EncoderSpec:
+    def from_config(cls, config: Mapping[str, Any], source: str | Path) -> RecordedEncoder:
         enc = config.get("encoder")
         if not isinstance(enc, dict):
             raise EncoderError(f"{source}: config.json has no 'encoder' section")
         try:
-            size = int(enc["input_size"])
-            return cls(
-                # the feature store's metadata calls it "encoder", EncoderDescription "name"
-                name=str(enc["name"] if "name" in enc else enc["encoder"]),
-                layer=str(enc["layer"]),
-                input_size=size,
-                resize=int(enc.get("resize") or round(size * _DEFAULT_RESIZE_RATIO)),
-                weights_sha256=str(enc["weights_sha256"]),
-                grid_h=int(enc["grid_h"]),
-                grid_w=int(enc["grid_w"]),
-            )
+            meta = FeatureMeta.from_fields(enc)
         except KeyError as e:
             raise EncoderError(f"{source}: config.json 'encoder' lacks {e.args[0]!r}") from e
+        except ValueError as e:
+            raise EncoderError(f"{source}: config.json 'encoder' is invalid: {e}") from e
+        resize = int(enc.get("resize") or round(meta.input_size * _DEFAULT_RESIZE_RATIO))
+        return cls(meta, resize)
 
     def build(self, weights: str | Path | None = None) -> Encoder:
-        seed = 0
-        if self.name == "random":  # recorded as "random-seed-N"
-            seed = int(self.weights_sha256.rsplit("-", 1)[-1])
-        encoder = build_encoder(
-            self.name, self.layer, weights=weights, input_size=self.input_size, seed=seed
+        """Rebuild the encoder; its weights must be the ones recorded."""
+        m = self.meta
+        spec = EncoderSpec.recorded(
+            m.name,
+            m.layer,
+            m.input_size,
+            m.weights_sha256,
+            None if weights is None else str(weights),
         )
-        if encoder.description.weights_sha256 != self.weights_sha256:
+        encoder = spec.build()
+        if encoder.description.weights_sha256 != m.weights_sha256:
             raise EncoderError(
-                f"encoder {self.name!r} weights {encoder.description.weights_sha256[:12]}… are "
-                f"not the ones the model was trained on ({self.weights_sha256[:12]}…)"
+                f"encoder {m.name!r} weights {encoder.description.weights_sha256[:12]}… are "
+                f"not the ones the model was trained on ({m.weights_sha256[:12]}…)"
             )
         return encoder
 
@@ -206,16 +200,16 @@ class Captioner:
         **options: Any,
     ) -> Captioner:
         """Load ``model_dir`` and rebuild its encoder; ``options`` as for the constructor."""
-        config = load_checkpoint(model_dir).config
-        spec = EncoderSpec.from_config(config, model_dir)
-        model, vocab, _ = load_model(model_dir, device=device)
-        encoder = spec.build(encoder_weights)
+        checkpoint = load_checkpoint(model_dir)
+        recorded = RecordedEncoder.from_config(checkpoint.config, model_dir)
+        model, vocab, _ = model_from_checkpoint(checkpoint, device, source=model_dir)
+        encoder = recorded.build(encoder_weights)
         if encoder.description.num_locations != model.config.num_locations:
             raise EncoderError(
                 f"{model_dir}: encoder gives L={encoder.description.num_locations} locations, "
                 f"the model expects {model.config.num_locations}"
             )
-        return cls(model, vocab, encoder, resize=spec.resize, device=device, **options)
+        return cls(model, vocab, encoder, resize=recorded.resize, device=device, **options)
 
     @property
     def crop_size(self) -> int:

@@ -44,6 +44,7 @@ __all__ = [
     "is_checkpoint_dir",
     "load_checkpoint",
     "load_model",
+    "model_from_checkpoint",
     "save_checkpoint",
     "state_of",
 ]
@@ -180,12 +181,18 @@ def load_model(
     directory: str | Path, device: str | torch.device = "cpu"
 ) -> tuple[ShowAttendTell, Vocab, ModelConfig]:
     """Rebuild the model from the folder alone, in eval mode, on ``device``."""
-    ckpt = load_checkpoint(directory)
+    return model_from_checkpoint(load_checkpoint(directory), device, source=directory)
+
+
+def model_from_checkpoint(
+    ckpt: Checkpoint, device: str | torch.device = "cpu", source: str | Path = "checkpoint"
+) -> tuple[ShowAttendTell, Vocab, ModelConfig]:
+    """The model of a loaded checkpoint, in eval mode, on ``device`` (``source`` names it)."""
     model = ShowAttendTell(ckpt.model_config)
     try:
         model.load_state_dict(ckpt.model_state)
     except RuntimeError as e:  # missing/unexpected keys or shape mismatches
-        raise CheckpointError(f"{directory}: weights do not fit the saved model config: {e}") from e
+        raise CheckpointError(f"{source}: weights do not fit the saved model config: {e}") from e
     return model.to(device).eval(), ckpt.vocab, ckpt.model_config
 
 

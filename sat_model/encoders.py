@@ -37,6 +37,7 @@ __all__ = [
     "Encoder",
     "EncoderDescription",
     "EncoderError",
+    "EncoderSpec",
     "WeightsMismatchError",
     "WeightsNotFoundError",
     "build_encoder",
@@ -227,6 +228,35 @@ def _describe(
     return EncoderDescription(
         name, layer, input_size, grid_h * grid_w, dim, grid_h, grid_w, sha, mean, std
     )
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """How to rebuild a frozen encoder: what :func:`build_encoder` takes.
+
+    A Ray actor rebuilds the driver's encoder from one; ``sat caption`` rebuilds a model
+    folder's from its recorded description (:meth:`recorded`).
+    """
+
+    name: str
+    layer: str | None = None  # None: the encoder's default layer
+    input_size: int = 224  # S
+    weights: str | None = None  # a weights file (absolute for Ray workers); None: the installed one
+    seed: int = 0  # the "random" encoder's seed
+
+    @classmethod
+    def recorded(
+        cls, name: str, layer: str, input_size: int, weights_sha256: str, weights: str | None
+    ) -> EncoderSpec:
+        """The encoder a stored description names; a "random" one's seed is in its checksum
+        (``random-seed-N``)."""
+        seed = int(weights_sha256.rsplit("-", 1)[-1]) if name == "random" else 0
+        return cls(name, layer, input_size, weights, seed)
+
+    def build(self) -> Encoder:
+        return build_encoder(
+            self.name, self.layer, self.weights, input_size=self.input_size, seed=self.seed
+        )
 
 
 def build_encoder(

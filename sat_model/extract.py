@@ -38,7 +38,6 @@ __all__ = [
     "encode_batch",
     "extract_features",
     "extract_split",
-    "feature_meta",
     "read_image_table",
 ]
 
@@ -132,14 +131,6 @@ def read_image_table(path: str | Path, image_root: str | Path) -> dict[str, list
     return {s: items[s] for s in sorted(items, key=split_order)}
 
 
-def feature_meta(description: EncoderDescription) -> FeatureMeta:
-    d = description
-    return FeatureMeta(
-        d.name, d.layer, d.input_size, d.num_locations, d.annotation_dim, d.grid_h, d.grid_w,
-        d.weights_sha256,
-    )  # fmt: skip
-
-
 def batch_slices(count: int, batch_size: int) -> list[slice]:
     """The fixed batch boundaries every engine uses (outputs depend on batch composition)."""
     return [slice(i, min(i + batch_size, count)) for i in range(0, count, batch_size)]
@@ -229,7 +220,7 @@ def extract_split(
     start = time.perf_counter()
     skipped: list[tuple[str, str]] = []
     bar = tqdm(total=len(items), desc=f"extract {split}", unit="img", disable=not progress)
-    with FeatureWriter(out_path, feature_meta(encoder.description)) as writer, bar:
+    with FeatureWriter(out_path, FeatureMeta.of(encoder.description)) as writer, bar:
         for batch in iter_decoded(items, prep, batch_size, num_workers):
             if batch.image_ids:
                 writer.write(batch.image_ids, encode_batch(encoder, batch.images))

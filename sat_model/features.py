@@ -3,24 +3,31 @@
 Dimensions: ``N`` images in the file, ``B`` batch, ``L`` locations, ``D`` annotation size.
 
 Columns ``image_id: string`` and ``features: fixed_size_list<float16>[L*D]`` (row-major L×D);
-schema metadata ``encoder``, ``layer``, ``input_size``, ``L``, ``D``, ``grid_h``, ``grid_w``,
-``weights_sha256``, ``format_version`` (docs/ARCHITECTURE.md). :class:`FeatureWriter` appends
-record batches to a hidden temporary file and renames it on success, so an interrupted run never
-leaves a file that looks complete. :class:`FeatureStore` reads through ``pa.memory_map``: rows are
-numpy views into the mapping and the process never copies the whole file into RAM.
+schema metadata :class:`FeatureMeta`: ``name``, ``layer``, ``input_size``, ``num_locations``,
+``annotation_dim``, ``grid_h``, ``grid_w``, ``weights_sha256`` (the encoder's description, as
+everywhere it is stored) and ``format_version`` (docs/ARCHITECTURE.md).
+:class:`FeatureWriter` appends record batches to a hidden temporary file and renames it on
+success, so an interrupted run never leaves a file that looks complete. :class:`FeatureStore`
+reads through ``pa.memory_map``: rows are numpy views into the mapping and the process never
+copies the whole file into RAM.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
 from sat_model.atomic import fsync_dir, fsync_file, remove_dead_temps
+
+if TYPE_CHECKING:
+    from sat_model.encoders import EncoderDescription
 
 __all__ = [
     "FEATURES_FORMAT_VERSION",
@@ -38,35 +45,87 @@ class FeatureStoreError(RuntimeError):
     """A feature file that is missing, truncated, corrupt or not a feature store."""
 
 
+# the names a feature store or a model's config.json used before the encoder's description had
+# one shape (EncoderDescription's): still read, so older stores and checkpoints stay usable
+_LEGACY_KEYS = {"encoder": "name", "L": "num_locations", "D": "annotation_dim"}
+_INT_FIELDS = (
+    "input_size",
+    "num_locations",
+    "annotation_dim",
+    "grid_h",
+    "grid_w",
+    "format_version",
+)
+
+
 @dataclass(frozen=True)
 class FeatureMeta:
-    """The schema metadata of a feature store (what produced the features, and their shape)."""
+    """What produced a store's features and their shape: the encoder's description as stored.
 
-    encoder: str
+    The same keys as :class:`sat_model.encoders.EncoderDescription` (less ``mean``/``std``), in
+    the store's schema metadata and in a model's ``config.json`` ``encoder`` section.
+    """
+
+    name: str
     layer: str
-    input_size: int
-    L: int
-    D: int
+    input_size: int  # S
+    num_locations: int  # L
+    annotation_dim: int  # D
     grid_h: int
     grid_w: int
-    weights_sha256: str
+    weights_sha256: str  # sha256 of the weights file, or "random-seed-N"
     format_version: int = FEATURES_FORMAT_VERSION
 
+    @property
+    def L(self) -> int:  # the paper's symbol
+        return self.num_locations
+
+    @property
+    def D(self) -> int:  # the paper's symbol
+        return self.annotation_dim
+
+    @classmethod
+    def of(cls, description: EncoderDescription) -> FeatureMeta:
+        """The stored form of an encoder's description."""
+        return cls.from_fields(asdict(description))
+
+    @classmethod
+    def from_fields(cls, raw: Mapping[str, object]) -> FeatureMeta:
+        """From a stored description (extra keys ignored, pre-#18 names read too).
+
+        Raises:
+            KeyError: a field is missing (the key names it).
+            ValueError: a number field is not an integer.
+        """
+        given = {_LEGACY_KEYS.get(k, k): v for k, v in raw.items()}
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in given:
+                if f.name == "format_version":
+                    continue
+                raise KeyError(f.name)
+            value = given[f.name]
+            values[f.name] = int(str(value)) if f.name in _INT_FIELDS else str(value)
+        return cls(**values)
+
+    def to_fields(self) -> dict[str, object]:
+        return asdict(self)
+
     def to_metadata(self) -> dict[bytes, bytes]:
-        return {k.encode(): str(v).encode() for k, v in self.__dict__.items()}
+        return {k.encode(): str(v).encode() for k, v in asdict(self).items()}
 
     @classmethod
     def from_metadata(cls, metadata: dict[bytes, bytes] | None, path: str | Path) -> FeatureMeta:
         raw = {k.decode(): v.decode() for k, v in (metadata or {}).items()}
-        missing = [f for f in cls.__dataclass_fields__ if f not in raw]
-        if missing:
-            raise FeatureStoreError(f"{path}: not a feature store (metadata lacks {missing})")
-        ints = ("input_size", "L", "D", "grid_h", "grid_w", "format_version")
         try:
-            values = {f: int(raw[f]) if f in ints else raw[f] for f in cls.__dataclass_fields__}
+            return cls.from_fields(raw)
+        except KeyError as e:
+            missing = e.args[0]
+            raise FeatureStoreError(
+                f"{path}: not a feature store (metadata lacks {missing!r})"
+            ) from e
         except ValueError as e:
             raise FeatureStoreError(f"{path}: bad feature store metadata: {e}") from e
-        return cls(**values)
 
     def schema(self) -> pa.Schema:
         return pa.schema(

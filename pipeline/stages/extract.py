@@ -18,7 +18,7 @@ import torch
 from pipeline.stages import stage_parser
 from sat_model.atomic import write_text_atomic
 from sat_model.config import Params, load_params
-from sat_model.encoders import build_encoder
+from sat_model.encoders import EncoderSpec, build_encoder
 from sat_model.extract import ExtractReport, extract_features
 from sat_model.paths import image_root
 
@@ -35,7 +35,7 @@ def _absolute(path: str, root: Path) -> Path:
 def _ray_runner(params: Params, weights: str | None, num_cpus_hint: int):
     import ray
 
-    from pipeline.ray_extract import EncoderSpec, RaySplitRunner
+    from pipeline.ray_extract import RaySplitRunner
 
     cfg = params.encoder
     gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -45,10 +45,8 @@ def _ray_runner(params: Params, weights: str | None, num_cpus_hint: int):
         raise ValueError("ray.use_gpu is 'true' but the Ray cluster has no GPU")
     cpus = int(ray.cluster_resources().get("CPU", num_cpus_hint))
     actors = gpus if use_gpu else max(1, cpus // cfg.torch_threads)
-    spec = EncoderSpec(
-        cfg.name, cfg.layer or "", weights, cfg.crop, seed=0, torch_threads=cfg.torch_threads
-    )
-    return RaySplitRunner(spec, num_actors=actors, use_gpu=use_gpu)
+    spec = EncoderSpec(cfg.name, cfg.layer, cfg.crop, weights)
+    return RaySplitRunner(spec, actors, use_gpu, cfg.torch_threads)
 
 
 def run_extract(params: Params, root: Path, progress: bool = True) -> ExtractReport:

@@ -32,11 +32,11 @@ def write_feature_store(path: Path, ids: list[str], feats: np.ndarray) -> None:
     flat = pa.array(feats.reshape(-1).astype(np.float16), type=pa.float16())  # (N*L*D,)
     column = pa.FixedSizeListArray.from_arrays(flat, L * D)  # (N,) of L*D
     meta = {
-        "encoder": "random",
+        "name": "random",
         "layer": "none",
         "input_size": "32",
-        "L": str(L),
-        "D": str(D),
+        "num_locations": str(L),
+        "annotation_dim": str(D),
         "grid_h": "2",
         "grid_w": "3",
         "weights_sha256": "0" * 64,

@@ -11,7 +11,12 @@ import pytest
 import torch
 from PIL import Image
 
-from sat_model.captioner import Captioner, EncoderSpec, decode_image_input, find_image_files
+from sat_model.captioner import (
+    Captioner,
+    RecordedEncoder,
+    decode_image_input,
+    find_image_files,
+)
 from sat_model.checkpoint import save_checkpoint
 from sat_model.config import ModelParams
 from sat_model.encoders import EncoderError, build_encoder
@@ -84,17 +89,19 @@ def test_batching_does_not_change_captions(model_dir):
 
 def test_missing_encoder_section_is_named(tmp_path):
     with pytest.raises(EncoderError, match="no 'encoder' section"):
-        EncoderSpec.from_config({"model": {}}, tmp_path)
+        RecordedEncoder.from_config({"model": {}}, tmp_path)
 
 
 def test_encoder_section_missing_a_field_is_named(tmp_path):
     with pytest.raises(EncoderError, match="'grid_h'"):
-        EncoderSpec.from_config(
+        RecordedEncoder.from_config(
             {
                 "encoder": {
                     "name": "random",
                     "layer": "conv2",
                     "input_size": 64,
+                    "num_locations": 16,
+                    "annotation_dim": 32,
                     "weights_sha256": "",
                 }
             },
@@ -104,17 +111,17 @@ def test_encoder_section_missing_a_field_is_named(tmp_path):
 
 def test_resize_defaults_to_the_papers_ratio_when_not_recorded():
     section = build_encoder("random", input_size=224).description.to_dict()
-    assert EncoderSpec.from_config({"encoder": section}, "x").resize == 256
+    assert RecordedEncoder.from_config({"encoder": section}, "x").resize == 256
 
 
 def test_encoder_with_other_weights_is_refused(tmp_path):
     d = build_encoder("random", input_size=64).description.to_dict()
-    spec = EncoderSpec.from_config({"encoder": {**d, "weights_sha256": "0" * 64}}, tmp_path)
-    spec = EncoderSpec(**{**spec.__dict__, "name": "random", "weights_sha256": "random-seed-7"})
+    seven = RecordedEncoder.from_config({"encoder": {**d, "weights_sha256": "random-seed-7"}}, "x")
     # seed 7 rebuilds a network whose recorded checksum is "random-seed-7": that one matches
-    assert spec.build().description.weights_sha256 == "random-seed-7"
+    assert seven.build().description.weights_sha256 == "random-seed-7"
+    lite0 = {**d, "name": "efficientnet_lite0", "layer": "blocks.4", "weights_sha256": "0" * 64}
     with pytest.raises(EncoderError, match="not the ones the model was trained on"):
-        EncoderSpec(**{**spec.__dict__, "name": "efficientnet_lite0", "layer": "blocks.4"}).build()
+        RecordedEncoder.from_config({"encoder": lite0}, tmp_path).build()
 
 
 def _png_bytes(colour=(10, 200, 30)):
@@ -155,17 +162,18 @@ def test_non_images_raise_an_image_error_with_a_reason(value, reason):
 
 def test_config_json_encoder_section_round_trips(model_dir):
     config = json.loads((model_dir / "config.json").read_text())
-    spec = EncoderSpec.from_config(config, model_dir)
-    assert (spec.name, spec.input_size, spec.resize, spec.grid_h) == ("random", 64, 72, 4)
+    recorded = RecordedEncoder.from_config(config, model_dir)
+    m = recorded.meta
+    assert (m.name, m.input_size, recorded.resize, m.grid_h) == ("random", 64, 72, 4)
 
 
-def test_encoder_section_written_from_feature_store_metadata_is_read():
-    # train_run records asdict(FeatureMeta): the encoder's name is under "encoder"
+def test_encoder_section_in_the_pre_issue_18_shape_is_still_read():
+    # before one shape, train_run recorded the store's metadata names: "encoder", "L", "D"
     section = {"encoder": "random", "layer": "conv2", "input_size": 64, "L": 16, "D": 32}
     section |= {"grid_h": 4, "grid_w": 4, "weights_sha256": "random-seed-0", "format_version": 1}
-    spec = EncoderSpec.from_config({"encoder": section}, "x")
-    assert (spec.name, spec.resize) == ("random", 73)  # round(64 * 256 / 224) = round(73.14)
-    assert spec.build().description.num_locations == 16
+    recorded = RecordedEncoder.from_config({"encoder": section}, "x")
+    assert (recorded.meta.name, recorded.resize) == ("random", 73)  # round(64 * 256 / 224)
+    assert recorded.build().description.num_locations == 16
 
 
 def test_caption_files_keeps_the_order_and_gives_each_bad_file_its_error(model_dir, tmp_path):

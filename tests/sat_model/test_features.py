@@ -17,11 +17,11 @@ from sat_model.features import (
 )
 
 META = FeatureMeta(
-    encoder="random",
+    name="random",
     layer="conv2",
     input_size=32,
-    L=4,
-    D=3,
+    num_locations=4,
+    annotation_dim=3,
     grid_h=2,
     grid_w=2,
     weights_sha256="random-seed-0",
@@ -71,8 +71,17 @@ def test_file_follows_the_architecture_contract_schema(tmp_path: Path) -> None:
     assert schema.field("image_id").type == pa.string()
     assert schema.field("features").type == pa.list_(pa.float16(), 12)
     keys = {k.decode() for k in schema.metadata}
-    assert keys == {"encoder", "layer", "input_size", "L", "D", "grid_h", "grid_w",
-                    "weights_sha256", "format_version"}  # fmt: skip
+    assert keys == {
+        "name",
+        "layer",
+        "input_size",
+        "num_locations",
+        "annotation_dim",
+        "grid_h",
+        "grid_w",
+        "weights_sha256",
+        "format_version",
+    }
 
 
 def test_rows_are_views_into_the_mapping_not_copies(tmp_path: Path) -> None:
@@ -149,3 +158,25 @@ def test_channel_statistics_equal_numpy_over_every_location(tmp_path: Path) -> N
     flat = _features(6).reshape(-1, 3).astype(np.float64)  # (images*L, D)
     np.testing.assert_allclose(mean, flat.mean(0), rtol=1e-6)
     np.testing.assert_allclose(std, flat.std(0), rtol=1e-6)
+
+
+def test_the_stored_description_has_the_encoders_own_field_names() -> None:
+    from sat_model.encoders import build_encoder
+
+    d = build_encoder("random", input_size=32).description
+    meta = FeatureMeta.of(d)
+    stored = set(meta.to_fields())
+    # every stored key is EncoderDescription's (mean/std are not stored), plus the file format
+    assert stored - {"format_version"} == set(d.to_dict()) - {"mean", "std"}
+    assert (d.num_locations, d.annotation_dim) == (meta.L, meta.D)
+
+
+def test_a_store_written_with_the_pre_issue_18_metadata_names_is_read(tmp_path: Path) -> None:
+    old = {"encoder": "random", "layer": "conv2", "input_size": "32", "L": "4", "D": "3"}
+    old |= {"grid_h": "2", "grid_w": "2", "weights_sha256": "random-seed-0", "format_version": "1"}
+    column = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(12), pa.float16()), 12)
+    schema = pa.schema([("image_id", pa.string()), ("features", column.type)], metadata=old)
+    path = tmp_path / "old.arrow"
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        writer.write_table(pa.table({"image_id": ["a"], "features": column}, schema=schema))
+    assert FeatureStore(path).meta == META

@@ -405,7 +405,7 @@ def test_train_model_writes_a_loadable_model_metrics_and_curves(
     assert not model.training
     assert vocab.itos == load_vocab(prepared / "vocab.json").itos
     cfg = json.loads((model_dir / "config.json").read_text())
-    assert cfg["encoder"]["encoder"] == "random" and cfg["encoder"]["L"] == L
+    assert cfg["encoder"]["name"] == "random" and cfg["encoder"]["num_locations"] == L
     # the saved model is the best epoch's
     from sat_model.checkpoint import load_checkpoint
 
