@@ -96,7 +96,7 @@ class RaySplitRunner:
         bar = tqdm(
             total=len(items), desc=f"extract {split} (ray)", unit="img", disable=not progress
         )
-        meta = FeatureMeta.of(encoder.description)
+        meta = FeatureMeta.from_fields(encoder.description.to_dict())
         with FeatureWriter(out_path, meta) as writer, bar:
             for index, row in enumerate(rows):
                 if row["batch_index"] != index:

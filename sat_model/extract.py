@@ -220,7 +220,10 @@ def extract_split(
     start = time.perf_counter()
     skipped: list[tuple[str, str]] = []
     bar = tqdm(total=len(items), desc=f"extract {split}", unit="img", disable=not progress)
-    with FeatureWriter(out_path, FeatureMeta.of(encoder.description)) as writer, bar:
+    with (
+        FeatureWriter(out_path, FeatureMeta.from_fields(encoder.description.to_dict())) as writer,
+        bar,
+    ):
         for batch in iter_decoded(items, prep, batch_size, num_workers):
             if batch.image_ids:
                 writer.write(batch.image_ids, encode_batch(encoder, batch.images))

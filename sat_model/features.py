@@ -19,15 +19,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from sat_model.atomic import fsync_dir, fsync_file, remove_dead_temps
-
-if TYPE_CHECKING:
-    from sat_model.encoders import EncoderDescription
 
 __all__ = [
     "FEATURES_FORMAT_VERSION",
@@ -85,13 +82,9 @@ class FeatureMeta:
         return self.annotation_dim
 
     @classmethod
-    def of(cls, description: EncoderDescription) -> FeatureMeta:
-        """The stored form of an encoder's description."""
-        return cls.from_fields(asdict(description))
-
-    @classmethod
     def from_fields(cls, raw: Mapping[str, object]) -> FeatureMeta:
-        """From a stored description (extra keys ignored, pre-#18 names read too).
+        """From a stored description or ``EncoderDescription.to_dict()`` (extra keys ignored,
+        pre-#18 names read too).
 
         Raises:
             KeyError: a field is missing (the key names it).

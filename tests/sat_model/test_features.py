@@ -164,7 +164,7 @@ def test_the_stored_description_has_the_encoders_own_field_names() -> None:
     from sat_model.encoders import build_encoder
 
     d = build_encoder("random", input_size=32).description
-    meta = FeatureMeta.of(d)
+    meta = FeatureMeta.from_fields(d.to_dict())
     stored = set(meta.to_fields())
     # every stored key is EncoderDescription's (mean/std are not stored), plus the file format
     assert stored - {"format_version"} == set(d.to_dict()) - {"mean", "std"}
