@@ -25,18 +25,22 @@ from pathlib import Path
 import torch
 from reference_model import reference_forward, reference_soft_loss
 
-from sat_model.config import HardTrainConfig, ModelParams, SoftTrainConfig, load_params
+from sat_model.config import (
+    ATTENTION_KINDS,
+    HardTrainConfig,
+    ModelParams,
+    SoftTrainConfig,
+    load_params,
+)
 from sat_model.decoding import beam_search
 from sat_model.losses import build_criterion
 from sat_model.model import (
-    END_ID,
-    PAD_ID,
-    START_ID,
     ModelConfig,
     ShowAttendTell,
     build_model,
     torch_lstm_step,
 )
+from sat_model.vocab import END_ID, PAD_ID, START_ID
 
 __all__ = ["Dims", "main", "matmul_flops", "train_step_flops"]
 
@@ -303,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
     training = []
     for d in dims:
         iters = 3 if args.quick or d.name == "paper" else 5
-        for attention in ("soft", "hard"):
+        for attention in ATTENTION_KINDS:
             row = bench_training(d, attention, batch=64, steps=16, iters=iters)
             row["fraction_of_matmul_peak"] = row["matmul_flops_per_s"] / peak
             training.append(row)

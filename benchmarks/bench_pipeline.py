@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from sat_model.config import ATTENTION_KINDS
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline.json"
 STAGES = (
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             "total_seconds": round(sum(seconds.values()), 1),
             "reports": {
                 a: json.loads((project / f"reports/{a}/metrics.json").read_text())
-                for a in ("soft", "hard")
+                for a in ATTENTION_KINDS
                 if (project / f"reports/{a}/metrics.json").exists()
             },
         }

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pipeline import serve
 from pipeline.stages import add_params_args
+from sat_model.config import ATTENTION_KINDS
 
 __all__ = ["CommandError", "main"]
 
@@ -52,7 +53,7 @@ def _summary(args: argparse.Namespace) -> int:
     """Print the metrics table of the evaluated models and how to caption an image."""
     reports = Path(args.reports)
     rows = []
-    for attention in ("soft", "hard"):
+    for attention in ATTENTION_KINDS:
         path = reports / attention / "metrics.json"
         if path.exists():
             rows.append((attention, json.loads(path.read_text())))
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train one model (soft or hard attention) through Ray Train")
     add_params_args(p)
-    p.add_argument("--attention", choices=["soft", "hard"], required=True)
+    p.add_argument("--attention", choices=ATTENTION_KINDS, required=True)
     p.add_argument(
         "--resume",
         action="store_true",
@@ -401,7 +402,7 @@ def _register_more(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument("--model", default=None, help="model folder or models:/ URI")
     p.add_argument(
         "--attention",
-        choices=["soft", "hard"],
+        choices=ATTENTION_KINDS,
         default=None,
         help="without --model: evaluate models/<attention> into reports/<attention>, "
         "as the DVC stage does (default soft)",

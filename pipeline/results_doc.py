@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.params_doc import replace_between
+from sat_model.config import ATTENTION_KINDS
 
 __all__ = ["PAPER_TABLE_1", "results_section"]
 
@@ -45,7 +46,7 @@ def results_section(reports: Path) -> str:
         "| data | model | BLEU-1 | BLEU-2 | BLEU-3 | BLEU-4 | METEOR | ROUGE-L | CIDEr | point |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for attention in ("soft", "hard"):
+    for attention in ATTENTION_KINDS:
         path = reports / attention / "metrics.json"
         if not path.exists():
             continue

@@ -306,7 +306,7 @@ class Captioner:
         )
         out = []
         for image, caption in zip(images, captions, strict=True):
-            words, alphas = _words_and_alphas(caption.tokens, caption.alphas, self.vocab)
+            words, alphas = caption.words(self.vocab)
             crop = centre_crop(image, self.resize, d.input_size)
             out.append(ImageCaption(words, alphas, float(caption.score), crop, d.grid_h, d.grid_w))
         return out
@@ -318,12 +318,3 @@ class _Decoded:
 
     image: Image.Image
     pixels: torch.Tensor
-
-
-def _words_and_alphas(
-    tokens: Sequence[int], alphas: np.ndarray, vocab: Vocab
-) -> tuple[tuple[str, ...], np.ndarray]:
-    """Words with their α rows, dropping ``<pad>``/``<start>`` (an untrained model emits them)."""
-    keep = [i for i, t in enumerate(tokens) if t not in (vocab.pad_id, vocab.start_id)]
-    words = tuple(vocab.itos[tokens[i]] for i in keep)
-    return words, np.asarray(alphas, dtype=np.float32)[keep]  # (len, L)

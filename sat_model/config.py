@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
+    "ATTENTION_KINDS",
+    "AttentionKind",
     "CocoConfig",
     "DataConfig",
     "EncoderConfig",
@@ -39,6 +41,10 @@ __all__ = [
     "load_params",
     "read_yaml",
 ]
+
+# the two models of the paper (Sec. 4.1 hard, 4.2 soft): the one place the names are spelled
+AttentionKind = Literal["soft", "hard"]
+ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)
 
 Split = Literal["train", "val", "test"]
 
@@ -233,7 +239,7 @@ class EvalConfig(_Section):
 
 # ----------------------------------------------------------------------------- tune
 class TuneConfig(_Section):
-    attention: Literal["soft", "hard"] = "soft"
+    attention: AttentionKind = "soft"
     num_samples: int = Field(8, ge=1)
     max_concurrent: int = Field(2, ge=1)
     # optuna: Optuna's TPE (model-based) through Ray Tune; random: Tune's random search

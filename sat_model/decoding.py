@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from sat_model.model import END_ID, MODES, START_ID, DecoderState, ShowAttendTell
+from sat_model.model import MODES, DecoderState, ShowAttendTell
+from sat_model.vocab import END_ID, START_ID, Vocab
 
 __all__ = ["Caption", "beam_search", "greedy"]
 
@@ -28,6 +29,11 @@ class Caption:
     score: float  # summed log-probabilities, <end> included when reached
     alphas: np.ndarray  # (len(tokens), L): the attention while each word was emitted
     finished: bool = True  # False when max_length ran out before <end>
+
+    def words(self, vocab: Vocab) -> tuple[tuple[str, ...], np.ndarray]:
+        """The words (:meth:`Vocab.decode_positions`) and each word's α row, (len(words), L)."""
+        words, positions = vocab.decode_positions(self.tokens)
+        return tuple(words), np.asarray(self.alphas, dtype=np.float32)[positions]
 
 
 def _check_args(annotations: Tensor, max_length: int, mode: str, beam_size: int = 1) -> None:

@@ -92,10 +92,8 @@ def _decode_batch(
 ) -> list[DecodedCaption]:
     out = []
     for image_id, c in zip(ids, beam_search(model, annotations, **search), strict=True):
-        # <pad>/<start> may be emitted by a poor model; they are not words (and have no α)
-        keep = [i for i, t in enumerate(c.tokens) if t not in (vocab.pad_id, vocab.start_id)]
-        words = tuple(vocab.itos[c.tokens[i]] for i in keep)
-        out.append(DecodedCaption(image_id, words, np.asarray(c.alphas)[keep], float(c.score)))
+        words, alphas = c.words(vocab)
+        out.append(DecodedCaption(image_id, words, alphas, float(c.score)))
     return out
 
 

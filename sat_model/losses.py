@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sat_model.config import HardTrainConfig, SoftTrainConfig
-from sat_model.model import PAD_ID, ForwardOutput
+from sat_model.model import ForwardOutput
+from sat_model.vocab import PAD_ID
 
 __all__ = [
     "REWARDS",

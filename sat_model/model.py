@@ -23,18 +23,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from sat_model.config import ATTENTION_KINDS
+from sat_model.vocab import END_ID
+
 if TYPE_CHECKING:
     from sat_model.config import ModelParams
 
 __all__ = [
-    "ATTENTION_KINDS",
-    "END_ID",
     "MODES",
     "ONEDNN_LSTM_MIN_ROWS",
-    "PAD_ID",
     "SCORE_CHUNK_ELEMENTS",
     "SEMI_SAMPLING_PER",
-    "START_ID",
     "AttentionOutput",
     "DecoderState",
     "ForwardOutput",
@@ -48,9 +47,6 @@ __all__ = [
     "torch_lstm_step",
 ]
 
-# special token ids fixed by the vocab.json contract (docs/ARCHITECTURE.md)
-PAD_ID, START_ID, END_ID = 0, 1, 2
-ATTENTION_KINDS = ("soft", "hard")
 MODES = ("train", "expected", "sample", "argmax")
 SEMI_SAMPLING_PER = ("image", "batch")
 # Rows from which decoding on CPU runs the LSTM step through torch.lstm, which PyTorch hands to

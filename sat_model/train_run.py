@@ -42,7 +42,7 @@ from sat_model.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from sat_model.config import Params
+from sat_model.config import ATTENTION_KINDS, Params
 from sat_model.decoding import greedy
 from sat_model.features import FeatureStore, channel_statistics
 from sat_model.losses import build_criterion
@@ -290,8 +290,8 @@ def train_model(
     ``identity`` (the run's digest, see ``pipeline.run_identity``) is recorded in
     ``config.json``; ``log_every`` is how often callbacks get ``on_log`` (steps).
     """
-    if attention not in ("soft", "hard"):
-        raise ValueError(f"unknown attention {attention!r}; expected 'soft' or 'hard'")
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
     cfg = params.train.soft if attention == "soft" else params.train.hard
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     prepared_dir, features_dir = Path(prepared_dir), Path(features_dir)

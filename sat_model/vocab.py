@@ -1,6 +1,7 @@
 """Word vocabulary: stable ids, the ``vocab.json`` format, encoding and decoding.
 
-Ids are positions in ``itos``: ``<pad>`` = 0, ``<start>`` = 1, ``<end>`` = 2, ``<unk>`` = 3,
+Ids are positions in ``itos``: ``<pad>`` = 0, ``<start>`` = 1, ``<end>`` = 2, ``<unk>`` = 3
+(:data:`PAD_ID` ..., the one place they are defined),
 then words by descending training count, ties alphabetical, so the same captions always give
 the same ids. ``max_size`` counts the whole list (K in docs/METHOD.md, 10,000 in the paper),
 specials included.
@@ -18,11 +19,15 @@ from sat_model.atomic import write_text_atomic
 
 __all__ = [
     "END",
+    "END_ID",
     "FORMAT_VERSION",
     "PAD",
+    "PAD_ID",
     "SPECIALS",
     "START",
+    "START_ID",
     "UNK",
+    "UNK_ID",
     "Vocab",
     "VocabError",
     "build_vocab",
@@ -33,6 +38,9 @@ __all__ = [
 FORMAT_VERSION = 1
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS: tuple[str, ...] = (PAD, START, END, UNK)
+# their ids (positions in SPECIALS), fixed by the vocab.json contract: the model, decoding and the
+# losses use these, every vocabulary starts with SPECIALS
+PAD_ID, START_ID, END_ID, UNK_ID = range(len(SPECIALS))
 
 
 class VocabError(ValueError):
@@ -60,21 +68,7 @@ class Vocab:
     def __len__(self) -> int:
         return len(self.itos)
 
-    @property
-    def pad_id(self) -> int:
-        return 0
-
-    @property
-    def start_id(self) -> int:
-        return 1
-
-    @property
-    def end_id(self) -> int:
-        return 2
-
-    @property
-    def unk_id(self) -> int:
-        return 3
+    pad_id, start_id, end_id, unk_id = PAD_ID, START_ID, END_ID, UNK_ID
 
     def encode(self, tokens: Sequence[str]) -> list[int]:
         """Word ids of ``tokens`` (unknown words -> ``<unk>``), without start/end."""
@@ -86,16 +80,25 @@ class Vocab:
 
     def decode(self, ids: Iterable[int]) -> list[str]:
         """Words of ``ids``, stopping at ``<end>`` and dropping ``<start>``/``<pad>``."""
-        words = []
-        for i in ids:
-            if i == self.end_id:
+        return self.decode_positions(ids)[0]
+
+    def decode_positions(self, ids: Iterable[int]) -> tuple[list[str], list[int]]:
+        """Words of ``ids`` and their positions in ``ids`` (to pick each word's α row).
+
+        Stops at ``<end>``; ``<start>``/``<pad>`` are dropped (an untrained model may emit them:
+        they are not words).
+        """
+        words, positions = [], []
+        for position, i in enumerate(ids):
+            if i == END_ID:
                 break
-            if i in (self.pad_id, self.start_id):
+            if i in (PAD_ID, START_ID):
                 continue
             if not 0 <= i < len(self.itos):
                 raise VocabError(f"token id {i} outside vocabulary of size {len(self.itos)}")
             words.append(self.itos[i])
-        return words
+            positions.append(position)
+        return words, positions
 
     def to_json(self) -> dict[str, object]:
         return {

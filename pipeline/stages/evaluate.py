@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from pipeline.stages import run_locked, stage_parser
+from sat_model.config import ATTENTION_KINDS
 
 if TYPE_CHECKING:
     from sat_model.config import Params
@@ -33,7 +34,7 @@ T = TypeVar("T")
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = stage_parser(__name__, __doc__)
-    parser.add_argument("--attention", choices=("soft", "hard"), default="soft")
+    parser.add_argument("--attention", choices=ATTENTION_KINDS, default="soft")
     parser.add_argument("--model", default=None, help="model folder or models:/ URI")
     parser.add_argument("--split", default=None, help="split to evaluate (default: eval.split)")
     parser.add_argument(

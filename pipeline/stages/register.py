@@ -22,10 +22,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.stages import stage_parser
+from sat_model.config import ATTENTION_KINDS
 
 __all__ = ["main", "register_models"]
-
-ATTENTIONS = ("soft", "hard")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -108,7 +107,7 @@ def register_models(params, project_root: Path) -> dict:  # type: ignore[no-unty
     allowed, why_not = promotion_allowed(cfg.promote, experiment)
     report: dict = {"model_name": cfg.model_name, "metric": cfg.champion_metric, "versions": []}
     report.update(skipped=[], promotions=[], dvc_experiment=experiment)
-    for attention in ATTENTIONS:
+    for attention in ATTENTION_KINDS:
         model_dir = project_root / params.train.models_dir / attention
         metrics_file = project_root / params.eval.reports_dir / attention / "metrics.json"
         if not (model_dir / "model.pt").is_file() or not metrics_file.is_file():

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.stages import run_locked, stage_parser
+from sat_model.config import ATTENTION_KINDS
 
 if TYPE_CHECKING:
     from sat_model.config import Params
@@ -26,7 +27,7 @@ __all__ = ["main"]
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = stage_parser(__name__, __doc__)
-    parser.add_argument("--attention", choices=("soft", "hard"), required=True)
+    parser.add_argument("--attention", choices=ATTENTION_KINDS, required=True)
     parser.add_argument("--resume-from", default=None, help="checkpoint folder to continue from")
     parser.add_argument(
         "--resume",

@@ -10,7 +10,8 @@ import torch
 
 from sat_model import model as model_module
 from sat_model.decoding import Caption, beam_search, greedy
-from sat_model.model import END_ID, START_ID, ModelConfig, ShowAttendTell
+from sat_model.model import ModelConfig, ShowAttendTell
+from sat_model.vocab import END_ID, START_ID
 
 K, D, L = 15, 6, 5
 

@@ -17,7 +17,8 @@ from sat_model.losses import (
     doubly_stochastic_penalty,
     token_log_likelihood,
 )
-from sat_model.model import END_ID, PAD_ID, START_ID, ForwardOutput, ModelConfig, ShowAttendTell
+from sat_model.model import ForwardOutput, ModelConfig, ShowAttendTell
+from sat_model.vocab import END_ID, PAD_ID, START_ID
 
 K, D, L = 10, 6, 4
 

@@ -12,15 +12,13 @@ from sat_model import model as model_module
 from sat_model.config import HardTrainConfig, ModelParams, SoftTrainConfig
 from sat_model.losses import build_criterion
 from sat_model.model import (
-    END_ID,
-    PAD_ID,
-    START_ID,
     HardAttention,
     ModelConfig,
     ShowAttendTell,
     SoftAttention,
     build_model,
 )
+from sat_model.vocab import END_ID, PAD_ID, START_ID
 
 K, D, L = 12, 8, 6
 

@@ -17,7 +17,8 @@ import torch
 from sat_model import model as model_module
 from sat_model.config import HardTrainConfig, SoftTrainConfig
 from sat_model.losses import build_criterion
-from sat_model.model import END_ID, PAD_ID, START_ID, ModelConfig, ShowAttendTell
+from sat_model.model import ModelConfig, ShowAttendTell
+from sat_model.vocab import END_ID, PAD_ID, START_ID
 
 REFERENCE = Path(__file__).resolve().parents[2] / "benchmarks" / "reference_model.py"
 B, L, D, K, A = 5, 9, 6, 15, 7
