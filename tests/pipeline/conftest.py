@@ -34,11 +34,10 @@ TINY_L, TINY_D = 4, 6
 def _write_tiny_inputs(root: Path) -> None:
     """Prepared captions, vocab and a random-encoder feature store per ARCHITECTURE.md."""
     import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from sat_model.features import FeatureMeta, FeatureWriter
     from sat_model.vocab import build_vocab, save_vocab
+    from tests.factories import write_captions
 
     rng = np.random.default_rng(1)
     rows, feats = [], {}
@@ -55,19 +54,7 @@ def _write_tiny_inputs(root: Path) -> None:
         feats[split] = (ids, np.stack(vecs))  # (N, L, D)
     prepared = root / "data" / "prepared"
     prepared.mkdir(parents=True)
-    pq.write_table(
-        pa.table(
-            {
-                "image_id": [r[0] for r in rows],
-                "split": [r[1] for r in rows],
-                "file": [f"{r[0]}.png" for r in rows],
-                "caption_index": pa.array([r[2] for r in rows], pa.int32()),
-                "raw": [" ".join(r[3]) for r in rows],
-                "tokens": [r[3] for r in rows],
-            }
-        ),
-        prepared / "captions.parquet",
-    )
+    write_captions(prepared / "captions.parquet", [(*r[:3], " ".join(r[3])) for r in rows])
     save_vocab(build_vocab([r[3] for r in rows], 1, 50, 20), prepared / "vocab.json")
     meta = FeatureMeta("random", "none", 32, TINY_L, TINY_D, 2, 2, "0" * 64)
     for split, (ids, vecs) in feats.items():

@@ -21,37 +21,15 @@ from PIL import Image
 
 from pipeline.cli import main
 from pipeline.stages import register
-from sat_model.checkpoint import save_checkpoint
-from sat_model.config import ModelParams
 from sat_model.encoders import build_encoder
 from sat_model.features import FeatureMeta, FeatureWriter
-from sat_model.model import build_model
-from sat_model.vocab import Vocab
+from tests.factories import write_references, write_tiny_model
 
 IDS = ["t0", "t1", "t2"]
 PARAMS = """\
 encoder: {name: random, resize: 72, crop: 64}
 eval: {beam_size: 2, max_length: 4, gallery_images: 2, meteor_timeout_s: 120.0}
 """
-
-
-def _write_model(directory, seed=0, attention="soft"):
-    torch.manual_seed(seed)
-    vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", "a", "red", "circle"), 1, 100, 20)
-    encoder = build_encoder("random", input_size=64)
-    d = encoder.description
-    model = build_model(
-        ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
-        vocab_size=len(vocab), annotation_dim=d.annotation_dim, num_locations=d.num_locations,
-        attention=attention,
-    )  # fmt: skip
-    with torch.no_grad():
-        model.out.bias[:4] = -1e4  # always max_length real words
-    save_checkpoint(
-        directory, model_config=model.config, vocab=vocab, model_state=model.state_dict(),
-        extra_config={"attention": attention, "encoder": {**d.to_dict(), "resize": 72}},
-    )  # fmt: skip
-    return encoder
 
 
 def _write_project(root):
@@ -71,10 +49,11 @@ def _write_project(root):
         {"image_root": str(images), "source": "synthetic"}
     )
     pq.write_table(table, root / "data" / "prepared" / "images.parquet")
-    caps = [dict(image_id=i, split="test", file=f"{i}.png", caption_index=0, raw="a red circle",
-                 tokens=["a", "red", "circle"]) for i in IDS]  # fmt: skip
-    pq.write_table(pa.Table.from_pylist(caps), root / "data" / "prepared" / "captions.parquet")
-    encoder = _write_model(root / "models" / "soft")
+    write_references(
+        root / "data" / "prepared" / "captions.parquet", {i: ["a red circle"] for i in IDS}
+    )
+    write_tiny_model(root / "models" / "soft", resize=72)
+    encoder = build_encoder("random", input_size=64)
     from sat_model.images import preprocess
 
     d = encoder.description
@@ -174,7 +153,7 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
 @pytest.mark.java
 @pytest.mark.slow
 def test_evaluate_of_a_named_model_never_writes_another_stage_output(project):
-    _write_model(project / "models" / "hard", attention="hard")
+    write_tiny_model(project / "models" / "hard", resize=72, attention="hard")
     assert main(["evaluate", "--model", "models/hard"]) == 0
     out = project / "reports" / "eval" / "hard"
     assert {"bleu_4", "meteor", "cider"} <= set(json.loads((out / "metrics.json").read_text()))

@@ -23,15 +23,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from PIL import Image
 
-from sat_model.checkpoint import save_checkpoint
-from sat_model.config import ModelParams
 from sat_model.encoders import build_encoder
 from sat_model.features import FeatureMeta, FeatureStore, FeatureWriter
-from sat_model.model import build_model
-from sat_model.vocab import Vocab
+from tests.factories import write_references, write_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -167,26 +163,8 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def write_tiny_model(directory: Path) -> Path:
-    """A tiny soft-attention model over the seeded ``random`` encoder (crop 32)."""
-    torch.manual_seed(0)
-    vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", "a", "red", "circle"), 1, 100, 20)
-    d = build_encoder("random", input_size=32).description
-    model = build_model(
-        ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
-        vocab_size=len(vocab), annotation_dim=d.annotation_dim, num_locations=d.num_locations,
-        attention="soft",
-    )  # fmt: skip
-    with torch.no_grad():
-        model.out.bias[:4] = -1e4  # never a special token: every caption has real words
-    return save_checkpoint(
-        directory, model_config=model.config, vocab=vocab, model_state=model.state_dict(),
-        extra_config={"attention": "soft", "encoder": {**d.to_dict(), "resize": 36}},
-    )  # fmt: skip
-
-
 def _register_project(root: Path) -> None:
-    write_tiny_model(root / "models" / "soft")
+    write_tiny_model(root / "models" / "soft", crop=32, resize=36)
     reports = root / "reports" / "soft"
     reports.mkdir(parents=True)
     (reports / "metrics.json").write_text(json.dumps({"bleu_4": 0.1, "cider": 0.2}))
@@ -298,10 +276,8 @@ def _evaluate_project(root: Path) -> None:
         {"image_root": str(prepared / "images"), "source": "flickr8k"}
     )
     pq.write_table(table, prepared / "images.parquet")
-    caps = [dict(image_id=i, split="test", file=f"{i}.png", caption_index=0, raw="a red circle",
-                 tokens=["a", "red", "circle"]) for i in ids]  # fmt: skip
-    pq.write_table(pa.Table.from_pylist(caps), prepared / "captions.parquet")
-    write_tiny_model(root / "models" / "soft")
+    write_references(prepared / "captions.parquet", {i: ["a red circle"] for i in ids})
+    write_tiny_model(root / "models" / "soft", crop=32, resize=36)
     d = build_encoder("random", input_size=32).description
     meta = FeatureMeta(d.name, d.layer, 32, d.num_locations, d.annotation_dim, d.grid_h,
                        d.grid_w, d.weights_sha256)  # fmt: skip

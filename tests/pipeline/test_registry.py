@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 from PIL import Image
 
 from pipeline.registry import (
@@ -28,11 +27,7 @@ from pipeline.registry import (
     promote_if_better,
     promotion_allowed,
 )
-from sat_model.checkpoint import save_checkpoint
-from sat_model.config import ModelParams
-from sat_model.encoders import build_encoder
-from sat_model.model import build_model
-from sat_model.vocab import Vocab
+from tests.factories import write_tiny_model
 
 NAME = "sat-captioner"
 
@@ -67,27 +62,10 @@ def test_promotion_policy(policy, experiment, allowed):
     assert ok is allowed and (ok or "sat promote" in reason)
 
 
-def save_tiny_model(directory: Path, seed: int = 0) -> Path:
-    """A tiny soft-attention model over the seeded `random` encoder (64 px crop, 4x4 grid)."""
-    torch.manual_seed(seed)
-    vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", "a", "red", "circle"), 1, 100, 20)
-    d = build_encoder("random", input_size=64).description
-    model = build_model(
-        ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
-        vocab_size=len(vocab), annotation_dim=d.annotation_dim, num_locations=d.num_locations,
-        attention="soft",
-    )  # fmt: skip
-    save_checkpoint(
-        directory, model_config=model.config, vocab=vocab, model_state=model.state_dict(),
-        extra_config={"attention": "soft", "encoder": {**d.to_dict(), "resize": 72}},
-    )  # fmt: skip
-    return directory
-
-
 def test_checkpoint_hash_follows_the_files_not_the_folder(tmp_path):
-    a = save_tiny_model(tmp_path / "a", seed=0)
+    a = write_tiny_model(tmp_path / "a", resize=72, seed=0, real_words_only=False)
     copy = Path(shutil.copytree(a, tmp_path / "copy"))
-    other = save_tiny_model(tmp_path / "b", seed=1)
+    other = write_tiny_model(tmp_path / "b", resize=72, seed=1, real_words_only=False)
     assert checkpoint_sha256(a) == checkpoint_sha256(copy)
     assert checkpoint_sha256(a) != checkpoint_sha256(other)
     (copy / "vocab.json").write_text((copy / "vocab.json").read_text() + " ")
@@ -169,7 +147,12 @@ def test_register_dedup_promote_and_caption_over_http(server, tmp_path, monkeypa
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
     client = MlflowClient(server)
     experiment_id = client.create_experiment("sat-test")
-    first = _register(client, save_tiny_model(tmp_path / "m1", 1), 0.20, experiment_id)
+    first = _register(
+        client,
+        write_tiny_model(tmp_path / "m1", resize=72, seed=1, real_words_only=False),
+        0.20,
+        experiment_id,
+    )
     assert (first.version, first.reused) == ("1", False)
     assert promote_if_better(client, NAME, first.version, "bleu_4").promoted  # no champion yet
 
@@ -178,10 +161,20 @@ def test_register_dedup_promote_and_caption_over_http(server, tmp_path, monkeypa
                       experiment_id)  # fmt: skip
     assert (again.version, again.reused) == ("1", True)
 
-    worse = _register(client, save_tiny_model(tmp_path / "m2", 2), 0.10, experiment_id)
+    worse = _register(
+        client,
+        write_tiny_model(tmp_path / "m2", resize=72, seed=2, real_words_only=False),
+        0.10,
+        experiment_id,
+    )
     kept = promote_if_better(client, NAME, worse.version, "bleu_4")
     assert (kept.promoted, kept.champion) == (False, "1")
-    better = _register(client, save_tiny_model(tmp_path / "m3", 3), 0.30, experiment_id)
+    better = _register(
+        client,
+        write_tiny_model(tmp_path / "m3", resize=72, seed=3, real_words_only=False),
+        0.30,
+        experiment_id,
+    )
     moved = promote_if_better(client, NAME, better.version, "bleu_4")
     assert (moved.promoted, moved.previous_champion, moved.champion) == (True, "1", "3")
 

@@ -25,11 +25,10 @@ import pytest
 import torch
 from PIL import Image
 
-from sat_model.checkpoint import CheckpointError, save_checkpoint
-from sat_model.config import ModelParams, ParamsError
-from sat_model.encoders import build_encoder
-from sat_model.model import build_model
+from sat_model.checkpoint import CheckpointError
+from sat_model.config import ParamsError
 from sat_model.vocab import Vocab
+from tests.factories import write_tiny_model
 
 # ----------------------------------------------------------------------------- the file zoo
 # Valid but unusual files: every entry point must accept them (sat_model.images converts them).
@@ -200,29 +199,11 @@ def test_extract_stage_skips_bad_and_escaping_rows_and_extracts_every_odd_image(
 
 
 # ------------------------------------------------------------------ sat caption and pyfunc
-def write_tiny_model(directory: Path) -> Path:
-    """A tiny soft-attention model over the seeded ``random`` encoder (crop 32)."""
-    torch.manual_seed(0)
-    vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", "a", "red", "circle"), 1, 100, 20)
-    d = build_encoder("random", input_size=32).description
-    model = build_model(
-        ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
-        vocab_size=len(vocab), annotation_dim=d.annotation_dim, num_locations=d.num_locations,
-        attention="soft",
-    )  # fmt: skip
-    with torch.no_grad():
-        model.out.bias[:4] = -1e4  # never a special token: every caption has real words
-    return save_checkpoint(
-        directory, model_config=model.config, vocab=vocab, model_state=model.state_dict(),
-        extra_config={"attention": "soft", "encoder": {**d.to_dict(), "resize": 36}},
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def zoo_and_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("zoo")
     write_zoo(root / "zoo")
-    return root / "zoo", write_tiny_model(root / "model")
+    return root / "zoo", write_tiny_model(root / "model", crop=32, resize=36)
 
 
 def test_sat_caption_reports_each_bad_file_and_captions_every_odd_one(

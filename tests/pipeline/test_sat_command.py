@@ -15,14 +15,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import torch
 
 from pipeline.cli import main
-from sat_model.checkpoint import save_checkpoint
-from sat_model.config import ModelParams
-from sat_model.encoders import build_encoder
-from sat_model.model import build_model
-from sat_model.vocab import Vocab
+from tests.factories import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 PHOTOS = REPO.parent / "shared" / "data" / "flickr8k-sample" / "Flickr8k_Dataset"
@@ -49,25 +44,7 @@ def _photos(n: int) -> list[Path]:
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with params.yaml and a tiny soft model in models/soft (no MLflow store)."""
     root = tmp_path_factory.mktemp("sat_command")
-    torch.manual_seed(0)
-    vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", "a", "dog", "runs"), 1, 100, 20)
-    d = build_encoder("random", input_size=64).description
-    model = build_model(
-        ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
-        vocab_size=len(vocab),
-        annotation_dim=d.annotation_dim,
-        num_locations=d.num_locations,
-        attention="soft",
-    )
-    with torch.no_grad():
-        model.out.bias[:4] = -1e4  # never <pad>/<start>/<end>/<unk>: always max_length words
-    save_checkpoint(
-        root / "models" / "soft",
-        model_config=model.config,
-        vocab=vocab,
-        model_state=model.state_dict(),
-        extra_config={"attention": "soft", "encoder": {**d.to_dict(), "resize": 72}},
-    )
+    write_tiny_model(root / "models" / "soft", words=("a", "dog", "runs"), resize=72)
     (root / "params.yaml").write_text(PARAMS)
     return root
 

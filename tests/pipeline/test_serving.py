@@ -24,15 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 from PIL import Image
 
 from pipeline.registry import log_and_register, promote_if_better
-from sat_model.checkpoint import save_checkpoint
-from sat_model.config import ModelParams
-from sat_model.encoders import build_encoder
-from sat_model.model import build_model
-from sat_model.vocab import Vocab
+from tests.factories import write_tiny_model
 
 pytestmark = [pytest.mark.mlflow, pytest.mark.slow]
 SAT = Path(sys.executable).with_name("sat")
@@ -76,29 +71,6 @@ def _stop(process: subprocess.Popen) -> None:
     except (ProcessLookupError, subprocess.TimeoutExpired):
         os.killpg(process.pid, 9)
         process.wait()
-
-
-def _save_model(directory: Path) -> Path:
-    torch.manual_seed(0)
-    vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", *sorted(WORDS)), 1, 100, 20)
-    d = build_encoder("random", input_size=64).description
-    model = build_model(
-        ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
-        vocab_size=len(vocab),
-        annotation_dim=d.annotation_dim,
-        num_locations=d.num_locations,
-        attention="soft",
-    )
-    with torch.no_grad():
-        model.out.bias[:4] = -1e4  # never a special token
-    save_checkpoint(
-        directory,
-        model_config=model.config,
-        vocab=vocab,
-        model_state=model.state_dict(),
-        extra_config={"attention": "soft", "encoder": {**d.to_dict(), "resize": 72}},
-    )
-    return directory
 
 
 PARAMS = """\
@@ -146,8 +118,9 @@ def served(tmp_path_factory):
     )
     try:
         client = MlflowClient(tracking)
+        model_dir = write_tiny_model(root / "model", words=sorted(WORDS), resize=72)
         registered = log_and_register(
-            client, model_dir=_save_model(root / "model"), model_name=NAME,
+            client, model_dir=model_dir, model_name=NAME,
             experiment_id=client.create_experiment("serving"), metrics={"bleu_4": 0.1},
             params={}, tags={"attention": "soft"},
         )  # fmt: skip

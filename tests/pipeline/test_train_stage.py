@@ -8,14 +8,13 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from pipeline.stages import train
 from sat_model.config import ParamsError
 from sat_model.features import FeatureMeta, FeatureWriter
 from sat_model.vocab import build_vocab, save_vocab
+from tests.factories import write_captions
 
 L, D = 4, 6
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="validation BLEU needs Java")
@@ -35,19 +34,7 @@ def _write_inputs(root: Path) -> Path:
             rows.append((image_id, split, 0, f"a {colour} circle", ["a", colour, "circle"]))
     prepared = root / "data" / "prepared"
     prepared.mkdir(parents=True)
-    pq.write_table(
-        pa.table(
-            {
-                "image_id": [r[0] for r in rows],
-                "split": [r[1] for r in rows],
-                "file": [f"{r[0]}.png" for r in rows],
-                "caption_index": pa.array([r[2] for r in rows], pa.int32()),
-                "raw": [r[3] for r in rows],
-                "tokens": [r[4] for r in rows],
-            }
-        ),
-        prepared / "captions.parquet",
-    )
+    write_captions(prepared / "captions.parquet", [r[:4] for r in rows])
     save_vocab(build_vocab([r[4] for r in rows], 1, 50, 20), prepared / "vocab.json")
     meta = FeatureMeta("random", "none", 32, L, D, 2, 2, "0" * 64)
     for split, (ids, vecs) in feats.items():

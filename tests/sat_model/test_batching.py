@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -19,6 +18,7 @@ from sat_model.batching import (
 )
 from sat_model.tables import load_references
 from sat_model.vocab import build_vocab
+from tests.factories import write_captions
 
 L, D = 6, 4
 
@@ -46,23 +46,6 @@ def write_feature_store(path: Path, ids: list[str], feats: np.ndarray) -> None:
     table = pa.table({"image_id": ids, "features": column}, schema=schema)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         writer.write_table(table)
-
-
-def write_captions(path: Path, rows: list[tuple[str, str, int, str]]) -> None:
-    """captions.parquet rows (image_id, split, caption_index, raw); tokens = raw.split()."""
-    pq.write_table(
-        pa.table(
-            {
-                "image_id": [r[0] for r in rows],
-                "split": [r[1] for r in rows],
-                "file": [f"{r[0]}.png" for r in rows],
-                "caption_index": pa.array([r[2] for r in rows], pa.int32()),
-                "raw": [r[3] for r in rows],
-                "tokens": [r[3].split() for r in rows],
-            }
-        ),
-        path,
-    )
 
 
 def _open_store(path: Path):

@@ -8,7 +8,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from sat_model.captioner import (
@@ -17,42 +16,18 @@ from sat_model.captioner import (
     decode_image_input,
     find_image_files,
 )
-from sat_model.checkpoint import save_checkpoint
-from sat_model.config import ModelParams
 from sat_model.encoders import EncoderError, build_encoder
 from sat_model.images import ImageError
-from sat_model.model import build_model
-from sat_model.vocab import Vocab
+from tests.factories import write_tiny_model
 
 WORDS = ["a", "red", "blue", "circle", "square", "left", "of"]
 
 
-def _save_tiny_model(directory, encoder_section=None, seed=0):
-    torch.manual_seed(seed)
-    vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", *WORDS), 1, 100, 20)
-    encoder = build_encoder("random", input_size=64)  # 4x4 grid, D = 32
-    d = encoder.description
-    model = build_model(
-        ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
-        vocab_size=len(vocab),
-        annotation_dim=d.annotation_dim,
-        num_locations=d.num_locations,
-        attention="soft",
-    )
-    section = encoder_section or {**d.to_dict(), "resize": 72}
-    save_checkpoint(
-        directory,
-        model_config=model.config,
-        vocab=vocab,
-        model_state=model.state_dict(),
-        extra_config={"encoder": section},
-    )
-    return directory
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return _save_tiny_model(tmp_path_factory.mktemp("model"))
+    return write_tiny_model(
+        tmp_path_factory.mktemp("model"), words=WORDS, resize=72, real_words_only=False
+    )
 
 
 def _photos(n, seed=0):

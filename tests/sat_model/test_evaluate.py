@@ -13,11 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from PIL import Image
 
-from sat_model.checkpoint import save_checkpoint
-from sat_model.config import ModelParams
 from sat_model.evaluate import (
     EvaluationError,
     decode_split,
@@ -27,8 +24,7 @@ from sat_model.evaluate import (
     write_reports,
 )
 from sat_model.features import FeatureMeta, FeatureStore, FeatureWriter
-from sat_model.model import build_model
-from sat_model.vocab import Vocab
+from tests.factories import write_references, write_tiny_model
 
 pytestmark = pytest.mark.java  # the PTB tokeniser and METEOR run on Java
 
@@ -44,20 +40,6 @@ BOX_T = pa.struct(
 def _box(x0, y0, x1, y1):
     return dict(label="large red circle", shape="circle", colour="red", size="large",
                 x0=x0, y0=y0, x1=x1, y1=y1)  # fmt: skip
-
-
-def _write_model(directory):
-    torch.manual_seed(0)
-    vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", "a", "circle"), 1, 100, 20)
-    model = build_model(
-        ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
-        vocab_size=len(vocab), annotation_dim=32, num_locations=GRID * GRID, attention="soft",
-    )  # fmt: skip
-    with torch.no_grad():
-        model.out.bias[:4] = -1e4  # never a special token: captions are MAX_LEN real words
-    save_checkpoint(directory, model_config=model.config, vocab=vocab,
-                    model_state=model.state_dict())  # fmt: skip
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -91,21 +73,12 @@ def data(tmp_path_factory):
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), root / "images.parquet")
     refs = {"img0": ["a circle", "a big circle"], "img1": ["circle"], "img2": ["a circle"],
             "img3": ["a circle"]}  # fmt: skip
-    _write_captions(root / "captions.parquet", refs)
+    write_references(root / "captions.parquet", refs)
     meta = FeatureMeta("random", "conv2", CROP, GRID * GRID, 32, GRID, GRID, "random-seed-0")
     with FeatureWriter(root / "test.arrow", meta) as writer:
         ids = ["img0", "img1", "img2", "img4"]
         writer.write(ids, rng.normal(size=(4, GRID * GRID, 32)).astype(np.float16))
-    return root, _write_model(root / "model")
-
-
-def _write_captions(path, refs):
-    rows = [
-        dict(image_id=i, split="test", file=f"{i}.png", caption_index=k, raw=r, tokens=r.split())
-        for i, rs in refs.items()
-        for k, r in enumerate(rs)
-    ]
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    return root, write_tiny_model(root / "model", words=("a", "circle"), crop=CROP)
 
 
 def _evaluate(root, model_dir, captions="captions.parquet", **kw):
@@ -153,7 +126,7 @@ def test_pointing_accuracy_from_boxes_that_always_or_never_hit(result):
 def test_captions_that_equal_their_references_score_bleu_and_rouge_one(data, result, tmp_path):
     root, model_dir = data
     # references replaced by the captions the model produces: precision and recall are 1
-    _write_captions(root / "echo.parquet", {c.image_id: [c.text] for c in result.captions})
+    write_references(root / "echo.parquet", {c.image_id: [c.text] for c in result.captions})
     echo = _evaluate(root, model_dir, captions="echo.parquet", metrics=("bleu", "rouge"))
     for key in ("bleu_1", "bleu_4", "rouge_l"):
         assert echo.metrics[key] == pytest.approx(1.0, abs=1e-6)
@@ -172,7 +145,7 @@ def test_batch_size_does_not_change_the_captions(data, result):
 
 def test_nothing_to_evaluate_is_an_error(data, tmp_path):
     root, model_dir = data
-    _write_captions(tmp_path / "other.parquet", {"elsewhere": ["a circle"]})
+    write_references(tmp_path / "other.parquet", {"elsewhere": ["a circle"]})
     with pytest.raises(EvaluationError, match="no 'test' image has both"):
         evaluate_model(
             model_dir=model_dir, features_path=root / "test.arrow",

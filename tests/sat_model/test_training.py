@@ -21,6 +21,7 @@ from sat_model.training import (
     fit,
 )
 from sat_model.vocab import build_vocab
+from tests.factories import write_captions
 
 L, D, K = 4, 6, 12
 
@@ -288,8 +289,6 @@ def test_without_a_moving_average_the_checkpoint_has_no_train_state() -> None:
 def write_tiny_run(root: Path) -> tuple[Path, Path]:
     """captions.parquet + vocab.json + {train,val}.arrow: colour words readable off feature 0."""
     import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from sat_model.features import FeatureMeta, FeatureWriter
     from sat_model.vocab import save_vocab
@@ -308,19 +307,7 @@ def write_tiny_run(root: Path) -> tuple[Path, Path]:
             for c, words in enumerate([["a", colour, "circle"], ["the", colour, "shape"]]):
                 rows.append((image_id, split, c, " ".join(words), words))
     prepared.mkdir(parents=True)
-    pq.write_table(
-        pa.table(
-            {
-                "image_id": [r[0] for r in rows],
-                "split": [r[1] for r in rows],
-                "file": [f"{r[0]}.png" for r in rows],
-                "caption_index": pa.array([r[2] for r in rows], pa.int32()),
-                "raw": [r[3] for r in rows],
-                "tokens": [r[4] for r in rows],
-            }
-        ),
-        prepared / "captions.parquet",
-    )
+    write_captions(prepared / "captions.parquet", [r[:4] for r in rows])
     save_vocab(
         build_vocab([r[4] for r in rows if r[1] == "train"], 1, 100, 20), prepared / "vocab.json"
     )

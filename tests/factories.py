@@ -1,0 +1,90 @@
+"""Tiny artefacts the tests share: a saved model folder and a hand-made ``captions.parquet``.
+
+Plain functions (``from tests.factories import ...``) rather than fixtures: module-scoped
+fixtures and helpers that build whole projects call them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from sat_model.checkpoint import save_checkpoint
+from sat_model.config import ModelParams
+from sat_model.encoders import build_encoder
+from sat_model.model import build_model
+from sat_model.vocab import SPECIALS, Vocab
+
+__all__ = ["write_captions", "write_references", "write_tiny_model"]
+
+
+def write_tiny_model(
+    directory: Path,
+    *,
+    words: Sequence[str] = ("a", "red", "circle"),
+    crop: int = 64,
+    resize: int | None = None,
+    attention: str = "soft",
+    seed: int = 0,
+    real_words_only: bool = True,
+    encoder_section: Mapping[str, Any] | None = None,
+) -> Path:
+    """A tiny model over the seeded ``random`` encoder (``crop`` px, 16 px cells, D = 32).
+
+    ``real_words_only``: the output bias rules out every special token, so each caption is
+    ``max_length`` real words. ``config.json`` records the encoder (resize default
+    ``crop * 9 / 8``) or ``encoder_section`` as given.
+    """
+    torch.manual_seed(seed)
+    vocab = Vocab((*SPECIALS, *words), 1, 100, 20)
+    d = build_encoder("random", input_size=crop).description
+    model = build_model(
+        ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
+        vocab_size=len(vocab),
+        annotation_dim=d.annotation_dim,
+        num_locations=d.num_locations,
+        attention=attention,
+    )
+    if real_words_only:
+        with torch.no_grad():
+            model.out.bias[: len(SPECIALS)] = -1e4
+    section = encoder_section or {**d.to_dict(), "resize": resize or crop * 9 // 8}
+    save_checkpoint(
+        directory,
+        model_config=model.config,
+        vocab=vocab,
+        model_state=model.state_dict(),
+        extra_config={"attention": attention, "encoder": dict(section)},
+    )
+    return Path(directory)
+
+
+def write_captions(path: Path, rows: Iterable[tuple[str, str, int, str]]) -> Path:
+    """A ``captions.parquet`` of ``(image_id, split, caption_index, raw)`` rows (split tokens)."""
+    rows = list(rows)
+    table = pa.table(
+        {
+            "image_id": [r[0] for r in rows],
+            "split": [r[1] for r in rows],
+            "file": [f"{r[0]}.png" for r in rows],
+            "caption_index": pa.array([r[2] for r in rows], pa.int32()),
+            "raw": [r[3] for r in rows],
+            "tokens": [r[3].split() for r in rows],
+        }
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+    return path
+
+
+def write_references(
+    path: Path, references: Mapping[str, Sequence[str]], split: str = "test"
+) -> Path:
+    """A ``captions.parquet`` of ``references`` (image id -> raw captions) in one split."""
+    rows = [(i, split, k, r) for i, captions in references.items() for k, r in enumerate(captions)]
+    return write_captions(path, rows)
