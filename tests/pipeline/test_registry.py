@@ -17,12 +17,12 @@ import pandas as pd
 import pytest
 from PIL import Image
 
+from pipeline.packaging import log_and_register
 from pipeline.registry import (
     CHAMPION_ALIAS,
     checkpoint_sha256,
     decide_promotion,
     list_versions,
-    log_and_register,
     promote,
     promote_if_better,
     promotion_allowed,

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pipeline.registry import log_and_register, promote_if_better
+from pipeline.packaging import log_and_register
+from pipeline.registry import promote_if_better
 from tests.factories import write_tiny_model
 
 pytestmark = [pytest.mark.mlflow, pytest.mark.slow]

@@ -9,16 +9,15 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
 
+from pipeline.lineage import dvc_experiment, lineage_tags
 from pipeline.tracking import (
     PARENT_TAG,
     EpochLogger,
     Tracking,
     artifact_location,
     connect,
-    dvc_experiment,
     find_or_create_run,
     flatten,
-    lineage_tags,
     log_params,
     resolve_tracking_uri,
     with_retries,
