@@ -35,6 +35,7 @@ from sat_model.encoders import ENCODER_LAYERS, build_encoder
 from sat_model.extract import extract_features, read_image_table
 from sat_model.features import FeatureMeta, FeatureWriter
 from sat_model.images import load_image, preprocess
+from sat_model.tables import IMAGES_FILE
 
 __all__ = ["main"]
 
@@ -60,8 +61,8 @@ def _image_table(work: Path, count: int) -> tuple[Path, str]:
         {"image_id": files, "split": ["train"] * len(files), "file": files,
          "status": ["ok"] * len(files)}
     ).replace_schema_metadata({"image_root": str(root)})  # fmt: skip
-    pq.write_table(table, work / "images.parquet")
-    return work / "images.parquet", source
+    pq.write_table(table, work / IMAGES_FILE)
+    return work / IMAGES_FILE, source
 
 
 def _forward_rate(encoder, images: torch.Tensor, batch_size: int) -> float:

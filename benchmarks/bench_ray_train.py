@@ -32,6 +32,7 @@ import pipeline.ray_runtime  # noqa: F401  (loopback env before ray is imported)
 from pipeline.ray_runtime import ray_session
 from pipeline.ray_train import ScalingSpec, WorkerRun, fit_on_ray
 from sat_model.config import Params, RayConfig, load_params
+from sat_model.tables import CAPTIONS_FILE, VOCAB_FILE
 from sat_model.training import Callback, EpochState
 
 __all__ = ["main", "write_synthetic_project"]
@@ -72,8 +73,8 @@ def write_synthetic_project(root: Path, captions: int, seed: int = 0) -> None:
         "raw": [" ".join(r[3]) for r in rows],
         "tokens": [r[3] for r in rows],
     }
-    pq.write_table(pa.table(table), prepared / "captions.parquet")
-    save_vocab(build_vocab([r[3] for r in rows], 1, 1000, 20), prepared / "vocab.json")
+    pq.write_table(pa.table(table), prepared / CAPTIONS_FILE)
+    save_vocab(build_vocab([r[3] for r in rows], 1, 1000, 20), prepared / VOCAB_FILE)
 
 
 class _EpochTimer(Callback):
