@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sat_model.features import EncoderIdentity
 from sat_model.images import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
@@ -83,17 +84,10 @@ class WeightsMismatchError(EncoderError):
 
 
 @dataclass(frozen=True)
-class EncoderDescription:
-    """What produced a feature store; recorded in its metadata and in model packages."""
+class EncoderDescription(EncoderIdentity):
+    """A built encoder: its identity (stored as :class:`sat_model.features.FeatureMeta`) and the
+    input normalisation it expects."""
 
-    name: str
-    layer: str
-    input_size: int  # S
-    num_locations: int  # L
-    annotation_dim: int  # D
-    grid_h: int
-    grid_w: int
-    weights_sha256: str  # sha256 of the weights file, or "random-seed-N"
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
 

@@ -28,6 +28,7 @@ from sat_model.atomic import fsync_dir, fsync_file, remove_dead_temps
 
 __all__ = [
     "FEATURES_FORMAT_VERSION",
+    "EncoderIdentity",
     "FeatureMeta",
     "FeatureStore",
     "FeatureStoreError",
@@ -56,11 +57,9 @@ _INT_FIELDS = (
 
 
 @dataclass(frozen=True)
-class FeatureMeta:
-    """What produced a store's features and their shape: the encoder's description as stored.
-
-    The same keys as :class:`sat_model.encoders.EncoderDescription` (less ``mean``/``std``), in
-    the store's schema metadata and in a model's ``config.json`` ``encoder`` section.
+class EncoderIdentity:
+    """Which frozen encoder produced features, and their shape: stored with every store and
+    model (:class:`FeatureMeta`) and described live by ``sat_model.encoders.EncoderDescription``.
     """
 
     name: str
@@ -71,6 +70,13 @@ class FeatureMeta:
     grid_h: int
     grid_w: int
     weights_sha256: str  # sha256 of the weights file, or "random-seed-N"
+
+
+@dataclass(frozen=True)
+class FeatureMeta(EncoderIdentity):
+    """A store's schema metadata (and a model's ``config.json`` ``encoder`` section): the
+    encoder's identity, in the same names everywhere, plus the store's format version."""
+
     format_version: int = FEATURES_FORMAT_VERSION
 
     @property
