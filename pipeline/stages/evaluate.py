@@ -162,6 +162,7 @@ def _evaluate(args: argparse.Namespace, params: Params) -> int:
         write_reports,
     )  # fmt: skip
     from sat_model.paths import image_root
+    from sat_model.tables import CAPTIONS_FILE, IMAGES_FILE
 
     ev = params.eval
     split = args.split or ev.split
@@ -176,7 +177,7 @@ def _evaluate(args: argparse.Namespace, params: Params) -> int:
         model_dir = resolve_model_dir(model, workdir, _tracking_uri(params, args.params, model))
         result = evaluate_model(
             model_dir=model_dir, features_path=Path(params.encoder.features_dir) / f"{split}.arrow",
-            captions_path=prepared / "captions.parquet", images_path=prepared / "images.parquet",
+            captions_path=prepared / CAPTIONS_FILE, images_path=prepared / IMAGES_FILE,
             split=split, beam_size=ev.beam_size, max_length=ev.max_length,
             resize=params.encoder.resize, length_normalization=ev.length_normalization,
             hard_decode=ev.hard_decode, batch_size=ev.batch_size,
@@ -184,7 +185,7 @@ def _evaluate(args: argparse.Namespace, params: Params) -> int:
         )  # fmt: skip
         grid_h, grid_w, crop, attention = _grid(model_dir, args.attention)
         records = read_image_records(
-            prepared / "images.parquet", split, image_root(params.data, Path.cwd())
+            prepared / IMAGES_FILE, split, image_root(params.data, Path.cwd())
         )
         gallery = functools.partial(
             write_attention_gallery,

@@ -21,6 +21,7 @@ from sat_model.config import Params, load_params
 from sat_model.encoders import EncoderSpec, build_encoder
 from sat_model.extract import ExtractReport, extract_features
 from sat_model.paths import image_root
+from sat_model.tables import IMAGES_FILE
 
 __all__ = ["main", "run_extract", "write_report"]
 
@@ -56,7 +57,7 @@ def run_extract(params: Params, root: Path, progress: bool = True) -> ExtractRep
     weights = str(_absolute(cfg.weights, root)) if cfg.weights else None
     encoder = build_encoder(cfg.name, cfg.layer, weights, input_size=cfg.crop)
     kwargs = dict(
-        images_table=_absolute(params.data.prepared_dir, root) / "images.parquet",
+        images_table=_absolute(params.data.prepared_dir, root) / IMAGES_FILE,
         image_root=image_root(params.data, root),  # from params, never from the table
         out_dir=_absolute(cfg.features_dir, root),
         encoder=encoder,
