@@ -152,9 +152,15 @@ def _split_order(split: str) -> tuple[int, str]:
 def feature_meta(description: EncoderDescription) -> FeatureMeta:
     d = description
     return FeatureMeta(
-        d.name, d.layer, d.input_size, d.num_locations, d.annotation_dim, d.grid_h, d.grid_w,
-        d.weights_sha256,
-    )  # fmt: skip
+        encoder=d.name,
+        layer=d.layer,
+        input_size=d.input_size,
+        L=d.num_locations,
+        D=d.annotation_dim,
+        grid_h=d.grid_h,
+        grid_w=d.grid_w,
+        weights_sha256=d.weights_sha256,
+    )
 
 
 def batch_slices(count: int, batch_size: int) -> list[slice]:

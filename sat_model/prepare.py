@@ -289,8 +289,10 @@ def prepare_source(
     split_counts = Counter(im.split for im in ok_rows.values())
     vocab = build_vocab(
         (k.tokens for k in kept if ok_rows[k.image_id].split == "train"),
-        min_count, max_size, max_caption_length,
-    )  # fmt: skip
+        min_count=min_count,
+        max_size=max_size,
+        max_caption_length=max_caption_length,
+    )
     report: dict[str, object] = {
         "images_total": len(src.images),
         "images_ok": len(ok_rows),
