@@ -26,7 +26,9 @@ from typing import Any
 
 import yaml
 
+from sat_model.atomic import write_text_atomic
 from sat_model.config import Params, TuneConfig
+from sat_model.paths import absolute
 
 from .ray_runtime import ray_session, remove_orphaned_placement_groups, resolve_storage_path
 from .ray_train import (
@@ -309,9 +311,7 @@ def _record_best(
         raise RuntimeError(f"no trial of the sweep reported {METRIC}; see the Ray logs")
     values = {k: float(v) for k, v in best.config.items()}
     score = float(best.metrics[METRIC])
-    out_dir = root / cfg.output_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "best_params.yaml"
+    path = absolute(cfg.output_dir, root) / "best_params.yaml"
     doc = {
         "attention": cfg.attention,
         "metric": METRIC,
@@ -320,9 +320,7 @@ def _record_best(
         "params": values,  # dotted keys: `-S` items, or paths into params.yaml
         "apply": shlex.join(exp_run_command(values)),
     }
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(doc, sort_keys=True), encoding="utf-8")
-    tmp.replace(path)  # atomic: a reader sees the old file or the new one
+    write_text_atomic(path, yaml.safe_dump(doc, sort_keys=True))
     tracking.call(
         lambda c: c.log_metric(parent_id, f"best_{METRIC}", score), "log best score of the sweep"
     )
