@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pipeline import serve
-from pipeline.stages import StageContext, add_params_args, evaluate, load_context
+from pipeline.stages import StageContext, add_params_args, evaluate, load_context, project_root
 
 __all__ = ["CommandError", "main"]
 
@@ -160,7 +160,7 @@ def _mlflow_cfg(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def _tracking_uri(args: argparse.Namespace) -> str:
     from pipeline.tracking import resolve_tracking_uri
 
-    return resolve_tracking_uri(_mlflow_cfg(args), Path.cwd())
+    return resolve_tracking_uri(_mlflow_cfg(args), project_root(args.params))
 
 
 def _model_name(args: argparse.Namespace) -> str:

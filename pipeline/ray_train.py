@@ -39,7 +39,7 @@ import torch
 from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir, write_text_atomic
 from sat_model.checkpoint import is_checkpoint_dir
 from sat_model.config import Params, RayConfig
-from sat_model.paths import output_path
+from sat_model.paths import absolute, output_path
 from sat_model.training import Callback, EpochState
 
 from .ray_runtime import loopback_env, resolve_use_gpu
@@ -324,11 +324,6 @@ def sat_train_fn(run: WorkerRun) -> None:
         job.train(run, Path(out), [_RayEpochReporter(run, model_dir, logger)])
 
 
-def _abs(path: str, root: Path) -> Path:
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else (root / p).resolve()
-
-
 RUN_RECORD = "sat_run.json"  # in a run's storage folder: its identity, status, checkpoint
 
 
@@ -424,8 +419,8 @@ def train_with_ray(
     from .tracking import connect, tag_trained_checkpoint
 
     root = project_root.resolve()
-    prepared = _abs(params.data.prepared_dir, root)
-    features = _abs(params.encoder.features_dir, root)
+    prepared = absolute(params.data.prepared_dir, root)
+    features = absolute(params.encoder.features_dir, root)
     seed = [resume_from.resolve()] if resume_from else []
     inputs = [prepared / "captions.parquet", prepared / "vocab.json", features, *seed]
     identity = train_identity(params, attention, root, inputs=inputs)

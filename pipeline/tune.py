@@ -194,19 +194,14 @@ def _placement_group_reaper() -> Any:
     return PlacementGroupReaper()
 
 
-def run_tune(
-    params: Params,
-    *,
-    address: str | None = None,
-    project_root: Path | None = None,
-) -> TuneOutcome:
+def run_tune(params: Params, *, project_root: Path, address: str | None = None) -> TuneOutcome:
     """Run the sweep described by ``params.tune``; ``address`` connects to a Ray cluster.
 
-    ``project_root`` (default: cwd) anchors relative paths: data, features, ray storage, MLflow.
+    ``project_root`` anchors relative paths: data, features, ray storage, MLflow.
     """
     from ray import tune
 
-    root = (project_root or Path.cwd()).resolve()
+    root = project_root.resolve()
     sweep = _start_sweep(params, root)
     with ray_session(params.ray, address=address):
         tuner = tune.Tuner(
@@ -249,8 +244,8 @@ def _start_sweep(params: Params, root: Path) -> _Sweep:
     job = TrainJob(
         params,
         cfg.attention,
-        prepared_dir=(root / params.data.prepared_dir).resolve(),
-        features_dir=(root / params.encoder.features_dir).resolve(),
+        prepared_dir=absolute(params.data.prepared_dir, root),
+        features_dir=absolute(params.encoder.features_dir, root),
     )
     return _Sweep(
         name=name,

@@ -27,6 +27,7 @@ __all__ = [
     "load_context",
     "lock_path",
     "output_lock",
+    "project_root",
     "run_locked",
     "stage_parser",
 ]
@@ -50,6 +51,12 @@ def add_params_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def project_root(params_file: str | Path) -> Path:
+    """The project root: the folder of the params file (the working directory under DVC, and
+    for ``sat`` commands run outside a project, where ``params.yaml`` may not exist)."""
+    return Path(params_file).resolve().parent
+
+
 @dataclass(frozen=True)
 class StageContext:
     """What every stage runs with: validated params, where they came from, the project root."""
@@ -60,8 +67,8 @@ class StageContext:
 
     @property
     def root(self) -> Path:
-        """The project root: the folder of the params file (the only rule there is)."""
-        return self.params_file.parent
+        """The project root (:func:`project_root`)."""
+        return project_root(self.params_file)
 
     def path(self, value: str | Path) -> Path:
         """A path from params as an absolute one, relative ones under :attr:`root`."""
