@@ -277,6 +277,14 @@ def test_without_a_moving_average_the_checkpoint_has_no_train_state() -> None:
         FitOptions(max_epochs=1, patience=1, ema_decay=1.0)
 
 
+def test_fit_options_refuse_a_patience_below_one_and_a_decay_of_one() -> None:
+    with pytest.raises(ValueError, match="patience must be >= 1, got 0"):
+        FitOptions(max_epochs=1, patience=0)
+    with pytest.raises(ValueError, match="ema_decay must be in"):
+        FitOptions(max_epochs=1, patience=1, ema_decay=1.0)
+    FitOptions(max_epochs=1, patience=1, ema_decay=0.999)  # the bounds are [0, 1)
+
+
 # ------------------------------------------------------------------ end to end (real model)
 def write_tiny_run(root: Path) -> tuple[Path, Path]:
     """captions.parquet + vocab.json + {train,val}.arrow: colour words readable off feature 0."""
