@@ -176,7 +176,7 @@ NO_CHAMPION = (
 def _caption_model_dir(args: argparse.Namespace, workdir: Path) -> Path:
     """The model folder to caption with: ``--model`` as a folder, or a downloaded MLflow model
     (by default the champion); a missing model is a :class:`CommandError`."""
-    from pipeline.stages.evaluate import is_model_uri, resolve_model_dir
+    from pipeline.model_uri import is_model_uri, resolve_model_dir
 
     model = args.model or f"models:/{_model_name(args)}@champion"
     if not is_model_uri(model):

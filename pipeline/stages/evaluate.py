@@ -21,19 +21,13 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from pipeline.model_uri import is_model_uri, resolve_model_dir
 from pipeline.stages import StageContext, load_context, run_locked, stage_parser
 
 if TYPE_CHECKING:
     from sat_model.evaluate import DecodedCaption, ImageRecord
 
-__all__ = [
-    "add_arguments",
-    "default_out_dir",
-    "is_model_uri",
-    "main",
-    "resolve_model_dir",
-    "run",
-]
+__all__ = ["add_arguments", "default_out_dir", "main", "run"]
 
 T = TypeVar("T")
 
@@ -57,11 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def is_model_uri(model: str) -> bool:
-    """Whether ``model`` names an MLflow model (``models:/``, ``runs:/``, ``s3://`` ...)."""
-    return "://" in model or model.startswith(("models:/", "runs:/"))
-
-
 def default_out_dir(reports_dir: str | Path, attention: str, model: str | None) -> Path:
     """``reports/<attention>`` for the stage's own model; ``reports/eval/<model name>`` for any
     model named with ``--model`` (``models/hard`` -> ``hard``, ``models:/m@champion`` ->
@@ -70,29 +59,6 @@ def default_out_dir(reports_dir: str | Path, attention: str, model: str | None) 
         return Path(reports_dir) / attention
     name = model.split(":/", 1)[-1] if is_model_uri(model) else Path(model).resolve().name
     return Path(reports_dir) / "eval" / (re.sub(r"[^\w@.+-]+", "-", name).strip("-.") or "model")
-
-
-def resolve_model_dir(model: str, workdir: Path, tracking_uri: str | None = None) -> Path:
-    """A local model folder as is; an MLflow URI (``models:/``, ``runs:/``) downloaded into
-    ``workdir`` and its checkpoint artifact returned."""
-    if not is_model_uri(model):
-        return Path(model)
-    import mlflow
-
-    from pipeline.pyfunc_model import CHECKPOINT_ARTIFACT
-
-    if model.startswith("models:/") and tracking_uri:
-        model = _registry_location(model, tracking_uri)
-    local = mlflow.artifacts.download_artifacts(
-        artifact_uri=model, dst_path=str(workdir), tracking_uri=tracking_uri
-    )
-    found = sorted(Path(local).rglob("model.pt"))
-    checkpoints = [p.parent for p in found if p.parent.name == CHECKPOINT_ARTIFACT] or [
-        p.parent for p in found
-    ]
-    if not checkpoints:
-        raise FileNotFoundError(f"{model} holds no checkpoint (model.pt)")
-    return checkpoints[0]
 
 
 def _is_gallery(folder: Path) -> bool:
@@ -122,26 +88,6 @@ def _write_gallery(out_dir: Path, write: Callable[[Path], T]) -> T:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return written
-
-
-def _registry_location(model: str, tracking_uri: str) -> str:
-    """Where the registered model version ``models:/NAME@ALIAS[/path]`` (or ``NAME/VERSION``)
-    stores its files, looked up in the registry at ``tracking_uri``.
-
-    MLflow's own download looks the name up in the process-wide registry URI whatever
-    ``tracking_uri`` it is given, so a store named only in params would never be asked.
-    """
-    from mlflow import MlflowClient
-    from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
-    from mlflow.store.artifact.utils.models import get_model_name_and_version
-
-    base, path = ModelsArtifactRepository.split_models_uri(model)
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    found = get_model_name_and_version(client, base)
-    if len(found) == 1:  # models:/<logged model id>, not a registry name
-        return model
-    location = client.get_model_version_download_uri(*found).rstrip("/")
-    return f"{location}/{path}" if path else location
 
 
 def main(argv: Sequence[str] | None = None) -> int:
