@@ -23,6 +23,7 @@ import os
 import platform
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ import numpy as np
 
 import pipeline.ray_runtime  # noqa: F401  (loopback env before ray is imported)
 from pipeline.ray_runtime import ray_session
-from pipeline.ray_train import ScalingSpec, WorkerRun, fit_on_ray
+from pipeline.ray_train import ScalingSpec, TrainJob, WorkerRun, fit_on_ray
 from sat_model.config import Params, RayConfig, load_params
 from sat_model.tables import CAPTIONS_FILE, VOCAB_FILE
 from sat_model.training import Callback, EpochState
@@ -87,42 +88,33 @@ class _EpochTimer(Callback):
         self.epochs.append({"epoch": state.epoch, "seconds": state.seconds, "steps": state.steps})
 
 
+@dataclass(frozen=True)
+class _BenchJob:
+    """The worker config: the ``train`` stage's own, and where rank 0 writes the epoch times."""
+
+    job: TrainJob
+    times_file: Path
+
+
 def _bench_train_fn(run: WorkerRun) -> None:
     """Every worker: ``train_model`` on its shard; rank 0 writes the epoch times to a file."""
-    from sat_model.train_run import train_model
-
-    cfg, timer = run.config, _EpochTimer()
+    bench, timer = run.config, _EpochTimer()
     with tempfile.TemporaryDirectory(prefix="sat-bench-") as out:
-        result = train_model(
-            cfg["params"],
-            "soft",
-            prepared_dir=cfg["prepared_dir"],
-            features_dir=cfg["features_dir"],
-            out_dir=out,
-            rank=run.rank,
-            world_size=run.world_size,
-            device=run.device,
-            callbacks=[timer],
-            wrap_model=run.wrap_model,
-        )
+        result = bench.job.train(run, Path(out), [timer])
     if run.rank == 0:  # the driver's folder: one machine here (a cluster would need shared storage)
         doc = {"train_captions": result.metrics["train_captions"], "epochs": timer.epochs}
-        Path(cfg["times_file"]).write_text(json.dumps(doc))
+        bench.times_file.write_text(json.dumps(doc))
 
 
 def _run(params: Params, data: Path, workers: int, threads: int) -> dict[str, Any]:
     """One Ray Train run; captions/s over the epochs after the first."""
     tag = f"{workers}x{threads}"
     times_file = data / f"{tag}.json"
+    job = TrainJob(params, "soft", data / "prepared", data / "features")
     start = time.perf_counter()
     fit_on_ray(
         _bench_train_fn,
-        config={
-            "params": params,
-            "prepared_dir": str(data / "prepared"),
-            "features_dir": str(data / "features"),
-            "times_file": str(times_file),
-        },
+        config=_BenchJob(job, times_file),
         run_name=f"bench-{tag}-{time.time_ns()}",
         storage_path=data / "ray_results",
         scaling=ScalingSpec(num_workers=workers, cpus_per_worker=threads, use_gpu=False),

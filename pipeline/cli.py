@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pipeline import serve
-from pipeline.stages import add_params_args
+from pipeline.stages import StageContext, add_params_args, evaluate, load_context, project_root
 from sat_model.config import ATTENTION_KINDS
 
 __all__ = ["CommandError", "main"]
@@ -41,11 +41,9 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _forward_params(args: argparse.Namespace) -> list[str]:
-    out = ["--params", args.params]
-    for item in args.overrides:
-        out += ["-S", item]
-    return out
+def _context(args: argparse.Namespace) -> StageContext:
+    """The stage context of ``--params``/``-S``, as the DVC entry of every stage builds it."""
+    return load_context(args.params, args.overrides)
 
 
 # ----------------------------------------------------------------------------- summary
@@ -78,17 +76,14 @@ def _summary(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from pipeline.stages import train
 
-    resume = ["--resume"] if args.resume else []
-    return train.main([*_forward_params(args), "--attention", args.attention, *resume]) or 0
+    return train.run(_context(args), args.attention, resume=args.resume)
 
 
 # -------------------------------------------------------------------------------- tune
 def _tune(args: argparse.Namespace) -> int:
     from pipeline.stages import tune
 
-    extra = ["--address", args.address] if args.address else []
-    extra += ["--apply"] if args.apply else []
-    return tune.main([*_forward_params(args), *extra]) or 0
+    return tune.run(_context(args), address=args.address, apply=args.apply)
 
 
 def _version() -> str:
@@ -166,7 +161,7 @@ def _mlflow_cfg(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def _tracking_uri(args: argparse.Namespace) -> str:
     from pipeline.tracking import resolve_tracking_uri
 
-    return resolve_tracking_uri(_mlflow_cfg(args), Path.cwd())
+    return resolve_tracking_uri(_mlflow_cfg(args), project_root(args.params))
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -182,7 +177,7 @@ NO_CHAMPION = (
 def _caption_model_dir(args: argparse.Namespace, workdir: Path) -> Path:
     """The model folder to caption with: ``--model`` as a folder, or a downloaded MLflow model
     (by default the champion); a missing model is a :class:`CommandError`."""
-    from pipeline.stages.evaluate import is_model_uri, resolve_model_dir
+    from pipeline.model_uri import is_model_uri, resolve_model_dir
 
     model = args.model or f"models:/{_model_name(args)}@champion"
     if not is_model_uri(model):
@@ -325,21 +320,33 @@ def _promote(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from pipeline.stages import evaluate
-
-    extra = []
-    for flag, value in (
-        ("--attention", args.attention),
-        ("--model", args.model),
-        ("--split", args.split),
-        ("--out", args.out),
-    ):
-        extra += [flag, value] if value else []
-    return evaluate.main([*_forward_params(args), *extra]) or 0
+    ctx = _context(args)
+    return evaluate.run(ctx, args.attention, model=args.model, split=args.split, out=args.out)
 
 
 def _register_more(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Subcommands for evaluation, the registry and captioning (caption, models, promote...)."""
+    _add_caption(sub)
+
+    p = sub.add_parser("models", help="registered versions with metrics and aliases")
+    add_params_args(p)
+    p.add_argument("--name", default=None, help="registered model (default: mlflow.model_name)")
+    p.set_defaults(handler=_models, quiet=True)
+
+    p = sub.add_parser("promote", help="move the champion alias to the best (or named) version")
+    add_params_args(p)
+    p.add_argument("--name", default=None, help="registered model (default: mlflow.model_name)")
+    p.add_argument("--metric", default=None, help="default: mlflow.champion_metric")
+    p.add_argument("--version", default=None)
+    p.set_defaults(handler=_promote, quiet=True)
+
+    p = sub.add_parser("evaluate", help="the evaluate stage on any model folder or URI and split")
+    add_params_args(p)
+    evaluate.add_arguments(p)
+    p.set_defaults(handler=_evaluate)
+
+
+def _add_caption(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("caption", help="caption image files and folders; attention overlays")
     add_params_args(p)
     p.add_argument(
@@ -384,37 +391,6 @@ def _register_more(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         help="write one attention overlay PNG per word here",
     )
     p.set_defaults(handler=_caption, quiet=True)
-
-    p = sub.add_parser("models", help="registered versions with metrics and aliases")
-    add_params_args(p)
-    p.add_argument("--name", default=None, help="registered model (default: mlflow.model_name)")
-    p.set_defaults(handler=_models, quiet=True)
-
-    p = sub.add_parser("promote", help="move the champion alias to the best (or named) version")
-    add_params_args(p)
-    p.add_argument("--name", default=None, help="registered model (default: mlflow.model_name)")
-    p.add_argument("--metric", default=None, help="default: mlflow.champion_metric")
-    p.add_argument("--version", default=None)
-    p.set_defaults(handler=_promote, quiet=True)
-
-    p = sub.add_parser("evaluate", help="the evaluate stage on any model folder or URI and split")
-    add_params_args(p)
-    p.add_argument("--model", default=None, help="model folder or models:/ URI")
-    p.add_argument(
-        "--attention",
-        choices=ATTENTION_KINDS,
-        default=None,
-        help="without --model: evaluate models/<attention> into reports/<attention>, "
-        "as the DVC stage does (default soft)",
-    )
-    p.add_argument("--split", default=None)
-    p.add_argument(
-        "--out",
-        default=None,
-        help="report folder (default: reports/<attention> "
-        "without --model, reports/eval/<model name> with it)",
-    )
-    p.set_defaults(handler=_evaluate)
 
 
 # Exceptions that report what the user asked for or gave (params, files, models, stores), as

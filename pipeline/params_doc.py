@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel
 
+from sat_model.atomic import write_text_atomic
 from sat_model.config import Params
 
 __all__ = ["params_table", "replace_between", "update_readme"]
@@ -99,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(params_table())
         return 0
     path = Path(args.readme)
-    path.write_text(update_readme(path.read_text(encoding="utf-8")), encoding="utf-8")
+    write_text_atomic(path, update_readme(path.read_text(encoding="utf-8")))
     return 0
 
 

@@ -172,10 +172,8 @@ def _image_column(model_input: Any) -> list[Any]:
 
 def _attention_json(result: Any) -> str:
     alphas = [[round(float(a), 5) for a in step] for step in result.alphas]  # (len, L)
-    return json.dumps(
-        {"words": list(result.words), "grid_h": result.grid_h, "grid_w": result.grid_w,
-         "alphas": alphas}
-    )  # fmt: skip
+    doc = {"words": list(result.words), "grid_h": result.grid_h, "grid_w": result.grid_w}
+    return json.dumps({**doc, "alphas": alphas})
 
 
 def _frame(

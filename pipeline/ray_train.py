@@ -30,28 +30,33 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir, write_text_atomic
 from sat_model.checkpoint import is_checkpoint_dir
-from sat_model.config import RayConfig
-from sat_model.paths import output_path
+from sat_model.config import Params, RayConfig
+from sat_model.paths import absolute, output_path
 from sat_model.tables import CAPTIONS_FILE, VOCAB_FILE
 from sat_model.training import Callback, EpochState
 
 from .ray_runtime import loopback_env, resolve_use_gpu
 from .run_identity import RunIdentity
 
+if TYPE_CHECKING:
+    from .tracking import Tracking
+
 __all__ = [
     "RUN_RECORD",
     "FitOutcome",
     "ScalingSpec",
     "TrainFn",
+    "TrainJob",
     "TrainOutcome",
+    "WorkerHooks",
     "WorkerRun",
     "copy_checkpoint",
     "deterministic_run_name",
@@ -69,7 +74,7 @@ class WorkerRun:
     world_size: int
     device: torch.device
     resume_dir: Path | None  # local copy of the latest reported checkpoint, None on a fresh run
-    config: Mapping[str, Any]  # train_loop_config: plain values and absolute paths
+    config: Any  # what fit_on_ray was given (a TrainJob for sat_train_fn); absolute paths
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move to this worker's device; wrap in DDP when there is more than one worker."""
@@ -93,14 +98,14 @@ class WorkerRun:
 TrainFn = Callable[[WorkerRun], None]
 
 
-def _worker_entry(train_fn: TrainFn, config: dict[str, Any]) -> None:
+def _worker_entry(train_fn: TrainFn, loop_config: dict[str, Any]) -> None:
     """What Ray runs on each worker: build the :class:`WorkerRun`, call the train function."""
     import ray.train
     import ray.train.torch
 
     context = ray.train.get_context()
     # intra-op threads = the CPUs Ray reserved for this worker, so workers do not oversubscribe
-    torch.set_num_threads(int(config["torch_threads"]))
+    torch.set_num_threads(int(loop_config["torch_threads"]))
     checkpoint = ray.train.get_checkpoint()
     with tempfile.TemporaryDirectory(prefix="sat-resume-") as tmp:
         resume_dir = None
@@ -112,7 +117,7 @@ def _worker_entry(train_fn: TrainFn, config: dict[str, Any]) -> None:
             world_size=context.get_world_size(),
             device=ray.train.torch.get_device(),
             resume_dir=resume_dir,
-            config=config,
+            config=loop_config["config"],
         )
         train_fn(run)
 
@@ -158,7 +163,7 @@ def deterministic_run_name(prefix: str, *parts: Any) -> str:
 def fit_on_ray(
     train_fn: TrainFn,
     *,
-    config: Mapping[str, Any],
+    config: Any,
     run_name: str,
     storage_path: Path,
     scaling: ScalingSpec,
@@ -166,6 +171,9 @@ def fit_on_ray(
     callbacks: Sequence[Any] = (),
 ) -> FitOutcome:
     """Run ``train_fn`` on every worker under a ``TorchTrainer``; Ray must be initialised.
+
+    ``config`` reaches every worker as ``WorkerRun.config`` (picklable: a :class:`TrainJob` for
+    :func:`sat_train_fn`, anything the given ``train_fn`` reads otherwise).
 
     ``max_failures`` restarts (``FailureConfig``) resume from the last reported checkpoint.
     ``callbacks`` are Ray Train ``UserCallback`` s (Tune passes its ``TuneReportCallback``).
@@ -177,7 +185,7 @@ def fit_on_ray(
         raise ValueError(f"storage_path must be absolute (Ray workers change cwd): {storage_path}")
     trainer = TorchTrainer(
         functools.partial(_worker_entry, train_fn),
-        train_loop_config={"torch_threads": scaling.cpus_per_worker, **config},
+        train_loop_config={"torch_threads": scaling.cpus_per_worker, "config": config},
         scaling_config=scaling.to_ray(),
         run_config=RunConfig(
             name=run_name,
@@ -228,21 +236,66 @@ class TrainOutcome:
     metrics: dict[str, Any]  # train_metrics.json
 
 
+@dataclass(frozen=True)
+class WorkerHooks:
+    """Test seams every worker calls: faults are injected here (kills, raised errors)."""
+
+    on_epoch_start: Callable[[WorkerRun, int], None] | None = None  # (run, 0-based epoch)
+    on_step: Callable[[WorkerRun, int, int], None] | None = None  # (run, epoch, step)
+    log_every: int = 50  # steps between on_step calls (and the loop's on_log)
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """What every worker of a ``train_model`` run is given: the one worker config that the
+    ``train`` stage, each Tune trial and ``benchmarks/bench_ray_train.py`` build."""
+
+    params: Params
+    attention: str
+    prepared_dir: Path  # absolute: Ray workers change cwd
+    features_dir: Path
+    resume_from: Path | None = None  # a checkpoint folder seeding a new run
+    identity: str | None = None  # recorded in config.json (pipeline.run_identity)
+    tracking: Tracking | None = None  # rank 0 logs each epoch to MLflow when set
+    mlflow_run_id: str | None = None
+    logged_params: Mapping[str, Any] = field(default_factory=dict)
+    hooks: WorkerHooks = WorkerHooks()
+
+    def train(self, run: WorkerRun, out_dir: Path, callbacks: Sequence[Callback]) -> Any:
+        """``train_model`` on this worker's shard, continuing ``run.resume_dir`` if any."""
+        from sat_model.train_run import train_model
+
+        return train_model(
+            self.params,
+            self.attention,
+            prepared_dir=self.prepared_dir,
+            features_dir=self.features_dir,
+            out_dir=out_dir,
+            rank=run.rank,
+            world_size=run.world_size,
+            device=run.device,
+            callbacks=callbacks,
+            resume_from=run.resume_dir or self.resume_from,
+            wrap_model=run.wrap_model,
+            identity=self.identity,
+            log_every=self.hooks.log_every,
+        )
+
+
 class _RayEpochReporter(Callback):
     """``sat_model.training`` callback: each epoch to Ray (checkpoint from rank 0) and MLflow."""
 
     def __init__(self, run: WorkerRun, model_dir: Path, logger: Any | None) -> None:
         self.run, self.model_dir, self.logger = run, model_dir, logger
+        self.hooks: WorkerHooks = run.config.hooks
 
     def on_epoch_start(self, epoch: int, num_batches: int | None) -> None:
-        hook = self.run.config.get("on_epoch_start")
-        if hook is not None:  # tests inject worker faults here
-            hook(self.run, epoch)
+        if self.hooks.on_epoch_start is not None:
+            self.hooks.on_epoch_start(self.run, epoch)
 
     def on_log(self, epoch: int, step: int, loss: float) -> None:
-        hook = self.run.config.get("on_step")
-        if hook is not None:  # tests kill a worker mid-epoch here (with a small log_every)
-            hook(self.run, epoch, step)
+        if self.hooks.on_step is not None:
+            self.hooks.on_step(self.run, epoch, step)
 
     def on_epoch_end(self, state: EpochState) -> None:
         metrics = {"train_loss": state.train_loss, "lr": state.lr}
@@ -254,44 +307,22 @@ class _RayEpochReporter(Callback):
 
 
 def sat_train_fn(run: WorkerRun) -> None:
-    """Every worker: ``train_model`` on this rank's shard; rank 0 reports the model folder."""
-    from sat_model.train_run import train_model
+    """Every worker: ``run.config`` (a :class:`TrainJob`) on this rank's shard; rank 0 reports
+    the model folder each epoch."""
+    from .tracking import EpochLogger, flatten, log_params
 
-    from .tracking import EpochLogger, Tracking, flatten, log_params
-
-    cfg = run.config
-    params, attention = cfg["params"], cfg["attention"]
-    resume = run.resume_dir or (Path(cfg["resume_from"]) if cfg.get("resume_from") else None)
+    job: TrainJob = run.config
+    resume = run.resume_dir or job.resume_from
     logger = None
-    if run.rank == 0 and cfg.get("tracking"):
-        tracking = Tracking(**cfg["tracking"])
-        log_params(tracking, cfg["mlflow_run_id"], flatten(cfg["logged_params"]))
-        logger = EpochLogger(tracking, cfg["mlflow_run_id"])
+    if run.rank == 0 and job.tracking is not None and job.mlflow_run_id is not None:
+        log_params(job.tracking, job.mlflow_run_id, flatten(dict(job.logged_params)))
+        logger = EpochLogger(job.tracking, job.mlflow_run_id)
     with tempfile.TemporaryDirectory(prefix="sat-train-") as out:
-        model_dir = Path(out) / attention
+        model_dir = Path(out) / job.attention
         if run.rank == 0 and resume is not None:
             # a resumed run may not beat the best epoch again: keep its files in what we report
             shutil.copytree(resume, model_dir)
-        train_model(
-            params,
-            attention,
-            prepared_dir=cfg["prepared_dir"],
-            features_dir=cfg["features_dir"],
-            out_dir=out,
-            rank=run.rank,
-            world_size=run.world_size,
-            device=run.device,
-            callbacks=[_RayEpochReporter(run, model_dir, logger)],
-            resume_from=resume,
-            wrap_model=run.wrap_model,
-            identity=cfg.get("identity"),
-            log_every=int(cfg.get("log_every", 50)),
-        )
-
-
-def _abs(path: str, root: Path) -> Path:
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else (root / p).resolve()
+        job.train(run, Path(out), [_RayEpochReporter(run, model_dir, logger)])
 
 
 RUN_RECORD = "sat_run.json"  # in a run's storage folder: its identity, status, checkpoint
@@ -375,14 +406,14 @@ def train_with_ray(
     address: str | None = None,
     resume_from: Path | None = None,
     resume: bool = False,
-    extra_config: Mapping[str, Any] | None = None,
+    hooks: WorkerHooks = WorkerHooks(),
 ) -> TrainOutcome:
     """The ``train`` stage: Ray Train over ``train_model``, MLflow run, ``models/<attention>/``.
 
     ``project_root`` anchors every relative path in params (workers get absolute ones).
     ``resume`` continues the latest unfinished run of this identity; ``resume_from`` seeds a new
-    run from a checkpoint folder (its content is part of the identity); ``extra_config`` reaches
-    the workers' ``train_loop_config`` (tests use it to inject faults).
+    run from a checkpoint folder (its content is part of the identity); ``hooks`` run on every
+    worker (tests inject faults there).
     """
     from .lineage import tag_trained_checkpoint
     from .ray_runtime import resolve_storage_path
@@ -390,8 +421,8 @@ def train_with_ray(
     from .tracking import connect
 
     root = project_root.resolve()
-    prepared = _abs(params.data.prepared_dir, root)
-    features = _abs(params.encoder.features_dir, root)
+    prepared = absolute(params.data.prepared_dir, root)
+    features = absolute(params.encoder.features_dir, root)
     seed = [resume_from.resolve()] if resume_from else []
     inputs = [prepared / CAPTIONS_FILE, prepared / VOCAB_FILE, features, *seed]
     identity = train_identity(params, attention, root, inputs=inputs)
@@ -402,16 +433,16 @@ def train_with_ray(
     if done is not None:
         checkpoint, run_id = done.checkpoint, done.record.get("mlflow_run_id")
     else:
-        config = {
-            "params": params,
-            "attention": attention,
-            "prepared_dir": str(prepared),
-            "features_dir": str(features),
-            "resume_from": str(seed[0]) if seed else None,
-            "identity": identity.digest,
-            **(extra_config or {}),
-        }
-        checkpoint, run_id = _fit_run(params, attention, root, name, identity, config, address)
+        job = TrainJob(
+            params,
+            attention,
+            prepared,
+            features,
+            resume_from=seed[0] if seed else None,
+            identity=identity.digest,
+            hooks=hooks,
+        )
+        checkpoint, run_id = _fit_run(job, root, name, identity, address)
     copy_checkpoint(checkpoint, model_dir)
     if run_id:  # how `register` finds the training run of the model it registers
         tag_trained_checkpoint(connect(params.mlflow, root), run_id, model_dir)
@@ -421,19 +452,14 @@ def train_with_ray(
 
 
 def _fit_run(
-    params: Any,
-    attention: str,
-    root: Path,
-    name: str,
-    identity: RunIdentity,
-    config: dict[str, Any],
-    address: str | None,
+    job: TrainJob, root: Path, name: str, identity: RunIdentity, address: str | None
 ) -> tuple[Path, str]:
     """Run (or resume) the Ray Train run ``name`` under its MLflow run; (checkpoint, run id)."""
     from .lineage import lineage_tags
     from .ray_runtime import ray_session, resolve_storage_path
     from .tracking import connect, find_or_create_run
 
+    params, attention = job.params, job.attention
     lineage = lineage_tags(
         root, prepared_dir=params.data.prepared_dir, features_dir=params.encoder.features_dir
     )
@@ -443,8 +469,9 @@ def _fit_run(
     storage = resolve_storage_path(params.ray, root)
     record = {"identity": identity.digest, "inputs": identity.inputs, "mlflow_run_id": run_id}
     _write_record(storage, name, {**record, "status": "RUNNING"})
-    config.update(
-        tracking=tracking.__dict__,
+    job = replace(
+        job,
+        tracking=tracking,
         mlflow_run_id=run_id,
         logged_params={"attention": attention, **identity.inputs["params"]},
     )
@@ -452,7 +479,7 @@ def _fit_run(
         with ray_session(params.ray, address=address):
             outcome = fit_on_ray(
                 sat_train_fn,
-                config=config,
+                config=job,
                 run_name=name,
                 storage_path=storage,
                 scaling=ScalingSpec.from_params(params.ray),

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.params_doc import replace_between
+from sat_model.atomic import write_text_atomic
 from sat_model.config import ATTENTION_KINDS
 
 __all__ = ["PAPER_TABLE_1", "results_section"]
@@ -70,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(section)
         return 0
     path = Path(args.readme)
-    path.write_text(replace_between(path.read_text(encoding="utf-8"), START, END, section))
+    write_text_atomic(path, replace_between(path.read_text(encoding="utf-8"), START, END, section))
     return 0
 
 

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipeline.stages import add_params_args
+from pipeline.stages import add_params_args, project_root
 
 __all__ = ["ServeError", "add_parser", "fetch_model", "main", "serve_command"]
 
@@ -139,7 +139,7 @@ def main(args: argparse.Namespace) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
         params = _load_params(args)
-        tracking_uri = resolve_tracking_uri(params.mlflow, Path.cwd())
+        tracking_uri = resolve_tracking_uri(params.mlflow, project_root(args.params))
         # the registry (models:/ URIs) and the scoring server follow the tracking URI
         os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
         model_uri = args.model or f"models:/{params.mlflow.model_name}@champion"

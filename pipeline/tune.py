@@ -20,17 +20,19 @@ import json
 import logging
 import shlex
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from sat_model.atomic import write_text_atomic
 from sat_model.config import Params, TuneConfig
+from sat_model.paths import absolute
 
 from .lineage import lineage_tags
 from .ray_runtime import ray_session, remove_orphaned_placement_groups, resolve_storage_path
-from .ray_train import ScalingSpec, deterministic_run_name, fit_on_ray, sat_train_fn
+from .ray_train import ScalingSpec, TrainJob, deterministic_run_name, fit_on_ray, sat_train_fn
 from .tracking import PARENT_TAG, Tracking, connect, find_or_create_run, log_params
 
 __all__ = [
@@ -84,34 +86,41 @@ def _with_overrides(params: Params, values: dict[str, Any], max_epochs: int) -> 
     return Params.model_validate_json(json.dumps(raw))
 
 
-def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
+@dataclass(frozen=True)
+class _Sweep:
+    """What every trial shares (internal; handed to Tune by ``tune.with_parameters``)."""
+
+    name: str
+    job: TrainJob  # the worker config; each trial sets its params and its MLflow run
+    max_epochs: int
+    parent_run_id: str
+    tracking: Tracking
+    storage_path: Path
+    scaling: ScalingSpec
+
+
+def _trial(config: dict[str, Any], sweep: _Sweep) -> None:
     """One trial (a Tune function trainable): a child MLflow run around a Ray Train fit."""
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
     values = dict(config)
-    params: Params = _with_overrides(fixed["params"], values, fixed["max_epochs"])
+    params: Params = _with_overrides(sweep.job.params, values, sweep.max_epochs)
     trial_id = tune.get_context().get_trial_id()
-    tracking = Tracking(**fixed["tracking"])
+    tracking = sweep.tracking
     run_id = find_or_create_run(
         tracking,
-        f"{fixed['sweep_name']}-{trial_id}",
+        f"{sweep.name}-{trial_id}",
         tags={"sat.attention": params.tune.attention, "sat.trial_id": trial_id},
-        parent_run_id=fixed["parent_run_id"],
+        parent_run_id=sweep.parent_run_id,
     )
     log_params(tracking, run_id, {k: repr(v) for k, v in values.items()})
     fit_on_ray(
         sat_train_fn,
-        config={
-            **fixed["worker"],
-            "params": params,
-            "tracking": fixed["tracking"],
-            "mlflow_run_id": run_id,
-            "logged_params": {},
-        },
-        run_name=f"{fixed['sweep_name']}-{trial_id}",
-        storage_path=Path(fixed["storage_path"]),
-        scaling=fixed["scaling"],
+        config=replace(sweep.job, params=params, tracking=tracking, mlflow_run_id=run_id),
+        run_name=f"{sweep.name}-{trial_id}",
+        storage_path=sweep.storage_path,
+        scaling=sweep.scaling,
         max_failures=params.ray.max_failures,
         callbacks=[TuneReportCallback()],
     )
@@ -173,71 +182,27 @@ def _placement_group_reaper() -> Any:
     return PlacementGroupReaper()
 
 
-def run_tune(
-    params: Params,
-    *,
-    address: str | None = None,
-    project_root: Path | None = None,
-) -> TuneOutcome:
+def run_tune(params: Params, *, project_root: Path, address: str | None = None) -> TuneOutcome:
     """Run the sweep described by ``params.tune``; ``address`` connects to a Ray cluster.
 
-    ``project_root`` (default: cwd) anchors relative paths: data, features, ray storage, MLflow.
+    ``project_root`` anchors relative paths: data, features, ray storage, MLflow.
     """
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
 
-    root = (project_root or Path.cwd()).resolve()
-    cfg = params.tune
-    prepared = root / params.data.prepared_dir
-    features = root / params.encoder.features_dir
-    lineage = lineage_tags(
-        root, prepared_dir=params.data.prepared_dir, features_dir=params.encoder.features_dir
-    )
-    sweep_name = deterministic_run_name(
-        f"sweep-{cfg.attention}", params.model_dump(mode="json", exclude={"ray", "mlflow"}), lineage
-    )
-    tracking = connect(params.mlflow, root)
-    parent_id = find_or_create_run(
-        tracking, sweep_name, tags={"sat.attention": cfg.attention, "sat.sweep": "1", **lineage}
-    )
-    log_params(tracking, parent_id, {f"tune.{k}": str(v) for k, v in cfg.model_dump().items()})
-    storage = resolve_storage_path(params.ray, root)
-    fixed = {
-        "params": params,
-        "max_epochs": cfg.max_epochs,
-        "sweep_name": sweep_name,
-        "parent_run_id": parent_id,
-        "tracking": tracking.__dict__,
-        "storage_path": str(storage),
-        "scaling": ScalingSpec.from_params(params.ray),
-        "worker": {
-            "attention": cfg.attention,
-            "prepared_dir": str(prepared.resolve()),
-            "features_dir": str(features.resolve()),
-        },
-    }
-    scheduler = ASHAScheduler(
-        time_attr="epoch", max_t=cfg.max_epochs, grace_period=cfg.grace_period, reduction_factor=2
-    )
+    root = project_root.resolve()
+    sweep = _start_sweep(params, root)
     with ray_session(params.ray, address=address):
         tuner = tune.Tuner(
             # the trial only drives Ray Train: its workers hold the CPUs. Tune refuses an empty
             # request, and any CPU share held by drivers would starve a worker of a full CPU.
             tune.with_resources(
-                tune.with_parameters(_trial, fixed=fixed), {"cpu": 0, "memory": 1 << 20}
+                tune.with_parameters(_trial, sweep=sweep), {"cpu": 0, "memory": 1 << 20}
             ),
-            param_space=search_space(cfg),
-            tune_config=tune.TuneConfig(
-                metric=METRIC,
-                mode=MODE,
-                num_samples=cfg.num_samples,
-                max_concurrent_trials=cfg.max_concurrent,
-                scheduler=scheduler,
-                search_alg=_search_alg(cfg),
-            ),
+            param_space=search_space(params.tune),
+            tune_config=_tune_config(params.tune),
             run_config=tune.RunConfig(
-                name=sweep_name,
-                storage_path=str(storage),
+                name=sweep.name,
+                storage_path=str(sweep.storage_path),
                 verbose=0,
                 callbacks=[_placement_group_reaper()],
             ),
@@ -246,8 +211,57 @@ def run_tune(
         # the last trials' controllers die after fit returns: free their groups too, or a
         # cluster that outlives this sweep (a shared one, --address) keeps them reserved
         remove_orphaned_placement_groups(wait_s=30.0)
-    _close_stopped_children(results, tracking, parent_id)
-    return _record_best(results, cfg, root, tracking, parent_id)
+    _close_stopped_children(results, sweep.tracking, sweep.parent_run_id)
+    return _record_best(results, params.tune, root, sweep.tracking, sweep.parent_run_id)
+
+
+def _start_sweep(params: Params, root: Path) -> _Sweep:
+    """Name the sweep after its inputs, open (or find) its parent MLflow run."""
+    cfg = params.tune
+    lineage = lineage_tags(
+        root, prepared_dir=params.data.prepared_dir, features_dir=params.encoder.features_dir
+    )
+    name = deterministic_run_name(
+        f"sweep-{cfg.attention}", params.model_dump(mode="json", exclude={"ray", "mlflow"}), lineage
+    )
+    tracking = connect(params.mlflow, root)
+    parent_id = find_or_create_run(
+        tracking, name, tags={"sat.attention": cfg.attention, "sat.sweep": "1", **lineage}
+    )
+    log_params(tracking, parent_id, {f"tune.{k}": str(v) for k, v in cfg.model_dump().items()})
+    job = TrainJob(
+        params,
+        cfg.attention,
+        prepared_dir=absolute(params.data.prepared_dir, root),
+        features_dir=absolute(params.encoder.features_dir, root),
+    )
+    return _Sweep(
+        name=name,
+        job=job,
+        max_epochs=cfg.max_epochs,
+        parent_run_id=parent_id,
+        tracking=tracking,
+        storage_path=resolve_storage_path(params.ray, root),
+        scaling=ScalingSpec.from_params(params.ray),
+    )
+
+
+def _tune_config(cfg: TuneConfig) -> Any:
+    """Tune's metric, sample count and concurrency, with ASHA over the chosen searcher."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    scheduler = ASHAScheduler(
+        time_attr="epoch", max_t=cfg.max_epochs, grace_period=cfg.grace_period, reduction_factor=2
+    )
+    return tune.TuneConfig(
+        metric=METRIC,
+        mode=MODE,
+        num_samples=cfg.num_samples,
+        max_concurrent_trials=cfg.max_concurrent,
+        scheduler=scheduler,
+        search_alg=_search_alg(cfg),
+    )
 
 
 def _close_stopped_children(results: Any, tracking: Tracking, parent_id: str) -> None:
@@ -280,9 +294,7 @@ def _record_best(
         raise RuntimeError(f"no trial of the sweep reported {METRIC}; see the Ray logs")
     values = {k: float(v) for k, v in best.config.items()}
     score = float(best.metrics[METRIC])
-    out_dir = root / cfg.output_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "best_params.yaml"
+    path = absolute(cfg.output_dir, root) / "best_params.yaml"
     doc = {
         "attention": cfg.attention,
         "metric": METRIC,
@@ -291,9 +303,7 @@ def _record_best(
         "params": values,  # dotted keys: `-S` items, or paths into params.yaml
         "apply": shlex.join(exp_run_command(values)),
     }
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(doc, sort_keys=True), encoding="utf-8")
-    tmp.replace(path)  # atomic: a reader sees the old file or the new one
+    write_text_atomic(path, yaml.safe_dump(doc, sort_keys=True))
     tracking.call(
         lambda c: c.log_metric(parent_id, f"best_{METRIC}", score), "log best score of the sweep"
     )

@@ -190,10 +190,17 @@ def evaluate_model(
         )
     mode = hard_decode if config.attention == "hard" else "expected"
     captions = decode_split(
-        model, vocab, store, ids,
-        beam_size=beam_size, max_length=max_length, length_normalization=length_normalization,
-        mode=mode, batch_size=batch_size, device=device,
-    )  # fmt: skip
+        model,
+        vocab,
+        store,
+        ids,
+        beam_size=beam_size,
+        max_length=max_length,
+        length_normalization=length_normalization,
+        mode=mode,
+        batch_size=batch_size,
+        device=device,
+    )
     hypotheses = {c.image_id: c.text for c in captions}
     scores = score_captions(
         hypotheses, {i: references[i] for i in ids}, metrics, meteor_timeout_s=meteor_timeout_s
@@ -201,9 +208,13 @@ def evaluate_model(
     records = read_image_records(images_path, split)
     meta = store.meta
     grounding = _grounding(
-        captions, records, grid_h=meta.grid_h, grid_w=meta.grid_w, resize=resize,
+        captions,
+        records,
+        grid_h=meta.grid_h,
+        grid_w=meta.grid_w,
+        resize=resize,
         crop=meta.input_size,
-    )  # fmt: skip
+    )
     if grounding is not None:
         scores["pointing_words"] = float(grounding.total)
         if grounding.total:  # NaN is not valid JSON: an unmeasured accuracy is left out

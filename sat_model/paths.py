@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sat_model.config import DataConfig
 
-__all__ = ["PathError", "image_root", "output_path", "resolve_inside"]
+__all__ = ["PathError", "absolute", "image_root", "output_path", "resolve_inside"]
 
 
 class PathError(ValueError):
@@ -31,6 +31,12 @@ def resolve_inside(root: Path, name: str) -> tuple[Path, str]:
     if path.is_relative_to(root):
         return path, ""
     return path, f"path {name!r} escapes the image root {root}"
+
+
+def absolute(value: str | Path, project_root: Path) -> Path:
+    """``value`` as an absolute path: ``~`` expanded, a relative one under ``project_root``."""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (Path(project_root) / path).resolve()
 
 
 def output_path(value: str, project_root: Path) -> Path:

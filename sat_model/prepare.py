@@ -248,6 +248,44 @@ def prepare_source(
     workers: int | None = None,
 ) -> PrepareResult:
     """Check ``src``, build the vocabulary from train captions, and write the four outputs."""
+    screen = _screen(src, verify_images, max_image_pixels, workers, max_caption_length)
+    vocab = build_vocab(
+        (k.tokens for k in screen.kept if screen.ok_rows[k.image_id].split == "train"),
+        min_count=min_count,
+        max_size=max_size,
+        max_caption_length=max_caption_length,
+    )
+    report = _report(src, screen, vocab)
+    _check_usable(report, required_splits, _bad_counts(src, screen), max_bad_fraction)
+    images = _images_table(src, screen.checks, screen.statuses)
+    captions = _captions_table(screen.kept, screen.ok_rows)
+    _write_outputs(out_dir, images, captions, vocab, report)
+    return PrepareResult(out_dir, report, vocab)
+
+
+@dataclass(frozen=True)
+class _Screen:
+    """What the image and caption checks kept and left out (internal)."""
+
+    checks: list[ImageCheck]
+    statuses: list[str]  # per source image: OK or why it is left out
+    ok_rows: dict[str, SourceImage]  # usable images (with a usable caption) by id
+    kept: list[_Kept]
+    image_skips: list[Skip]
+    caption_skips: list[Skip]  # the source's own and the caption filter's
+    orphans: list[SourceCaption]  # captions of images left out
+    status_of: dict[str, str]  # image id -> status, for the source's usable rows
+    captions_total: int
+
+
+def _screen(
+    src: SourceData,
+    verify_images: bool,
+    max_image_pixels: int,
+    workers: int | None,
+    max_caption_length: int,
+) -> _Screen:
+    """Check every image, filter the captions, and leave out images with no usable caption."""
     checks = _check_images(src, verify_images, max_image_pixels, workers)
     statuses = [c.status for c in checks]
     ok_rows = {im.image_id: im for im, st in zip(src.images, statuses, strict=True) if st == OK}
@@ -257,54 +295,59 @@ def prepare_source(
         if statuses[i] == OK and image.image_id not in with_captions:
             statuses[i] = "no usable caption"
             del ok_rows[image.image_id]
-
     # ids of usable source rows are unique, so a caption's image is its id's usable row
     status_of = {
         im.image_id: st for im, st in zip(src.images, statuses, strict=True) if im.status == OK
     }
-    orphans = [c for c in src.captions if status_of[c.image_id] != OK]
-    image_skips = _skips_of_images(src, statuses)
-    all_caption_skips = [*src.skipped, *caption_skips]
-    captions_total = len(src.captions) + len(src.skipped)
-    split_counts = Counter(im.split for im in ok_rows.values())
-    vocab = build_vocab(
-        (k.tokens for k in kept if ok_rows[k.image_id].split == "train"),
-        min_count, max_size, max_caption_length,
-    )  # fmt: skip
-    report: dict[str, object] = {
+    return _Screen(
+        checks=checks,
+        statuses=statuses,
+        ok_rows=ok_rows,
+        kept=kept,
+        image_skips=_skips_of_images(src, statuses),
+        caption_skips=[*src.skipped, *caption_skips],
+        orphans=[c for c in src.captions if status_of[c.image_id] != OK],
+        status_of=status_of,
+        captions_total=len(src.captions) + len(src.skipped),
+    )
+
+
+def _report(src: SourceData, screen: _Screen, vocab: Vocab) -> dict[str, object]:
+    """``prepare_report.json``: counts, per-split images and every skip with its reason."""
+    split_counts = Counter(im.split for im in screen.ok_rows.values())
+    skips = [*screen.image_skips, *screen.caption_skips]
+    return {
         "images_total": len(src.images),
-        "images_ok": len(ok_rows),
-        "images_skipped": len(src.images) - len(ok_rows),
-        "captions_total": captions_total,
-        "captions_kept": len(kept),
-        "captions_skipped": captions_total - len(kept),
+        "images_ok": len(screen.ok_rows),
+        "images_skipped": len(src.images) - len(screen.ok_rows),
+        "captions_total": screen.captions_total,
+        "captions_kept": len(screen.kept),
+        "captions_skipped": screen.captions_total - len(screen.kept),
         "vocab_size": len(vocab),
         **{f"images_{s}": split_counts.get(s, 0) for s in SPLITS},
-        "skipped": [
-            {"item": s.item, "reason": s.reason} for s in [*image_skips, *all_caption_skips]
-        ],
+        "skipped": [{"item": s.item, "reason": s.reason} for s in skips],
     }
-    excluded_images = sum(s.excluded for s in image_skips)
-    excluded_captions = sum(s.excluded for s in all_caption_skips) + sum(
-        status_of[c.image_id].startswith(EXCLUDED) for c in orphans
+
+
+def _bad_counts(src: SourceData, screen: _Screen) -> dict[str, tuple[int, int, list[Skip]]]:
+    """(bad, considered, skips) for images and captions; excluded items count as neither."""
+    excluded_images = sum(s.excluded for s in screen.image_skips)
+    excluded_captions = sum(s.excluded for s in screen.caption_skips) + sum(
+        screen.status_of[c.image_id].startswith(EXCLUDED) for c in screen.orphans
     )
-    bad = {
+    bad_captions = screen.captions_total - len(screen.kept) - excluded_captions
+    return {
         "images": (
-            len(image_skips) - excluded_images,
+            len(screen.image_skips) - excluded_images,
             len(src.images) - excluded_images,
-            image_skips,
+            screen.image_skips,
         ),
         "captions": (
-            captions_total - len(kept) - excluded_captions,
-            captions_total - excluded_captions,
-            all_caption_skips,
+            bad_captions,
+            screen.captions_total - excluded_captions,
+            screen.caption_skips,
         ),
     }
-    _check_usable(report, required_splits, bad, max_bad_fraction)
-    _write_outputs(
-        out_dir, _images_table(src, checks, statuses), _captions_table(kept, ok_rows), vocab, report
-    )
-    return PrepareResult(out_dir, report, vocab)
 
 
 def _write_outputs(

@@ -355,9 +355,15 @@ def read_source(
         s = data.synthetic
         sizes = {"train": s.train_images, "val": s.val_images, "test": s.test_images}
         return read_synthetic(
-            prepared_dir / "images", sizes, s.seed, s.image_size, s.min_objects, s.max_objects,
-            s.captions_per_image, workers,
-        )  # fmt: skip
+            prepared_dir / "images",
+            sizes,
+            seed=s.seed,
+            image_size=s.image_size,
+            min_objects=s.min_objects,
+            max_objects=s.max_objects,
+            captions_per_image=s.captions_per_image,
+            workers=workers,
+        )
     if not root.is_dir():
         raise SourceError(f"data.root {root} is not a folder")
     if data.source == "flickr8k":
@@ -373,7 +379,13 @@ def read_source(
     if data.source == "coco":
         c = data.coco
         return read_coco(
-            root, c.annotation_files, c.images_dirs, c.val_images, c.test_images, c.seed,
-            c.max_captions_per_image, c.restval_to_train,
-        )  # fmt: skip
+            root,
+            annotation_files=c.annotation_files,
+            images_dirs=c.images_dirs,
+            val_images=c.val_images,
+            test_images=c.test_images,
+            seed=c.seed,
+            max_captions_per_image=c.max_captions_per_image,
+            rest_to_train=c.restval_to_train,
+        )
     raise SourceError(f"unknown data source {data.source!r}")

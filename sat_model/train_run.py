@@ -52,6 +52,8 @@ from sat_model.tables import CAPTIONS_FILE, VOCAB_FILE, load_references
 from sat_model.training import (
     Callback,
     EpochState,
+    FitOptions,
+    ResumeState,
     build_optimizer,
     build_scheduler,
     fit,
@@ -269,6 +271,28 @@ def _train_metrics(
     return metrics
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What one rank trains, built from the files before the first epoch (internal)."""
+
+    attention: str
+    cfg: Any  # params.train.soft or params.train.hard
+    device: torch.device
+    model_dir: Path  # <out_dir>/<attention>
+    vocab: Vocab
+    train_store: FeatureStore
+    dataset: CaptionDataset
+    skipped: int  # captions left out of the dataset
+    sampler: LengthGroupedBatchSampler
+    model: ShowAttendTell
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    def batches(self, epoch: int) -> _EpochBatches:
+        return _EpochBatches(self.dataset, self.sampler.batches(epoch))
+
+
 def train_model(
     params: Params,
     attention: str,
@@ -292,15 +316,52 @@ def train_model(
     """
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
+    prepared_dir, features_dir = Path(prepared_dir), Path(features_dir)
+    setup = _set_up(
+        params, attention, prepared_dir, features_dir, Path(out_dir), rank, world_size, device
+    )
+    resume, curves = ResumeState(), []
+    if resume_from is not None:
+        resume = _resume(Path(resume_from), setup)
+        curves = _read_curves(Path(resume_from) / CURVES_FILE, resume.epoch)
+    validate, writers = None, []
+    if rank == 0:
+        validate, writer = _rank_zero(params, setup, prepared_dir, features_dir, curves, identity)
+        writers = [writer]
+    result = fit(
+        setup.model,
+        setup.criterion,
+        setup.optimizer,
+        setup.scheduler,
+        setup.batches,
+        validate,
+        _fit_options(params, setup, rank, log_every),
+        [*writers, *callbacks],
+        resume=resume,
+        wrap_model=wrap_model,
+    )
+    metrics = _read_metrics(setup.model_dir) if rank == 0 else {}
+    return TrainResult(
+        setup.model_dir, metrics, result.best_epoch, result.epochs_completed, result.stopped_early
+    )
+
+
+def _set_up(
+    params: Params,
+    attention: str,
+    prepared_dir: Path,
+    features_dir: Path,
+    out_dir: Path,
+    rank: int,
+    world_size: int,
+    device: torch.device | str | None,
+) -> _Setup:
+    """Vocabulary, this rank's shard of the training captions, the model and its optimiser."""
     cfg = params.train.soft if attention == "soft" else params.train.hard
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    prepared_dir, features_dir = Path(prepared_dir), Path(features_dir)
-    model_dir = Path(out_dir) / attention
     vocab = load_vocab(prepared_dir / VOCAB_FILE)
-    train_store = FeatureStore(features_dir / "train.arrow")
-    dataset, skipped = load_caption_dataset(
-        prepared_dir / CAPTIONS_FILE, "train", train_store, vocab
-    )
+    store = FeatureStore(features_dir / "train.arrow")
+    dataset, skipped = load_caption_dataset(prepared_dir / CAPTIONS_FILE, "train", store, vocab)
     sampler = LengthGroupedBatchSampler(
         dataset.lengths, cfg.batch_size, seed=params.train.seed, num_replicas=world_size, rank=rank
     )
@@ -308,79 +369,87 @@ def train_model(
     model = build_model(
         params.model,
         vocab_size=len(vocab),
-        annotation_dim=train_store.meta.D,
-        num_locations=train_store.meta.L,
-        grid_w=train_store.meta.grid_w,
+        annotation_dim=store.meta.D,
+        num_locations=store.meta.L,
+        grid_w=store.meta.grid_w,
         attention=attention,
         **_semi_sampling(cfg),
     )
     if model.config.normalize_features:
-        mean, std = channel_statistics(train_store)
+        mean, std = channel_statistics(store)
         model.set_feature_statistics(torch.from_numpy(mean), torch.from_numpy(std))
     model.to(device)  # before the optimiser exists, so resumed optimiser state lands on device too
     criterion = build_criterion(attention, cfg)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay)
-    scheduler = build_scheduler(optimizer, cfg.lr_schedule, cfg.max_epochs, cfg.lr_decay)
-    resumed, curves = None, []
-    if resume_from is not None:
-        resumed = _resume(Path(resume_from), vocab, model, criterion, optimizer, scheduler)
-        curves = _read_curves(Path(resume_from) / CURVES_FILE, resumed.epoch)
-    validate, extra_callbacks, num_val = None, [], 0
-    if rank == 0:
-        val_store = FeatureStore(features_dir / "val.arrow")
-        validate = make_validator(
-            val_store,
-            load_references(prepared_dir / CAPTIONS_FILE, "val"),
-            vocab,
-            max_images=params.train.val_images,
-            max_length=params.train.val_max_length,
-            batch_size=params.eval.batch_size,
-            device=device,
-            mode=params.eval.hard_decode if attention == "hard" else "expected",
-        )
-        num_val = min(len(val_store), params.train.val_images or len(val_store))
-        extra_config = {
-            "attention": attention,
-            # the store records the crop (input_size); the shorter-side resize that preceded it is
-            # needed to preprocess new images the same way (sat caption, the served model)
-            "encoder": {**asdict(train_store.meta), "resize": params.encoder.resize},
-            "train": {"seed": params.train.seed, **cfg.model_dump()},
-        }
-        if identity is not None:
-            extra_config["identity"] = identity
-        counts = {
-            "train_captions": len(dataset),
-            "skipped_captions": len(skipped),
-            "val_images": num_val,
-            "world_size": world_size,
-        }
-        extra_callbacks = [_ModelDirWriter(model_dir, model, vocab, extra_config, curves, counts)]
-    result = fit(
-        model,
-        criterion,
-        optimizer,
-        scheduler,
-        lambda epoch: _EpochBatches(dataset, sampler.batches(epoch)),
-        validate,
-        [*extra_callbacks, *callbacks],
-        start_epoch=resumed.epoch if resumed else 0,
-        max_epochs=cfg.max_epochs,
-        patience=cfg.patience,
+    return _Setup(
+        attention=attention,
+        cfg=cfg,
         device=device,
-        grad_clip=cfg.grad_clip,
-        wrap_model=wrap_model,
-        seed=params.train.seed * 1_000 + rank,
-        best_score=resumed.best_score if resumed else None,
-        best_epoch=resumed.best_epoch if resumed else None,
-        best_state=resumed.best_state if resumed else None,
-        ema_decay=cfg.ema_decay,
-        average_state=resumed.average_state if resumed else None,
+        model_dir=out_dir / attention,
+        vocab=vocab,
+        train_store=store,
+        dataset=dataset,
+        skipped=len(skipped),
+        sampler=sampler,
+        model=model,
+        criterion=criterion,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg.lr_schedule, cfg.max_epochs, cfg.lr_decay),
+    )
+
+
+def _fit_options(params: Params, setup: _Setup, rank: int, log_every: int) -> FitOptions:
+    return FitOptions(
+        max_epochs=setup.cfg.max_epochs,
+        patience=setup.cfg.patience,
+        device=setup.device,
+        grad_clip=setup.cfg.grad_clip,
+        seed=params.train.seed * 1_000 + rank,  # each rank its own dropout stream
         log_every=log_every,
+        ema_decay=setup.cfg.ema_decay,
     )
-    metrics = _read_metrics(model_dir) if rank == 0 else {}
-    return TrainResult(
-        model_dir, metrics, result.best_epoch, result.epochs_completed, result.stopped_early
+
+
+def _rank_zero(
+    params: Params,
+    setup: _Setup,
+    prepared_dir: Path,
+    features_dir: Path,
+    curves: list[dict[str, Any]],
+    identity: str | None,
+) -> tuple[Callable[[nn.Module], dict[str, float]], _ModelDirWriter]:
+    """Rank 0's ``validate(model)`` (first ``train.val_images`` validation images) and the
+    callback writing the model folder."""
+    val_store = FeatureStore(features_dir / "val.arrow")
+    validate = make_validator(
+        val_store,
+        load_references(prepared_dir / CAPTIONS_FILE, "val"),
+        setup.vocab,
+        max_images=params.train.val_images,
+        max_length=params.train.val_max_length,
+        batch_size=params.eval.batch_size,
+        device=setup.device,
+        mode=params.eval.hard_decode if setup.attention == "hard" else "expected",
     )
+    counts = {
+        "train_captions": len(setup.dataset),
+        "skipped_captions": setup.skipped,
+        "val_images": min(len(val_store), params.train.val_images or len(val_store)),
+        "world_size": setup.sampler.num_replicas,
+    }
+    extra_config = {
+        "attention": setup.attention,
+        # the store records the crop (input_size); the shorter-side resize that preceded it is
+        # needed to preprocess new images the same way (sat caption, the served model)
+        "encoder": {**asdict(setup.train_store.meta), "resize": params.encoder.resize},
+        "train": {"seed": params.train.seed, **setup.cfg.model_dump()},
+    }
+    if identity is not None:
+        extra_config["identity"] = identity
+    writer = _ModelDirWriter(
+        setup.model_dir, setup.model, setup.vocab, extra_config, curves, counts
+    )
+    return validate, writer
 
 
 def _semi_sampling(cfg: Any) -> dict[str, Any]:
@@ -390,28 +459,10 @@ def _semi_sampling(cfg: Any) -> dict[str, Any]:
     return {}
 
 
-@dataclass(frozen=True)
-class _Resumed:
-    """Where a resumed run continues from (loaded into the model and optimiser already)."""
-
-    epoch: int
-    best_score: float | None
-    best_epoch: int | None
-    average_state: dict[str, torch.Tensor] | None  # the moving average, when there is one
-    best_state: dict[str, torch.Tensor]  # the best checkpoint's weights
-
-
-def _resume(
-    directory: Path,
-    vocab: Vocab,
-    model: nn.Module,
-    criterion: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> _Resumed:
+def _resume(directory: Path, setup: _Setup) -> ResumeState:
     """Load the folder's last training state (``last_state.pt``; a folder without one continues
-    from its best checkpoint) into ``model`` (the weights the optimiser updates) and the rest."""
-    best = load_checkpoint(directory, vocab=vocab)  # also checks the folder's vocabulary
+    from its best checkpoint) into the model (the weights the optimiser updates) and the rest."""
+    best = load_checkpoint(directory, vocab=setup.vocab)  # also checks the folder's vocabulary
     if (directory / LAST_STATE_FILE).is_file():
         state = load_training_state(directory / LAST_STATE_FILE)
     else:
@@ -428,18 +479,22 @@ def _resume(
     train_state = state.get("train_state")
     try:
         # with a moving average, model_state is the average of train_state
-        model.load_state_dict(train_state or state["model_state"])
-        criterion.load_state_dict(state.get("criterion_state") or {})
+        setup.model.load_state_dict(train_state or state["model_state"])
+        setup.criterion.load_state_dict(state.get("criterion_state") or {})
         if state.get("optimizer_state") is not None:
-            optimizer.load_state_dict(state["optimizer_state"])
+            setup.optimizer.load_state_dict(state["optimizer_state"])
         if state.get("scheduler_state") is not None:
-            scheduler.load_state_dict(state["scheduler_state"])
+            setup.scheduler.load_state_dict(state["scheduler_state"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise CheckpointError(f"{directory}: the state does not fit this run's model: {e}") from e
     _restore_rng(state.get("rng_state"))
-    average = state["model_state"] if train_state is not None else None
-    epoch, best_score, best_epoch = state["epoch"], state.get("best_score"), state.get("best_epoch")
-    return _Resumed(epoch, best_score, best_epoch, average, best.model_state)
+    return ResumeState(
+        epoch=state["epoch"],
+        best_score=state.get("best_score"),
+        best_epoch=state.get("best_epoch"),
+        best_state=best.model_state,
+        average_state=state["model_state"] if train_state is not None else None,
+    )
 
 
 def _restore_rng(rng: Mapping[str, Any] | None) -> None:

@@ -24,6 +24,7 @@ the start of every epoch, so a run resumed at epoch k repeats the uninterrupted 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
@@ -39,9 +40,11 @@ from sat_model.checkpoint import state_of
 __all__ = [
     "Callback",
     "EpochState",
+    "FitOptions",
     "FitResult",
     "NonFiniteLossError",
     "ProgressBar",
+    "ResumeState",
     "TrainBatch",
     "build_optimizer",
     "build_scheduler",
@@ -132,6 +135,38 @@ def build_scheduler(
     raise ValueError(f"unknown lr_schedule {schedule!r}; expected constant, cosine or step")
 
 
+@dataclass(frozen=True)
+class FitOptions:
+    """How :func:`fit` trains: the stopping rule, the device and the per-step knobs."""
+
+    max_epochs: int  # the last epoch (counted from 1) that may run
+    patience: int  # epochs without a better score before stopping (Sec. 5)
+    device: torch.device | str = "cpu"
+    grad_clip: float | None = None  # max gradient norm; None: no clipping
+    monitor: str = "bleu_4"  # the validation key early stopping watches
+    seed: int | None = None  # re-seeds torch at each epoch's start, so a resume repeats a run
+    log_every: int = 50  # steps between ``on_log`` calls (the only per-step sync)
+    ema_decay: float = 0.0  # 0: no moving average of the weights
+
+    def __post_init__(self) -> None:
+        if self.patience < 1:
+            raise ValueError(f"patience must be >= 1, got {self.patience}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """Where a resumed run continues from; the default is a fresh run."""
+
+    epoch: int = 0  # epochs already done
+    best_score: float | None = None
+    best_epoch: int | None = None
+    best_state: Mapping[str, torch.Tensor] | None = None  # the best epoch's weights
+    # the moving average (saved as model_state; the model then holds the saved train_state)
+    average_state: Mapping[str, torch.Tensor] | None = None
+
+
 @dataclass
 class _Progress:
     """Mutable early-stopping bookkeeping (internal)."""
@@ -142,6 +177,33 @@ class _Progress:
     history: list[EpochState] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Loop:
+    """What every epoch of one :func:`fit` call works on (internal)."""
+
+    model: nn.Module  # the unwrapped model the optimiser updates
+    train_model: nn.Module  # ``model`` as wrapped for the forward pass (e.g. DDP)
+    eval_model: nn.Module  # what is validated and saved as model_state: the average, if any
+    average: AveragedModel | None
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    callbacks: Sequence[Callback]
+    options: FitOptions
+
+
+@dataclass(frozen=True)
+class _EpochTotals:
+    """One epoch's training figures, before validation (internal)."""
+
+    epoch: int  # completed, from 1
+    loss: float
+    nll: float
+    steps: int
+    lr: float
+    seconds: float
+
+
 def fit(
     model: nn.Module,
     criterion: nn.Module,
@@ -149,107 +211,96 @@ def fit(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     batches: Callable[[int], Iterable[TrainBatch]],
     validate: Callable[[nn.Module], Mapping[str, float]] | None,
+    options: FitOptions,
     callbacks: Sequence[Callback] = (),
     *,
-    start_epoch: int = 0,
-    max_epochs: int,
-    patience: int,
-    device: torch.device | str = "cpu",
-    grad_clip: float | None = None,
-    monitor: str = "bleu_4",
+    resume: ResumeState = ResumeState(),
     wrap_model: Callable[[nn.Module], nn.Module] | None = None,
-    seed: int | None = None,
-    log_every: int = 50,
-    best_score: float | None = None,
-    best_epoch: int | None = None,
-    best_state: Mapping[str, torch.Tensor] | None = None,
-    ema_decay: float = 0.0,
-    average_state: Mapping[str, torch.Tensor] | None = None,
 ) -> FitResult:
-    """Train from epoch ``start_epoch`` (epochs already done) to at most ``max_epochs``.
+    """Train from epoch ``resume.epoch`` (epochs already done) to at most ``options.max_epochs``.
 
-    Stops after ``patience`` epochs without a better ``validate(model)[monitor]``, and leaves
-    ``model`` holding the best weights. ``wrap_model`` (e.g. DDP) wraps the model used for the
-    training forward pass; ``validate`` and the saved states use the unwrapped ``model``. When
-    ``torch.distributed`` is initialised, rank 0's stop decision is broadcast so every rank
-    leaves the loop together. ``best_score``/``best_epoch``/``best_state`` continue a resumed
-    run, and ``average_state`` its moving average (the saved ``model_state``; ``model`` then
-    holds the saved ``train_state``).
+    Stops after ``options.patience`` epochs without a better ``validate(model)[monitor]``, and
+    leaves ``model`` holding the best weights. ``wrap_model`` (e.g. DDP) wraps the model used for
+    the training forward pass; ``validate`` and the saved states use the unwrapped ``model``.
+    When ``torch.distributed`` is initialised, rank 0's stop decision is broadcast so every rank
+    leaves the loop together. ``resume`` continues a run from its best score, state and moving
+    average (``model`` then holds the saved ``train_state``).
     """
-    if patience < 1:
-        raise ValueError(f"patience must be >= 1, got {patience}")
-    model.to(device)
-    criterion.to(device)
-    train_model = wrap_model(model) if wrap_model is not None else model
-    average = _moving_average(model, ema_decay, average_state)
-    # what is validated, kept as the best state and saved as model_state
-    eval_model = average.module if average is not None else model
-    progress = _Progress(best_score, best_epoch, dict(best_state) if best_state else None)
-    completed, stopped_early = start_epoch, False
-    for epoch in range(start_epoch, max_epochs):
-        if seed is not None:
-            torch.manual_seed(seed * 100_003 + epoch)
-        epoch_batches = batches(epoch)
-        total = len(epoch_batches) if isinstance(epoch_batches, Sized) else None
-        for cb in callbacks:
-            cb.on_epoch_start(epoch, total)
-        lr = optimizer.param_groups[0]["lr"]
-        start = time.perf_counter()
-        loss, nll, steps = _train_epoch(
-            train_model,
-            criterion,
-            optimizer,
-            epoch_batches,
-            device,
-            grad_clip,
-            epoch,
-            log_every,
-            callbacks,
-            average,
-        )
-        if scheduler is not None:
-            scheduler.step()
-        val = dict(validate(eval_model)) if validate is not None else None
-        state = _epoch_state(
-            eval_model,
-            model if average is not None else None,
-            criterion,
-            optimizer,
-            scheduler,
-            progress,
-            epoch + 1,
-            loss,
-            nll,
-            val,
-            lr,
-            steps,
-            time.perf_counter() - start,
-            monitor,
-        )
+    loop = _start(model, criterion, optimizer, scheduler, callbacks, options, resume, wrap_model)
+    resumed_best = dict(resume.best_state) if resume.best_state else None
+    progress = _Progress(resume.best_score, resume.best_epoch, resumed_best)
+    completed, stopped_early = resume.epoch, False
+    for epoch in range(resume.epoch, options.max_epochs):
+        totals = _run_epoch(loop, batches, epoch)
+        val = dict(validate(loop.eval_model)) if validate is not None else None
+        state = _epoch_state(loop, progress, totals, val)
         for cb in callbacks:
             cb.on_epoch_end(state)
         completed = epoch + 1
-        if _agree(_should_stop(progress, completed, patience, val is not None), device):
-            stopped_early = completed < max_epochs
+        if _agree(_should_stop(progress, completed, options.patience, val is not None), loop):
+            stopped_early = completed < options.max_epochs
             break
-    best_state = progress.best_state if progress.best_state is not None else state_of(eval_model)
-    model.load_state_dict(best_state)
+    best = progress.best_state if progress.best_state is not None else state_of(loop.eval_model)
+    model.load_state_dict(best)
     return FitResult(
         best_score=progress.best_score,
         best_epoch=progress.best_epoch,
-        best_state=best_state,
+        best_state=best,
         epochs_completed=completed,
         stopped_early=stopped_early,
         history=progress.history,
     )
 
 
+def _start(
+    model: nn.Module,
+    criterion: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    callbacks: Sequence[Callback],
+    options: FitOptions,
+    resume: ResumeState,
+    wrap_model: Callable[[nn.Module], nn.Module] | None,
+) -> _Loop:
+    """Move to the device, wrap, and set up the moving average."""
+    model.to(options.device)
+    criterion.to(options.device)
+    average = _moving_average(model, options.ema_decay, resume.average_state)
+    return _Loop(
+        model=model,
+        train_model=wrap_model(model) if wrap_model is not None else model,
+        eval_model=average.module if average is not None else model,
+        average=average,
+        criterion=criterion,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        callbacks=callbacks,
+        options=options,
+    )
+
+
+def _run_epoch(
+    loop: _Loop, batches: Callable[[int], Iterable[TrainBatch]], epoch: int
+) -> _EpochTotals:
+    """Seed, announce, train one epoch (0-based ``epoch``) and step the schedule."""
+    if loop.options.seed is not None:
+        torch.manual_seed(loop.options.seed * 100_003 + epoch)
+    epoch_batches = batches(epoch)
+    total = len(epoch_batches) if isinstance(epoch_batches, Sized) else None
+    for cb in loop.callbacks:
+        cb.on_epoch_start(epoch, total)
+    lr = loop.optimizer.param_groups[0]["lr"]
+    start = time.perf_counter()
+    loss, nll, steps = _train_epoch(loop, epoch_batches, epoch)
+    if loop.scheduler is not None:
+        loop.scheduler.step()
+    return _EpochTotals(epoch + 1, loss, nll, steps, lr, time.perf_counter() - start)
+
+
 def _moving_average(
     model: nn.Module, decay: float, state: Mapping[str, torch.Tensor] | None
 ) -> AveragedModel | None:
     """The EMA of ``model``'s parameters, or None for ``decay`` 0; ``state`` resumes one."""
-    if not 0.0 <= decay < 1.0:
-        raise ValueError(f"ema_decay must be in [0, 1), got {decay}")
     if decay == 0.0:
         return None
     average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
@@ -260,40 +311,32 @@ def _moving_average(
 
 
 def _train_epoch(
-    model: nn.Module,
-    criterion: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Iterable[TrainBatch],
-    device: torch.device | str,
-    grad_clip: float | None,
-    epoch: int,
-    log_every: int,
-    callbacks: Sequence[Callback],
-    average: AveragedModel | None = None,
+    loop: _Loop, batches: Iterable[TrainBatch], epoch: int
 ) -> tuple[float, float, int]:
     """One pass of teacher forcing; returns mean loss, mean NLL and the number of steps."""
+    model, opts = loop.train_model, loop.options
     model.train()
-    criterion.train()
-    total = torch.zeros(2, device=device)  # (loss, nll) summed on the device: no per-step sync
-    window = torch.zeros((), device=device)
+    loop.criterion.train()
+    total = torch.zeros(2, device=opts.device)  # (loss, nll) summed on the device: no sync
+    window = torch.zeros((), device=opts.device)
     steps = 0
     for steps, batch in enumerate(batches, start=1):
-        batch = batch.to(device)
-        optimizer.zero_grad(set_to_none=True)
-        out = criterion(model(batch.annotations, batch.captions), batch.captions)
+        batch = batch.to(opts.device)
+        loop.optimizer.zero_grad(set_to_none=True)
+        out = loop.criterion(model(batch.annotations, batch.captions), batch.captions)
         out.loss.backward()
-        if grad_clip is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        optimizer.step()
-        if average is not None:
-            average.update_parameters(model)
+        if opts.grad_clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip)
+        loop.optimizer.step()
+        if loop.average is not None:
+            loop.average.update_parameters(model)
         loss = out.loss.detach()
         total += torch.stack([loss, out.nll.detach().to(loss.dtype)])
         window += loss
-        if steps % log_every == 0:
-            mean = _checked(window.item() / log_every, epoch, steps)
+        if steps % opts.log_every == 0:
+            mean = _checked(window.item() / opts.log_every, epoch, steps)
             window.zero_()
-            for cb in callbacks:
+            for cb in loop.callbacks:
                 cb.on_log(epoch, steps, mean)
     if steps == 0:
         raise ValueError(f"epoch {epoch}: batches({epoch}) yielded no batch")
@@ -312,49 +355,51 @@ def _checked(loss: float, epoch: int, step: int) -> float:
 
 
 def _epoch_state(
-    model: nn.Module,
-    trained: nn.Module | None,
-    criterion: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    progress: _Progress,
-    epoch: int,
-    loss: float,
-    nll: float,
-    val: dict[str, float] | None,
-    lr: float,
-    steps: int,
-    seconds: float,
-    monitor: str,
+    loop: _Loop, progress: _Progress, totals: _EpochTotals, val: dict[str, float] | None
 ) -> EpochState:
-    """Update the best score/state and describe the epoch; ``model`` is the one validated,
-    ``trained`` the one the optimiser updates when that is another (the moving average's)."""
+    """Update the best score/state and describe the epoch."""
+    monitor = loop.options.monitor
     if val is not None and monitor not in val:
         raise KeyError(f"validate() returned {sorted(val)}, without the monitored {monitor!r}")
     score = val[monitor] if val is not None else None
     is_best = score is None or progress.best_score is None or score > progress.best_score
     if is_best:
-        progress.best_score, progress.best_epoch = score, epoch
-        progress.best_state = state_of(model)
-    best_score, best_epoch = progress.best_score, progress.best_epoch
-
-    def checkpoint() -> dict[str, Any]:
-        return {
-            "model_state": state_of(model),
-            "train_state": state_of(trained) if trained is not None else None,
-            "criterion_state": state_of(criterion),
-            "optimizer_state": optimizer.state_dict(),
-            "scheduler_state": scheduler.state_dict() if scheduler is not None else None,
-            "epoch": epoch,
-            "best_score": best_score,
-            "best_epoch": best_epoch,
-        }
-
+        progress.best_score, progress.best_epoch = score, totals.epoch
+        progress.best_state = state_of(loop.eval_model)
     state = EpochState(
-        epoch, loss, nll, val, lr, is_best, best_score, best_epoch, steps, seconds, checkpoint
+        epoch=totals.epoch,
+        train_loss=totals.loss,
+        train_nll=totals.nll,
+        val_metrics=val,
+        lr=totals.lr,
+        is_best=is_best,
+        best_score=progress.best_score,
+        best_epoch=progress.best_epoch,
+        steps=totals.steps,
+        seconds=totals.seconds,
+        checkpoint=functools.partial(
+            _snapshot, loop, totals.epoch, progress.best_score, progress.best_epoch
+        ),
     )
     progress.history.append(state)
     return state
+
+
+def _snapshot(
+    loop: _Loop, epoch: int, best_score: float | None, best_epoch: int | None
+) -> dict[str, Any]:
+    """The state dicts as they are now (``EpochState.checkpoint``)."""
+    trained = loop.model if loop.average is not None else None
+    return {
+        "model_state": state_of(loop.eval_model),
+        "train_state": state_of(trained) if trained is not None else None,
+        "criterion_state": state_of(loop.criterion),
+        "optimizer_state": loop.optimizer.state_dict(),
+        "scheduler_state": loop.scheduler.state_dict() if loop.scheduler is not None else None,
+        "epoch": epoch,
+        "best_score": best_score,
+        "best_epoch": best_epoch,
+    }
 
 
 def _should_stop(progress: _Progress, epoch: int, patience: int, validated: bool) -> bool:
@@ -364,11 +409,11 @@ def _should_stop(progress: _Progress, epoch: int, patience: int, validated: bool
     return epoch - progress.best_epoch >= patience
 
 
-def _agree(stop: bool, device: torch.device | str) -> bool:
+def _agree(stop: bool, loop: _Loop) -> bool:
     # only rank 0 validates; every rank must leave the loop on the same epoch (DDP collectives)
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return stop
-    flag = torch.tensor([int(stop)], device=device)
+    flag = torch.tensor([int(stop)], device=loop.options.device)
     torch.distributed.broadcast(flag, src=0)
     return bool(flag.item())
 

@@ -1,18 +1,33 @@
-"""One module per DVC stage; each is a thin ``main(argv=None)`` over a ``sat_model`` function."""
+"""One module per DVC stage, each of one shape.
+
+``run(ctx, ...)`` does the stage's work from a :class:`StageContext` (validated params and the
+project root: the folder of the params file, which is the working directory under DVC); the
+``sat`` command calls it directly. ``main(argv=None)`` is the thin DVC entry: it parses
+``--params``/``-S`` and the stage's own flags, builds the context and calls ``run``. The logic a
+stage runs lives in ``sat_model`` and the pipeline modules.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sat_model.config import Params
 
 __all__ = [
     "OutputLocked",
+    "StageContext",
     "add_params_args",
+    "load_context",
     "lock_path",
     "output_lock",
+    "project_root",
     "run_locked",
     "stage_parser",
 ]
@@ -34,6 +49,40 @@ def add_params_args(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a param with dvc exp run's dotted syntax, e.g. -S train.soft.lr=2e-4",
     )
+
+
+def project_root(params_file: str | Path) -> Path:
+    """The project root: the folder of the params file (the working directory under DVC, and
+    for ``sat`` commands run outside a project, where ``params.yaml`` may not exist)."""
+    return Path(params_file).resolve().parent
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What every stage runs with: validated params, where they came from, the project root."""
+
+    params: Params
+    params_file: Path  # absolute
+    overrides: tuple[str, ...] = ()  # the -S items the params were loaded with
+
+    @property
+    def root(self) -> Path:
+        """The project root (:func:`project_root`)."""
+        return project_root(self.params_file)
+
+    def path(self, value: str | Path) -> Path:
+        """A path from params as an absolute one, relative ones under :attr:`root`."""
+        from sat_model.paths import absolute
+
+        return absolute(value, self.root)
+
+
+def load_context(params_file: str | Path, overrides: Sequence[str] = ()) -> StageContext:
+    """Load and validate ``params_file`` with ``-S`` overrides (``ParamsError`` if invalid)."""
+    from sat_model.config import load_params
+
+    params = load_params(params_file, list(overrides))
+    return StageContext(params, Path(params_file).resolve(), tuple(overrides))
 
 
 def stage_parser(module: str, doc: str | None) -> argparse.ArgumentParser:

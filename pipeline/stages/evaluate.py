@@ -16,38 +16,40 @@ import json
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from pipeline.stages import run_locked, stage_parser
+from pipeline.model_uri import is_model_uri, resolve_model_dir
+from pipeline.stages import StageContext, load_context, run_locked, stage_parser
 from sat_model.config import ATTENTION_KINDS
 
 if TYPE_CHECKING:
-    from sat_model.config import Params
+    from sat_model.evaluate import DecodedCaption, ImageRecord
 
-__all__ = ["default_out_dir", "is_model_uri", "main", "resolve_model_dir"]
+__all__ = ["add_arguments", "default_out_dir", "main", "run"]
 
 T = TypeVar("T")
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = stage_parser(__name__, __doc__)
-    parser.add_argument("--attention", choices=ATTENTION_KINDS, default="soft")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The stage's own flags, shared by ``python -m pipeline.stages.evaluate`` and
+    ``sat evaluate``."""
     parser.add_argument("--model", default=None, help="model folder or models:/ URI")
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION_KINDS,
+        default="soft",
+        help="without --model: evaluate models/<attention> into reports/<attention>, "
+        "as the DVC stage does (%(default)s)",
+    )
     parser.add_argument("--split", default=None, help="split to evaluate (default: eval.split)")
     parser.add_argument(
         "--out",
         default=None,
         help="report folder (default: reports/<attention>, or reports/eval/<model> with --model)",
     )
-    return parser.parse_args(argv)
-
-
-def is_model_uri(model: str) -> bool:
-    """Whether ``model`` names an MLflow model (``models:/``, ``runs:/``, ``s3://`` ...)."""
-    return "://" in model or model.startswith(("models:/", "runs:/"))
 
 
 def default_out_dir(reports_dir: str | Path, attention: str, model: str | None) -> Path:
@@ -58,29 +60,6 @@ def default_out_dir(reports_dir: str | Path, attention: str, model: str | None) 
         return Path(reports_dir) / attention
     name = model.split(":/", 1)[-1] if is_model_uri(model) else Path(model).resolve().name
     return Path(reports_dir) / "eval" / (re.sub(r"[^\w@.+-]+", "-", name).strip("-.") or "model")
-
-
-def resolve_model_dir(model: str, workdir: Path, tracking_uri: str | None = None) -> Path:
-    """A local model folder as is; an MLflow URI (``models:/``, ``runs:/``) downloaded into
-    ``workdir`` and its checkpoint artifact returned."""
-    if not is_model_uri(model):
-        return Path(model)
-    import mlflow
-
-    from pipeline.pyfunc_model import CHECKPOINT_ARTIFACT
-
-    if model.startswith("models:/") and tracking_uri:
-        model = _registry_location(model, tracking_uri)
-    local = mlflow.artifacts.download_artifacts(
-        artifact_uri=model, dst_path=str(workdir), tracking_uri=tracking_uri
-    )
-    found = sorted(Path(local).rglob("model.pt"))
-    checkpoints = [p.parent for p in found if p.parent.name == CHECKPOINT_ARTIFACT] or [
-        p.parent for p in found
-    ]
-    if not checkpoints:
-        raise FileNotFoundError(f"{model} holds no checkpoint (model.pt)")
-    return checkpoints[0]
 
 
 def _is_gallery(folder: Path) -> bool:
@@ -112,92 +91,70 @@ def _write_gallery(out_dir: Path, write: Callable[[Path], T]) -> T:
     return written
 
 
-def _registry_location(model: str, tracking_uri: str) -> str:
-    """Where the registered model version ``models:/NAME@ALIAS[/path]`` (or ``NAME/VERSION``)
-    stores its files, looked up in the registry at ``tracking_uri``.
-
-    MLflow's own download looks the name up in the process-wide registry URI whatever
-    ``tracking_uri`` it is given, so a store named only in params would never be asked.
-    """
-    from mlflow import MlflowClient
-    from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
-    from mlflow.store.artifact.utils.models import get_model_name_and_version
-
-    base, path = ModelsArtifactRepository.split_models_uri(model)
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    found = get_model_name_and_version(client, base)
-    if len(found) == 1:  # models:/<logged model id>, not a registry name
-        return model
-    location = client.get_model_version_download_uri(*found).rstrip("/")
-    return f"{location}/{path}" if path else location
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(argv)
-    from sat_model.config import load_params
+    parser = stage_parser(__name__, __doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    ctx = load_context(args.params, args.overrides)
+    return run(ctx, args.attention, model=args.model, split=args.split, out=args.out)
+
+
+def run(
+    ctx: StageContext,
+    attention: str = "soft",
+    *,
+    model: str | None = None,
+    split: str | None = None,
+    out: str | None = None,
+) -> int:
+    """Evaluate ``model`` (default ``<models_dir>/<attention>``) on ``split`` into ``out``."""
     from sat_model.paths import output_path
 
-    params = load_params(args.params, args.overrides)
+    def out_dir() -> Path:  # a PathError here is reported by run_locked in one line
+        if out is not None:
+            return Path(out).resolve()  # named by the user on the command line
+        reports = default_out_dir(ctx.params.eval.reports_dir, attention, model)
+        return output_path(str(reports), ctx.root)
+
+    name = model or str(ctx.path(ctx.params.train.models_dir) / attention)
     return run_locked(
         "evaluate",
-        lambda: (
-            Path(args.out).resolve()  # named by the user on the command line
-            if args.out
-            else output_path(
-                default_out_dir(params.eval.reports_dir, args.attention or "soft", args.model),
-                Path.cwd(),
-            )
-        ),
-        lambda: _evaluate(args, params),
+        out_dir,
+        lambda: _evaluate(ctx, name, attention, split or ctx.params.eval.split, out_dir()),
     )
 
 
-def _evaluate(args: argparse.Namespace, params: Params) -> int:
+def _evaluate(ctx: StageContext, model: str, attention: str, split: str, out_dir: Path) -> int:
     import torch
 
-    from sat_model.evaluate import (
-        evaluate_model,
-        read_image_records,
-        write_attention_gallery,
-        write_reports,
-    )  # fmt: skip
+    from sat_model.evaluate import evaluate_model, read_image_records, write_reports
     from sat_model.paths import image_root
     from sat_model.tables import CAPTIONS_FILE, IMAGES_FILE
 
-    ev = params.eval
-    split = args.split or ev.split
-    out_dir = (
-        Path(args.out) if args.out else default_out_dir(ev.reports_dir, args.attention, args.model)
-    )
-    prepared = Path(params.data.prepared_dir)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    params, ev = ctx.params, ctx.params.eval
+    prepared = ctx.path(params.data.prepared_dir)
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        model = args.model or str(Path(params.train.models_dir) / args.attention)
-        model_dir = resolve_model_dir(model, workdir, _tracking_uri(params, args.params, model))
+        model_dir = resolve_model_dir(model, workdir, _tracking_uri(ctx, model))
         result = evaluate_model(
-            model_dir=model_dir, features_path=Path(params.encoder.features_dir) / f"{split}.arrow",
-            captions_path=prepared / CAPTIONS_FILE, images_path=prepared / IMAGES_FILE,
-            split=split, beam_size=ev.beam_size, max_length=ev.max_length,
-            resize=params.encoder.resize, length_normalization=ev.length_normalization,
-            hard_decode=ev.hard_decode, batch_size=ev.batch_size,
-            meteor_timeout_s=ev.meteor_timeout_s, device=device,
-        )  # fmt: skip
-        grid_h, grid_w, crop, attention = _grid(model_dir, args.attention)
-        records = read_image_records(
-            prepared / IMAGES_FILE, split, image_root(params.data, Path.cwd())
-        )
-        gallery = functools.partial(
-            write_attention_gallery,
-            result.captions,
-            records,
-            count=ev.gallery_images,
-            grid_h=grid_h,
-            grid_w=grid_w,
+            model_dir=model_dir,
+            features_path=ctx.path(params.encoder.features_dir) / f"{split}.arrow",
+            captions_path=prepared / CAPTIONS_FILE,
+            images_path=prepared / IMAGES_FILE,
+            split=split,
+            beam_size=ev.beam_size,
+            max_length=ev.max_length,
             resize=params.encoder.resize,
-            crop=crop,
-            title=f"{attention} attention, {split} split",
+            length_normalization=ev.length_normalization,
+            hard_decode=ev.hard_decode,
+            batch_size=ev.batch_size,
+            meteor_timeout_s=ev.meteor_timeout_s,
+            device="cuda" if torch.cuda.is_available() else "cpu",
         )
+        records = read_image_records(
+            prepared / IMAGES_FILE, split, image_root(params.data, ctx.root)
+        )
+        gallery = _gallery(ctx, model_dir, attention, split, result.captions, records)
         _, gallery_skipped = _write_gallery(out_dir, gallery)
     result.skipped.extend({**s, "stage": "gallery"} for s in gallery_skipped)
     write_reports(result, out_dir, split)
@@ -205,13 +162,38 @@ def _evaluate(args: argparse.Namespace, params: Params) -> int:
     return 0
 
 
-def _tracking_uri(params, params_file: str, model: str) -> str | None:  # type: ignore[no-untyped-def]
+def _gallery(
+    ctx: StageContext,
+    model_dir: Path,
+    attention: str,
+    split: str,
+    captions: Sequence[DecodedCaption],
+    records: Mapping[str, ImageRecord],
+) -> Callable[[Path], tuple[Path, list[dict[str, str]]]]:
+    """``write(folder)``: the attention overlays of the first ``eval.gallery_images`` captions."""
+    from sat_model.evaluate import write_attention_gallery
+
+    grid_h, grid_w, crop, attention = _grid(model_dir, attention)
+    return functools.partial(
+        write_attention_gallery,
+        captions,
+        records,
+        count=ctx.params.eval.gallery_images,
+        grid_h=grid_h,
+        grid_w=grid_w,
+        resize=ctx.params.encoder.resize,
+        crop=crop,
+        title=f"{attention} attention, {split} split",
+    )
+
+
+def _tracking_uri(ctx: StageContext, model: str) -> str | None:
     """The project's tracking store for an MLflow model URI (``mlflow.tracking_uri`` honoured)."""
     if not is_model_uri(model):
         return None
     from pipeline.tracking import resolve_tracking_uri
 
-    return resolve_tracking_uri(params.mlflow, Path(params_file).resolve().parent)
+    return resolve_tracking_uri(ctx.params.mlflow, ctx.root)
 
 
 def _grid(model_dir: Path, attention: str) -> tuple[int, int, int, str]:

@@ -15,22 +15,17 @@ from pathlib import Path
 
 import torch
 
-from pipeline.stages import stage_parser
+from pipeline.stages import StageContext, load_context, stage_parser
 from sat_model.atomic import write_text_atomic
-from sat_model.config import Params, load_params
+from sat_model.config import Params
 from sat_model.encoders import EncoderSpec, build_encoder
 from sat_model.extract import ExtractReport, extract_features
-from sat_model.paths import image_root
+from sat_model.paths import absolute, image_root
 from sat_model.tables import IMAGES_FILE
 
-__all__ = ["main", "run_extract", "write_report"]
+__all__ = ["main", "run", "run_extract", "write_report"]
 
 REPORT_NAME = "extract_report.json"
-
-
-def _absolute(path: str, root: Path) -> Path:
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else (root / p).resolve()
 
 
 def _ray_runner(params: Params, weights: str | None, num_cpus_hint: int):
@@ -54,12 +49,12 @@ def run_extract(params: Params, root: Path, progress: bool = True) -> ExtractRep
     """Build the encoder from ``params.encoder`` and extract every split (either engine)."""
     cfg = params.encoder
     torch.set_num_threads(cfg.torch_threads)  # decoding workers take the other cores
-    weights = str(_absolute(cfg.weights, root)) if cfg.weights else None
+    weights = str(absolute(cfg.weights, root)) if cfg.weights else None
     encoder = build_encoder(cfg.name, cfg.layer, weights, input_size=cfg.crop)
     kwargs = dict(
-        images_table=_absolute(params.data.prepared_dir, root) / IMAGES_FILE,
+        images_table=absolute(params.data.prepared_dir, root) / IMAGES_FILE,
         image_root=image_root(params.data, root),  # from params, never from the table
-        out_dir=_absolute(cfg.features_dir, root),
+        out_dir=absolute(cfg.features_dir, root),
         encoder=encoder,
         resize=cfg.resize,
         crop=cfg.crop,
@@ -85,12 +80,14 @@ def write_report(report: ExtractReport, out_dir: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = stage_parser(__name__, __doc__)
-    args = parser.parse_args(argv)
-    params = load_params(args.params, args.overrides)
-    root = Path.cwd()
-    report = run_extract(params, root)
-    path = write_report(report, _absolute(params.encoder.features_dir, root))
+    args = stage_parser(__name__, __doc__).parse_args(argv)
+    return run(load_context(args.params, args.overrides))
+
+
+def run(ctx: StageContext) -> int:
+    """Extract every split and write the report beside the stores."""
+    report = run_extract(ctx.params, ctx.root)
+    path = write_report(report, ctx.path(ctx.params.encoder.features_dir))
     summary = {k: v for k, v in report.to_dict().items() if k not in ("skipped", "encoder")}
     print(f"extract: {json.dumps(summary)} -> {path}")
     return 0

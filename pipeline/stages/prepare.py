@@ -3,7 +3,7 @@
     python -m pipeline.stages.prepare [--params params.yaml] [-S data.source=flickr8k ...]
 
 Params are loaded and validated before any work, so an unknown key or a wrong type fails at
-once. Relative paths resolve against the current directory (the project root under DVC).
+once. Relative paths resolve against the project root (the folder of the params file).
 """
 
 from __future__ import annotations
@@ -11,23 +11,30 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from pipeline.stages import stage_parser
-from sat_model.config import ParamsError, load_params
+from pipeline.stages import StageContext, load_context, stage_parser
+from sat_model.config import ParamsError
 from sat_model.prepare import REPORT_KEYS, PrepareError, prepare_dataset
 from sat_model.sources import SourceError
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = stage_parser(__name__, __doc__)
-    args = parser.parse_args(argv)
+    args = stage_parser(__name__, __doc__).parse_args(argv)
     try:
-        params = load_params(args.params, args.overrides)
-        result = prepare_dataset(params.data, base_dir=Path.cwd())
-    except (ParamsError, PrepareError, SourceError) as e:
+        ctx = load_context(args.params, args.overrides)
+    except ParamsError as e:
+        print(f"prepare: error: {e}", file=sys.stderr)
+        return 1
+    return run(ctx)
+
+
+def run(ctx: StageContext) -> int:
+    """Prepare the source ``data`` names; a bad source is one line on stderr and status 1."""
+    try:
+        result = prepare_dataset(ctx.params.data, base_dir=ctx.root)
+    except (PrepareError, SourceError) as e:
         print(f"prepare: error: {e}", file=sys.stderr)
         return 1
     summary = {k: result.report[k] for k in REPORT_KEYS}

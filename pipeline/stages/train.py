@@ -11,18 +11,19 @@ progress bar and no Ray or MLflow (debugging, profiling).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.stages import run_locked, stage_parser
+from pipeline.stages import StageContext, load_context, run_locked, stage_parser
 from sat_model.config import ATTENTION_KINDS
 
 if TYPE_CHECKING:
     from sat_model.config import Params
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -44,13 +45,33 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    from sat_model.config import load_params
-
-    params = load_params(args.params, args.overrides)
-    root = Path(args.params).resolve().parent
-    return run_locked(
-        "train", lambda: _model_dir(params, root, args.attention), lambda: _train(args, params)
+    return run(
+        load_context(args.params, args.overrides),
+        args.attention,
+        resume=args.resume,
+        resume_from=Path(args.resume_from) if args.resume_from else None,
+        in_process=args.in_process,
+        progress=not args.no_progress,
+        address=args.address,
     )
+
+
+def run(
+    ctx: StageContext,
+    attention: str,
+    *,
+    resume: bool = False,
+    resume_from: Path | None = None,
+    in_process: bool = False,
+    progress: bool = True,
+    address: str | None = None,
+) -> int:
+    """Train ``attention`` into ``<models_dir>/<attention>`` under the folder's write lock."""
+    if in_process:
+        train = functools.partial(_train_here, ctx, attention, resume_from, progress)
+    else:
+        train = functools.partial(_train_on_ray, ctx, attention, resume_from, resume, address)
+    return run_locked("train", lambda: _model_dir(ctx.params, ctx.root, attention), train)
 
 
 def _model_dir(params: Params, root: Path, attention: str) -> Path:
@@ -64,31 +85,40 @@ def _model_dir(params: Params, root: Path, attention: str) -> Path:
     return model_dir
 
 
-def _train(args: argparse.Namespace, params: Params) -> int:
+def _train_on_ray(
+    ctx: StageContext,
+    attention: str,
+    resume_from: Path | None,
+    resume: bool,
+    address: str | None,
+) -> int:
+    from pipeline.ray_train import train_with_ray
+
+    outcome = train_with_ray(
+        ctx.params,
+        attention,
+        project_root=ctx.root,
+        address=address,
+        resume_from=resume_from,
+        resume=resume,
+    )
+    print(json.dumps({"model_dir": str(outcome.model_dir), **outcome.metrics}, indent=1))
+    return 0
+
+
+def _train_here(ctx: StageContext, attention: str, resume_from: Path | None, progress: bool) -> int:
     from sat_model.train_run import train_model
     from sat_model.training import ProgressBar
 
-    if not args.in_process:
-        from pipeline.ray_train import train_with_ray
-
-        outcome = train_with_ray(
-            params,
-            args.attention,
-            project_root=Path(args.params).resolve().parent,
-            address=args.address,
-            resume_from=Path(args.resume_from) if args.resume_from else None,
-            resume=args.resume,
-        )
-        print(json.dumps({"model_dir": str(outcome.model_dir), **outcome.metrics}, indent=1))
-        return 0
+    params = ctx.params
     result = train_model(
         params,
-        args.attention,
-        prepared_dir=Path(params.data.prepared_dir),
-        features_dir=Path(params.encoder.features_dir),
-        out_dir=Path(params.train.models_dir),
-        callbacks=() if args.no_progress else (ProgressBar(desc=args.attention),),
-        resume_from=args.resume_from,
+        attention,
+        prepared_dir=ctx.path(params.data.prepared_dir),
+        features_dir=ctx.path(params.encoder.features_dir),
+        out_dir=ctx.path(params.train.models_dir),
+        callbacks=(ProgressBar(desc=attention),) if progress else (),
+        resume_from=resume_from,
     )
     print(json.dumps({"model_dir": str(result.model_dir), **result.metrics}, indent=1))
     return 0

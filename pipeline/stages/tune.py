@@ -1,8 +1,8 @@
 """On-demand DVC stage ``tune`` and ``sat tune``: a Ray Tune sweep -> ``best_params.yaml``.
 
 ``main(["--params", "params.yaml", "-S", "tune.num_samples=4", "--address", "ray://head:10001"])``
-runs :func:`pipeline.tune.run_tune`; relative paths in params resolve against the folder of the
-params file (the project root). With ``--apply`` the winner is then trained through the pipeline:
+runs :func:`pipeline.tune.run_tune`; relative paths in params resolve against the project root
+(the folder of the params file). With ``--apply`` the winner is then trained through the pipeline:
 ``dvc exp run -S <best params>`` in the project root (an experiment; ``dvc exp apply`` keeps it).
 """
 
@@ -15,9 +15,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.stages import stage_parser
+from pipeline.stages import StageContext, load_context, stage_parser
 
-__all__ = ["apply_command", "main"]
+__all__ = ["apply_command", "main", "run"]
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -50,18 +50,20 @@ def _dvc() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    from pipeline.tune import run_tune
-    from sat_model.config import load_params
+    return run(load_context(args.params, args.overrides), address=args.address, apply=args.apply)
 
-    params = load_params(args.params, args.overrides)
-    root = Path(args.params).parent
-    outcome = run_tune(params, address=args.address, project_root=root)
+
+def run(ctx: StageContext, *, address: str | None = None, apply: bool = False) -> int:
+    """The sweep; with ``apply``, ``dvc exp run`` of the winner in the project root."""
+    from pipeline.tune import run_tune
+
+    outcome = run_tune(ctx.params, address=address, project_root=ctx.root)
     print(f"best params written to {outcome.best_params_file}")
-    if not args.apply:
+    if not apply:
         return 0
-    command = apply_command(outcome.best_params, args.overrides)
+    command = apply_command(outcome.best_params, ctx.overrides)
     print(f"training the winner: {shlex.join(command)}", flush=True)
-    return subprocess.run([_dvc(), *command[1:]], cwd=root, check=False).returncode
+    return subprocess.run([_dvc(), *command[1:]], cwd=ctx.root, check=False).returncode
 
 
 if __name__ == "__main__":

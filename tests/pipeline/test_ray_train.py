@@ -11,6 +11,7 @@ unfinished run resumed only when asked, a finished one not trained again.
 from __future__ import annotations
 
 import csv
+import functools
 import os
 import re
 import shutil
@@ -25,6 +26,7 @@ from ray import cloudpickle
 
 from pipeline.ray_train import (
     ScalingSpec,
+    WorkerHooks,
     WorkerRun,
     copy_checkpoint,
     deterministic_run_name,
@@ -262,15 +264,16 @@ def test_train_with_ray_writes_the_model_folder_and_logs_each_epoch(
 KILL_OVERRIDES = ["train.soft.max_epochs=4", "train.soft.lr=0.03", "train.soft.patience=10"]
 
 
-def _record_epoch_start(run: WorkerRun, epoch: int) -> None:
-    with open(run.config["starts_file"], "a") as f:
+def _record_epoch_start(starts_file: Path, run: WorkerRun, epoch: int) -> None:
+    with open(starts_file, "a") as f:
         f.write(f"{epoch + 1}\n")
 
 
-def _kill_mid_epoch(run: WorkerRun, epoch: int, step: int) -> None:
+def _kill_mid_epoch(
+    marker: Path, kill_at: tuple[int, int], run: WorkerRun, epoch: int, step: int
+) -> None:
     """SIGKILL this worker once, at (epoch, step) of ``kill_at`` (0-based epoch)."""
-    marker = Path(run.config["marker"])
-    if [epoch, step] == list(run.config["kill_at"]) and not marker.exists():
+    if (epoch, step) == kill_at and not marker.exists():
         marker.write_text(f"killed at epoch {epoch + 1} step {step}")
         # Ray Train's controller collects reports on its health check (every 2 s): wait so the
         # previous epoch's checkpoint is the run's latest before the worker dies
@@ -307,15 +310,13 @@ def test_real_training_killed_after_its_best_epoch_continues_from_the_last_epoch
 
     killed_root = _project_copy(tiny_project, tmp_path / "killed")
     params = load_params(killed_root / "params.yaml", KILL_OVERRIDES)
-    hooks = {
-        "log_every": 1,  # on_log (the step hook) every step
-        "on_epoch_start": _record_epoch_start,
-        "on_step": _kill_mid_epoch,
-        "kill_at": [3, 3],  # epoch 4, step 3 of 8
-        "marker": str(tmp_path / "killed.txt"),
-        "starts_file": str(tmp_path / "starts.txt"),
-    }
-    outcome = train_with_ray(params, "soft", project_root=killed_root, extra_config=hooks)
+    hooks = WorkerHooks(
+        on_epoch_start=functools.partial(_record_epoch_start, tmp_path / "starts.txt"),
+        # epoch 4, step 3 of 8
+        on_step=functools.partial(_kill_mid_epoch, tmp_path / "killed.txt", (3, 3)),
+        log_every=1,  # on_log (the step hook) every step
+    )
+    outcome = train_with_ray(params, "soft", project_root=killed_root, hooks=hooks)
     assert (tmp_path / "killed.txt").exists()  # the worker was killed
     # Ray restarted the worker at epoch 4 (the last finished epoch was 3), not at the best epoch
     assert (tmp_path / "starts.txt").read_text().split() == ["1", "2", "3", "4", "4"]
@@ -333,9 +334,9 @@ def test_real_training_killed_after_its_best_epoch_continues_from_the_last_epoch
             assert torch.equal(got[which][key], tensor), (which, key)
 
 
-def _fail_in_epoch_2(run: WorkerRun, epoch: int) -> None:
-    _record_epoch_start(run, epoch)
-    if epoch == 1 and run.config["fail"]:
+def _fail_in_epoch_2(starts_file: Path, fail: bool, run: WorkerRun, epoch: int) -> None:
+    _record_epoch_start(starts_file, run, epoch)
+    if epoch == 1 and fail:
         time.sleep(5.0)  # the controller collects epoch 1's report first (see _kill_mid_epoch)
         raise RuntimeError("injected failure in epoch 2")
 
@@ -350,17 +351,17 @@ def test_an_unfinished_run_is_resumed_only_when_asked(
 ) -> None:
     root = _project_copy(tiny_project, tmp_path / "project")
     params = load_params(root / "params.yaml", ["ray.max_failures=0"])  # no retry by Ray
-    hooks = {"on_epoch_start": _fail_in_epoch_2, "starts_file": str(tmp_path / "starts.txt")}
+    starts = tmp_path / "starts.txt"
+    failing = WorkerHooks(on_epoch_start=functools.partial(_fail_in_epoch_2, starts, True))
     for _ in range(2):  # two invocations fail in epoch 2; the second starts over, at epoch 1
         with pytest.raises(Exception, match="injected failure"):
-            train_with_ray(params, "soft", project_root=root, extra_config={**hooks, "fail": True})
+            train_with_ray(params, "soft", project_root=root, hooks=failing)
     said = capsys.readouterr().err
     first, second = re.findall(r"training from epoch 1 as run (sat-soft-\w+-\d)", said)
     assert (first[-2:], second[-2:]) == ("-1", "-2")
     assert f"run {first} of this identity did not finish; --resume continues it" in said
-    outcome = train_with_ray(
-        params, "soft", project_root=root, resume=True, extra_config={**hooks, "fail": False}
-    )
+    passing = WorkerHooks(on_epoch_start=functools.partial(_fail_in_epoch_2, starts, False))
+    outcome = train_with_ray(params, "soft", project_root=root, resume=True, hooks=passing)
     assert f"train@soft: resuming run {second} from its last epoch" in capsys.readouterr().err
     assert outcome.run_name == second
     assert (tmp_path / "starts.txt").read_text().split() == ["1", "2", "1", "2", "2"]

@@ -15,7 +15,9 @@ from sat_model.model import ModelConfig, ShowAttendTell
 from sat_model.training import (
     Callback,
     EpochState,
+    FitOptions,
     NonFiniteLossError,
+    ResumeState,
     build_optimizer,
     build_scheduler,
     fit,
@@ -99,12 +101,8 @@ def _fit(
         build_scheduler(optimizer, schedule, max_epochs, 0.5),
         batches or _batches(),
         validate,
+        FitOptions(max_epochs=max_epochs, patience=patience, grad_clip=5.0, seed=seed, log_every=2),
         callbacks,
-        max_epochs=max_epochs,
-        patience=patience,
-        grad_clip=5.0,
-        seed=seed,
-        log_every=2,
     )
 
 
@@ -226,13 +224,9 @@ def _fit_ema(model, epochs, *, start_epoch=0, average_state=None, optimizer_stat
         None,
         _batches(),
         None,
+        FitOptions(max_epochs=epochs, patience=3, seed=7, ema_decay=0.8),
         (rec := Recorder(),),
-        start_epoch=start_epoch,
-        max_epochs=epochs,
-        patience=3,
-        seed=7,
-        ema_decay=0.8,
-        average_state=average_state,
+        resume=ResumeState(epoch=start_epoch, average_state=average_state),
     )
     return result, optimizer, raw, rec
 
@@ -281,8 +275,15 @@ def test_without_a_moving_average_the_checkpoint_has_no_train_state() -> None:
     _fit(_model(), callbacks=[rec])
     assert rec.saved[-1]["train_state"] is None
     with pytest.raises(ValueError, match="ema_decay"):
-        fit(_model(), SoftAttentionLoss(1.0), build_optimizer(_model().parameters(), "adam", 1e-2),
-            None, _batches(), None, max_epochs=1, patience=1, ema_decay=1.0)  # fmt: skip
+        FitOptions(max_epochs=1, patience=1, ema_decay=1.0)
+
+
+def test_fit_options_refuse_a_patience_below_one_and_a_decay_of_one() -> None:
+    with pytest.raises(ValueError, match="patience must be >= 1, got 0"):
+        FitOptions(max_epochs=1, patience=0)
+    with pytest.raises(ValueError, match="ema_decay must be in"):
+        FitOptions(max_epochs=1, patience=1, ema_decay=1.0)
+    FitOptions(max_epochs=1, patience=1, ema_decay=0.999)  # the bounds are [0, 1)
 
 
 # ------------------------------------------------------------------ end to end (real model)

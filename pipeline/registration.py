@@ -1,0 +1,138 @@
+"""The ``register`` stage's work: log and register each evaluated model, then move ``champion``.
+
+For each attention type with a model folder and a ``metrics.json``: the model is logged as a
+pyfunc built from code INTO ITS TRAINING RUN (found by the checkpoint hash the train stage tags
+it with), together with the test metrics, the evaluation params, ``captions.json``,
+``metrics.json``, the attention gallery, ``curves.csv`` and the prepared data and features as
+dataset inputs (DVC hashes); then it is registered under ``mlflow.model_name`` (reused when the
+same checkpoint was registered before), so the version's run is the training run. A model with
+no known training run (trained ``--in-process``) gets a run of its own,
+``register-<attention>-<hash>``. ``champion`` moves to a new version only when it beats the
+current champion on ``mlflow.champion_metric``, and only where ``mlflow.promote`` allows
+(``auto``: not inside a ``dvc exp run``). :func:`register_models` returns what happened (the
+content of ``reports/registry.json``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from sat_model.config import ATTENTION_KINDS, Params
+
+from .lineage import dataset_inputs, dvc_experiment, find_training_run, lineage_tags
+from .packaging import RegisteredVersion, log_and_register
+from .registry import checkpoint_sha256, current_champion, promote_if_better, promotion_allowed
+from .tracking import ATTENTION_TAG, EXPERIMENT_TAG, Tracking, connect, flatten, with_retries
+
+__all__ = ["register_models"]
+
+
+def register_models(params: Params, project_root: Path) -> dict[str, Any]:
+    """Register what was evaluated under ``project_root``; return the ``registry.json`` content.
+
+    Raises:
+        FileNotFoundError: no attention type has both a model and its metrics.
+    """
+    cfg = params.mlflow
+    tracking = connect(cfg, project_root)
+    lineage = lineage_tags(
+        project_root,
+        prepared_dir=params.data.prepared_dir,
+        features_dir=params.encoder.features_dir,
+    )
+    experiment = dvc_experiment()
+    if experiment is not None:
+        lineage[EXPERIMENT_TAG] = experiment
+    allowed, why_not = promotion_allowed(cfg.promote, experiment)
+    report: dict[str, Any] = {"model_name": cfg.model_name, "metric": cfg.champion_metric}
+    report.update(versions=[], skipped=[], promotions=[], dvc_experiment=experiment)
+    for attention in ATTENTION_KINDS:
+        if not _evaluated(params, project_root, attention):
+            report["skipped"].append({"item": attention, "reason": "no model or no metrics"})
+            continue
+        tags = {ATTENTION_TAG: attention, **lineage}
+        registered, training_run = _register_one(params, project_root, tracking, attention, tags)
+        report["versions"].append(
+            {"attention": attention, "training_run_id": training_run, **asdict(registered)}
+        )
+        report["promotions"].append(_promotion(params, tracking, registered, allowed, why_not))
+    if not report["versions"]:
+        raise FileNotFoundError(
+            f"nothing to register: no model with metrics under {params.train.models_dir}/"
+            f"{{soft,hard}} and {params.eval.reports_dir}/{{soft,hard}}/metrics.json"
+        )
+    champion = tracking.call(lambda c: current_champion(c, cfg.model_name), "champion")
+    report["champion"] = str(champion.version) if champion else None
+    return report
+
+
+def _evaluated(params: Params, root: Path, attention: str) -> bool:
+    model_dir = root / params.train.models_dir / attention
+    metrics_file = root / params.eval.reports_dir / attention / "metrics.json"
+    return (model_dir / "model.pt").is_file() and metrics_file.is_file()
+
+
+def _run_artifacts(model_dir: Path, reports: Path) -> list[tuple[str, str | Path]]:
+    """What the version's run shows beside the model (missing files are left out)."""
+    return [
+        ("evaluation", reports / "metrics.json"),
+        ("evaluation", reports / "captions.json"),
+        ("evaluation/attention", reports / "attention"),
+        ("training", model_dir / "curves.csv"),
+        ("training", model_dir / "train_metrics.json"),
+    ]
+
+
+def _register_one(
+    params: Params, root: Path, tracking: Tracking, attention: str, tags: dict[str, str]
+) -> tuple[RegisteredVersion, str | None]:
+    """Log one evaluated model into its training run (or a new run) and register it."""
+    cfg = params.mlflow
+    model_dir = root / params.train.models_dir / attention
+    reports = root / params.eval.reports_dir / attention
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    logged = {"model": config.get("model", {}), "train": config.get("train", {})}
+    sha = checkpoint_sha256(model_dir)
+    training_run = find_training_run(tracking, sha)
+    client = tracking.client()
+
+    def register() -> RegisteredVersion:
+        return log_and_register(
+            client,
+            model_dir=model_dir,
+            model_name=cfg.model_name,
+            experiment_id=tracking.experiment_id,
+            metrics=json.loads((reports / "metrics.json").read_text(encoding="utf-8")),
+            params=flatten({**logged, "eval": params.eval.model_dump()}),
+            tags=tags,
+            run_artifacts=_run_artifacts(model_dir, reports),
+            run_name=f"register-{attention}-{sha[:8]}",
+            run_id=training_run,
+        )
+
+    registered = with_retries(register, retries=cfg.retries, what=f"register {attention}")
+    inputs = dataset_inputs(
+        root, prepared_dir=params.data.prepared_dir, features_dir=params.encoder.features_dir
+    )
+    if inputs and not registered.reused and registered.run_id:
+        run_id = registered.run_id
+        tracking.call(lambda c: c.log_inputs(run_id, inputs), "dataset inputs")
+    return registered, training_run
+
+
+def _promotion(
+    params: Params, tracking: Tracking, registered: RegisteredVersion, allowed: bool, why: str
+) -> dict[str, Any]:
+    """Move ``champion`` to ``registered`` if it beats the champion and promotion is allowed."""
+    if not allowed:
+        return {"candidate": registered.version, "promoted": False, "reason": why}
+    cfg, client = params.mlflow, tracking.client()
+    outcome = with_retries(
+        lambda: promote_if_better(client, cfg.model_name, registered.version, cfg.champion_metric),
+        retries=cfg.retries,
+        what="promotion",
+    )
+    return asdict(outcome)

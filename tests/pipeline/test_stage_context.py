@@ -1,0 +1,57 @@
+"""The one stage shape: a context with one project-root rule, ``run(ctx, ...)`` per stage."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import build_parser
+from pipeline.stages import evaluate, load_context, project_root
+from sat_model.config import ParamsError
+from sat_model.paths import absolute
+
+
+def test_the_project_root_is_the_params_files_folder_wherever_the_command_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "params.yaml").write_text("train:\n  models_dir: trained\n")
+    monkeypatch.chdir(tmp_path)  # not the project: the root must not follow the cwd
+    ctx = load_context("project/params.yaml", ["eval.split=val"])
+    assert ctx.root == project.resolve()
+    assert ctx.path(ctx.params.train.models_dir) == project.resolve() / "trained"
+    assert ctx.params.eval.split == "val" and ctx.overrides == ("eval.split=val",)
+    # the default params.yaml of a command run outside a project: the cwd
+    assert project_root("params.yaml") == tmp_path.resolve()
+
+
+def test_absolute_keeps_absolute_paths_and_anchors_relative_ones(tmp_path: Path) -> None:
+    assert absolute("/data/features", tmp_path) == Path("/data/features")
+    assert absolute("data/features", tmp_path) == tmp_path.resolve() / "data" / "features"
+    assert absolute("~/x", tmp_path) == Path.home() / "x"
+
+
+def test_a_bad_params_file_is_a_params_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ParamsError, match="not found"):
+        load_context(tmp_path / "absent.yaml")
+
+
+def test_sat_evaluate_takes_exactly_the_evaluate_stages_flags() -> None:
+    stage = argparse.ArgumentParser()
+    evaluate.add_arguments(stage)
+    sat = build_parser()
+    command = next(a for a in sat._subparsers._group_actions if a.dest == "command")
+    ours = command.choices["evaluate"]
+
+    def flags(parser: argparse.ArgumentParser) -> dict[str, object]:
+        return {
+            a.dest: (a.default, a.choices)
+            for a in parser._actions
+            if a.dest not in ("help", "params", "overrides", "verbose", "handler")
+        }
+
+    assert flags(ours) == flags(stage)
+    assert set(flags(stage)) == {"model", "attention", "split", "out"}
