@@ -40,11 +40,28 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _forward_params(args: argparse.Namespace) -> list[str]:
-    out = ["--params", args.params]
+def _forward_params(args: argparse.Namespace, *, absolute: bool = False) -> list[str]:
+    out = ["--params", str(Path(args.params).resolve()) if absolute else args.params]
     for item in args.overrides:
         out += ["-S", item]
     return out
+
+
+def _as_ray_job(args: argparse.Namespace, command: list[str]) -> int | None:
+    """With a dashboard URL (``--address http://...`` or ``RAY_ADDRESS``): run ``sat <command>``
+    as a Ray Job on that cluster and return its status; None: run here (pipeline.jobs)."""
+    from pipeline.jobs import job_address
+
+    address = job_address(args.address)
+    if address is None:
+        return None
+    from pipeline.jobs import run_as_job
+    from sat_model.config import load_params
+
+    load_params(args.params, args.overrides)  # bad params: one line here, not a failed job
+    # the job opens the params file (and the data it names) at this absolute path: shared folder
+    command = [command[0], *_forward_params(args, absolute=True), *command[1:]]
+    return run_as_job(address, command, quiet=not args.verbose)
 
 
 # ----------------------------------------------------------------------------- summary
@@ -78,16 +95,24 @@ def _train(args: argparse.Namespace) -> int:
     from pipeline.stages import train
 
     resume = ["--resume"] if args.resume else []
-    return train.main([*_forward_params(args), "--attention", args.attention, *resume]) or 0
+    own = ["--attention", args.attention, *resume]
+    submitted = _as_ray_job(args, ["train", *own])
+    if submitted is not None:
+        return submitted
+    address = ["--address", args.address] if args.address else []
+    return train.main([*_forward_params(args), *own, *address]) or 0
 
 
 # -------------------------------------------------------------------------------- tune
 def _tune(args: argparse.Namespace) -> int:
     from pipeline.stages import tune
 
-    extra = ["--address", args.address] if args.address else []
-    extra += ["--apply"] if args.apply else []
-    return tune.main([*_forward_params(args), *extra]) or 0
+    apply = ["--apply"] if args.apply else []
+    submitted = _as_ray_job(args, ["tune", *apply])
+    if submitted is not None:
+        return submitted
+    address = ["--address", args.address] if args.address else []
+    return tune.main([*_forward_params(args), *address, *apply]) or 0
 
 
 def _version() -> str:
@@ -106,6 +131,15 @@ def _add_verbose(parser: argparse.ArgumentParser, default: object) -> None:
         action="count",
         default=default,
         help="show tracebacks; caption, models, promote: MLflow's logs and progress bars too",
+    )
+
+
+def _add_address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster: a dashboard URL (http://head:8265) submits this command as a Ray Job; "
+        "a GCS address (head:6379) or auto connects from here (default: RAY_ADDRESS)",
     )
 
 
@@ -129,11 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue the unfinished run of this exact identity from its last epoch",
     )
+    _add_address(p)
     p.set_defaults(handler=_train)
 
     p = sub.add_parser("tune", help="Ray Tune sweep; each trial an MLflow child run")
     add_params_args(p)
-    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS)")
+    _add_address(p)
     p.add_argument("--apply", action="store_true", help="then train the winner (dvc exp run -S)")
     p.set_defaults(handler=_tune)
 
@@ -433,6 +468,7 @@ _USER_ERRORS = {
     "sat_model.metrics": ("MetricError",),
     "sat_model.evaluate": ("EvaluationError",),
     "pipeline.registry": ("RegistryError",),
+    "pipeline.jobs": ("JobFailedError",),
     "mlflow.exceptions": ("MlflowException",),
 }
 
