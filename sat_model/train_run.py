@@ -376,6 +376,7 @@ def train_model(
         ema_decay=cfg.ema_decay,
         average_state=resumed.average_state if resumed else None,
         log_every=log_every,
+        autocast_dtype=torch.bfloat16 if params.train.mixed_precision == "bf16" else None,
     )
     metrics = _read_metrics(model_dir) if rank == 0 else {}
     return TrainResult(

@@ -75,7 +75,9 @@ class EpochState:
     best_score: float | None
     best_epoch: int | None
     steps: int
-    seconds: float
+    seconds: float  # the epoch's wall time: training and validation
+    captions: int  # captions this rank trained on: its throughput is captions / train_seconds
+    train_seconds: float  # the training pass alone
     # builds {model_state, train_state, criterion_state, optimizer_state, scheduler_state, epoch,
     # best_score, best_epoch} as they are now (model_state: the weights validated, the moving
     # average when there is one; train_state: the optimiser's weights then, else None); called
@@ -165,6 +167,7 @@ def fit(
     best_state: Mapping[str, torch.Tensor] | None = None,
     ema_decay: float = 0.0,
     average_state: Mapping[str, torch.Tensor] | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> FitResult:
     """Train from epoch ``start_epoch`` (epochs already done) to at most ``max_epochs``.
 
@@ -174,7 +177,8 @@ def fit(
     ``torch.distributed`` is initialised, rank 0's stop decision is broadcast so every rank
     leaves the loop together. ``best_score``/``best_epoch``/``best_state`` continue a resumed
     run, and ``average_state`` its moving average (the saved ``model_state``; ``model`` then
-    holds the saved ``train_state``).
+    holds the saved ``train_state``). ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs the
+    training forward pass and loss under ``torch.autocast``; validation stays in float32.
     """
     if patience < 1:
         raise ValueError(f"patience must be >= 1, got {patience}")
@@ -195,7 +199,7 @@ def fit(
             cb.on_epoch_start(epoch, total)
         lr = optimizer.param_groups[0]["lr"]
         start = time.perf_counter()
-        loss, nll, steps = _train_epoch(
+        work = _train_epoch(
             train_model,
             criterion,
             optimizer,
@@ -206,7 +210,9 @@ def fit(
             log_every,
             callbacks,
             average,
+            autocast_dtype,
         )
+        train_seconds = time.perf_counter() - start
         if scheduler is not None:
             scheduler.step()
         val = dict(validate(eval_model)) if validate is not None else None
@@ -218,12 +224,10 @@ def fit(
             scheduler,
             progress,
             epoch + 1,
-            loss,
-            nll,
+            work,
             val,
             lr,
-            steps,
-            time.perf_counter() - start,
+            (time.perf_counter() - start, train_seconds),
             monitor,
         )
         for cb in callbacks:
@@ -259,6 +263,16 @@ def _moving_average(
     return average
 
 
+@dataclass(frozen=True)
+class _EpochWork:
+    """What one training pass did on this rank."""
+
+    loss: float  # mean over the steps
+    nll: float  # mean per-token NLL over the steps
+    steps: int
+    captions: int
+
+
 def _train_epoch(
     model: nn.Module,
     criterion: nn.Module,
@@ -270,17 +284,24 @@ def _train_epoch(
     log_every: int,
     callbacks: Sequence[Callback],
     average: AveragedModel | None = None,
-) -> tuple[float, float, int]:
-    """One pass of teacher forcing; returns mean loss, mean NLL and the number of steps."""
+    autocast_dtype: torch.dtype | None = None,
+) -> _EpochWork:
+    """One pass of teacher forcing."""
     model.train()
     criterion.train()
     total = torch.zeros(2, device=device)  # (loss, nll) summed on the device: no per-step sync
     window = torch.zeros((), device=device)
-    steps = 0
+    device_type = torch.device(device).type
+    steps = captions = 0
     for steps, batch in enumerate(batches, start=1):
         batch = batch.to(device)
+        captions += batch.captions.size(0)  # (B, T)
         optimizer.zero_grad(set_to_none=True)
-        out = criterion(model(batch.annotations, batch.captions), batch.captions)
+        # bf16 needs no loss scaling (float32's exponent range); backward runs outside autocast
+        with torch.autocast(
+            device_type, autocast_dtype or torch.bfloat16, autocast_dtype is not None
+        ):
+            out = criterion(model(batch.annotations, batch.captions), batch.captions)
         out.loss.backward()
         if grad_clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -298,7 +319,7 @@ def _train_epoch(
     if steps == 0:
         raise ValueError(f"epoch {epoch}: batches({epoch}) yielded no batch")
     loss_sum, nll_sum = total.tolist()
-    return _checked(loss_sum / steps, epoch, steps), nll_sum / steps, steps
+    return _EpochWork(_checked(loss_sum / steps, epoch, steps), nll_sum / steps, steps, captions)
 
 
 def _checked(loss: float, epoch: int, step: int) -> float:
@@ -319,12 +340,10 @@ def _epoch_state(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     progress: _Progress,
     epoch: int,
-    loss: float,
-    nll: float,
+    work: _EpochWork,
     val: dict[str, float] | None,
     lr: float,
-    steps: int,
-    seconds: float,
+    seconds: tuple[float, float],  # (whole epoch, training pass)
     monitor: str,
 ) -> EpochState:
     """Update the best score/state and describe the epoch; ``model`` is the one validated,
@@ -351,7 +370,19 @@ def _epoch_state(
         }
 
     state = EpochState(
-        epoch, loss, nll, val, lr, is_best, best_score, best_epoch, steps, seconds, checkpoint
+        epoch,
+        work.loss,
+        work.nll,
+        val,
+        lr,
+        is_best,
+        best_score,
+        best_epoch,
+        work.steps,
+        seconds[0],
+        work.captions,
+        seconds[1],
+        checkpoint,
     )
     progress.history.append(state)
     return state
