@@ -46,6 +46,31 @@ def _context(args: argparse.Namespace) -> StageContext:
     return load_context(args.params, args.overrides)
 
 
+def _forward_params(args: argparse.Namespace) -> list[str]:
+    """``--params`` (absolute: the job opens it where the driver has it) and ``-S`` flags."""
+    out = ["--params", str(Path(args.params).resolve())]
+    for item in args.overrides:
+        out += ["-S", item]
+    return out
+
+
+def _as_ray_job(args: argparse.Namespace, command: list[str]) -> int | None:
+    """With a dashboard URL (``--address http://...`` or ``RAY_ADDRESS``): run ``sat <command>``
+    as a Ray Job on that cluster and return its status; None: run here (pipeline.jobs)."""
+    from pipeline.jobs import job_address
+
+    address = job_address(args.address)
+    if address is None:
+        return None
+    from pipeline.jobs import run_as_job
+    from sat_model.config import load_params
+
+    load_params(args.params, args.overrides)  # bad params: one line here, not a failed job
+    # the job opens the params file (and the data it names) at this absolute path: shared folder
+    command = [command[0], *_forward_params(args), *command[1:]]
+    return run_as_job(address, command, quiet=not args.verbose)
+
+
 # ----------------------------------------------------------------------------- summary
 def _summary(args: argparse.Namespace) -> int:
     """Print the metrics table of the evaluated models and how to caption an image."""
@@ -76,13 +101,20 @@ def _summary(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from pipeline.stages import train
 
-    return train.run(_context(args), args.attention, resume=args.resume)
+    resume = ["--resume"] if args.resume else []
+    submitted = _as_ray_job(args, ["train", "--attention", args.attention, *resume])
+    if submitted is not None:
+        return submitted
+    return train.run(_context(args), args.attention, resume=args.resume, address=args.address)
 
 
 # -------------------------------------------------------------------------------- tune
 def _tune(args: argparse.Namespace) -> int:
     from pipeline.stages import tune
 
+    submitted = _as_ray_job(args, ["tune", *(["--apply"] if args.apply else [])])
+    if submitted is not None:
+        return submitted
     return tune.run(_context(args), address=args.address, apply=args.apply)
 
 
@@ -102,6 +134,15 @@ def _add_verbose(parser: argparse.ArgumentParser, default: object) -> None:
         action="count",
         default=default,
         help="show tracebacks; caption, models, promote: MLflow's logs and progress bars too",
+    )
+
+
+def _add_address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster: a dashboard URL (http://head:8265) submits this command as a Ray Job; "
+        "a GCS address (head:6379) or auto connects from here (default: RAY_ADDRESS)",
     )
 
 
@@ -125,11 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue the unfinished run of this exact identity from its last epoch",
     )
+    _add_address(p)
     p.set_defaults(handler=_train)
 
     p = sub.add_parser("tune", help="Ray Tune sweep; each trial an MLflow child run")
     add_params_args(p)
-    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS)")
+    _add_address(p)
     p.add_argument("--apply", action="store_true", help="then train the winner (dvc exp run -S)")
     p.set_defaults(handler=_tune)
 
@@ -410,6 +452,7 @@ _USER_ERRORS = {
     "sat_model.metrics": ("MetricError",),
     "sat_model.evaluate": ("EvaluationError",),
     "pipeline.registry": ("RegistryError",),
+    "pipeline.jobs": ("JobFailedError",),
     "mlflow.exceptions": ("MlflowException",),
 }
 

@@ -217,6 +217,9 @@ class TrainConfig(_Section):
     val_images: int = Field(250, ge=0)
     val_max_length: int = Field(20, ge=1)
     models_dir: str = "models"
+    # bf16: the training forward pass and loss under torch.autocast (GPUs with bfloat16: A100,
+    # H100); weights, optimiser and validation stay float32. Changes results, so a stage param
+    mixed_precision: Literal["none", "bf16"] = "none"
     soft: SoftTrainConfig = SoftTrainConfig()
     hard: HardTrainConfig = HardTrainConfig()
 

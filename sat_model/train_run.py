@@ -407,6 +407,7 @@ def _fit_options(params: Params, setup: _Setup, rank: int, log_every: int) -> Fi
         seed=params.train.seed * 1_000 + rank,  # each rank its own dropout stream
         log_every=log_every,
         ema_decay=setup.cfg.ema_decay,
+        autocast_dtype=torch.bfloat16 if params.train.mixed_precision == "bf16" else None,
     )
 
 

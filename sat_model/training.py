@@ -78,7 +78,9 @@ class EpochState:
     best_score: float | None
     best_epoch: int | None
     steps: int
-    seconds: float
+    seconds: float  # the epoch's wall time: training and validation
+    captions: int  # captions this rank trained on: its throughput is captions / train_seconds
+    train_seconds: float  # the training pass alone
     # builds {model_state, train_state, criterion_state, optimizer_state, scheduler_state, epoch,
     # best_score, best_epoch} as they are now (model_state: the weights validated, the moving
     # average when there is one; train_state: the optimiser's weights then, else None); called
@@ -147,6 +149,9 @@ class FitOptions:
     seed: int | None = None  # re-seeds torch at each epoch's start, so a resume repeats a run
     log_every: int = 50  # steps between ``on_log`` calls (the only per-step sync)
     ema_decay: float = 0.0  # 0: no moving average of the weights
+    # e.g. torch.bfloat16: the training forward pass and loss run under torch.autocast
+    # (validation stays in float32); None: no autocast
+    autocast_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.patience < 1:
@@ -200,8 +205,10 @@ class _EpochTotals:
     loss: float
     nll: float
     steps: int
+    captions: int
     lr: float
-    seconds: float
+    started: float  # time.perf_counter() at the epoch's start
+    train_seconds: float
 
 
 def fit(
@@ -291,10 +298,19 @@ def _run_epoch(
         cb.on_epoch_start(epoch, total)
     lr = loop.optimizer.param_groups[0]["lr"]
     start = time.perf_counter()
-    loss, nll, steps = _train_epoch(loop, epoch_batches, epoch)
+    work = _train_epoch(loop, epoch_batches, epoch)
     if loop.scheduler is not None:
         loop.scheduler.step()
-    return _EpochTotals(epoch + 1, loss, nll, steps, lr, time.perf_counter() - start)
+    return _EpochTotals(
+        epoch=epoch + 1,
+        loss=work.loss,
+        nll=work.nll,
+        steps=work.steps,
+        captions=work.captions,
+        lr=lr,
+        started=start,
+        train_seconds=time.perf_counter() - start,
+    )
 
 
 def _moving_average(
@@ -310,20 +326,33 @@ def _moving_average(
     return average
 
 
-def _train_epoch(
-    loop: _Loop, batches: Iterable[TrainBatch], epoch: int
-) -> tuple[float, float, int]:
-    """One pass of teacher forcing; returns mean loss, mean NLL and the number of steps."""
+@dataclass(frozen=True)
+class _EpochWork:
+    """What one training pass did on this rank."""
+
+    loss: float  # mean over the steps
+    nll: float  # mean per-token NLL over the steps
+    steps: int
+    captions: int
+
+
+def _train_epoch(loop: _Loop, batches: Iterable[TrainBatch], epoch: int) -> _EpochWork:
+    """One pass of teacher forcing."""
     model, opts = loop.train_model, loop.options
     model.train()
     loop.criterion.train()
     total = torch.zeros(2, device=opts.device)  # (loss, nll) summed on the device: no sync
     window = torch.zeros((), device=opts.device)
-    steps = 0
+    device_type = torch.device(opts.device).type
+    autocast = opts.autocast_dtype is not None
+    steps = captions = 0
     for steps, batch in enumerate(batches, start=1):
         batch = batch.to(opts.device)
+        captions += batch.captions.size(0)  # (B, T+1)
         loop.optimizer.zero_grad(set_to_none=True)
-        out = loop.criterion(model(batch.annotations, batch.captions), batch.captions)
+        # bf16 needs no loss scaling (float32's exponent range); backward runs outside autocast
+        with torch.autocast(device_type, opts.autocast_dtype or torch.bfloat16, autocast):
+            out = loop.criterion(model(batch.annotations, batch.captions), batch.captions)
         out.loss.backward()
         if opts.grad_clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip)
@@ -341,7 +370,7 @@ def _train_epoch(
     if steps == 0:
         raise ValueError(f"epoch {epoch}: batches({epoch}) yielded no batch")
     loss_sum, nll_sum = total.tolist()
-    return _checked(loss_sum / steps, epoch, steps), nll_sum / steps, steps
+    return _EpochWork(_checked(loss_sum / steps, epoch, steps), nll_sum / steps, steps, captions)
 
 
 def _checked(loss: float, epoch: int, step: int) -> float:
@@ -376,7 +405,9 @@ def _epoch_state(
         best_score=progress.best_score,
         best_epoch=progress.best_epoch,
         steps=totals.steps,
-        seconds=totals.seconds,
+        seconds=time.perf_counter() - totals.started,
+        captions=totals.captions,
+        train_seconds=totals.train_seconds,
         checkpoint=functools.partial(
             _snapshot, loop, totals.epoch, progress.best_score, progress.best_epoch
         ),

@@ -92,6 +92,7 @@ def _fit(
     batches=None,
     schedule="constant",
     lr=1e-2,
+    autocast_dtype=None,
 ):
     optimizer = build_optimizer(model.parameters(), "adam", lr)
     return fit(
@@ -101,7 +102,14 @@ def _fit(
         build_scheduler(optimizer, schedule, max_epochs, 0.5),
         batches or _batches(),
         validate,
-        FitOptions(max_epochs=max_epochs, patience=patience, grad_clip=5.0, seed=seed, log_every=2),
+        FitOptions(
+            max_epochs=max_epochs,
+            patience=patience,
+            grad_clip=5.0,
+            seed=seed,
+            log_every=2,
+            autocast_dtype=autocast_dtype,
+        ),
         callbacks,
     )
 
@@ -116,6 +124,41 @@ def test_same_seed_gives_identical_parameters_after_an_epoch() -> None:
     c = _model()
     _fit(c, seed=8)
     assert not torch.equal(a.out.weight, c.out.weight)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        None,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="not done: the fused attention scorer (model.py) mixes float32 and bf16 "
+                "under autocast (RuntimeError: expected scalar type Float but found BFloat16)",
+            ),
+        ),
+    ],
+)
+def test_bf16_autocast_runs_the_forward_pass_in_bf16_and_trains_float32_weights(dtype) -> None:
+    model = _model()
+    seen: list[torch.dtype] = []
+    model.out.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    before = model.out.weight.detach().clone()
+    rec = Recorder()
+    _fit(model, None, [rec], autocast_dtype=dtype)
+    assert set(seen) == {dtype or torch.float32}  # every training step, under autocast or not
+    assert math.isfinite(rec.states[0].train_loss)
+    assert model.out.weight.dtype == torch.float32
+    assert not torch.equal(model.out.weight, before)  # the optimiser stepped
+
+
+def test_epoch_state_counts_the_captions_trained_on_and_the_training_time() -> None:
+    rec = Recorder()
+    _fit(_model(), lambda m: {"bleu_4": 0.5}, [rec], max_epochs=1)
+    (state,) = rec.states
+    assert state.captions == 4 * 5  # _batches: 4 batches of 5 captions
+    assert 0 < state.train_seconds <= state.seconds
 
 
 def test_training_lowers_the_loss_on_a_fixed_batch_set() -> None:
