@@ -29,7 +29,15 @@ import yaml
 from sat_model.config import Params, TuneConfig
 
 from .ray_runtime import ray_session, remove_orphaned_placement_groups, resolve_storage_path
-from .ray_train import ScalingSpec, deterministic_run_name, fit_on_ray, sat_train_fn
+from .ray_train import (
+    ScalingSpec,
+    deterministic_run_name,
+    fit_on_ray,
+    sat_train_fn,
+    stage_worker_inputs,
+    warn_if_tracking_is_driver_only,
+)
+from .storage import workers_share_files
 from .tracking import (
     PARENT_TAG,
     Tracking,
@@ -116,7 +124,7 @@ def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
             "logged_params": {},
         },
         run_name=f"{fixed['sweep_name']}-{trial_id}",
-        storage_path=Path(fixed["storage_path"]),
+        storage_path=fixed["storage"],
         scaling=fixed["scaling"],
         max_failures=params.ray.max_failures,
         callbacks=[TuneReportCallback()],
@@ -208,18 +216,19 @@ def run_tune(
     )
     log_params(tracking, parent_id, {f"tune.{k}": str(v) for k, v in cfg.model_dump().items()})
     storage = resolve_storage_path(params.ray, root)
+    share = workers_share_files(params.ray.worker_inputs, storage)
+    warn_if_tracking_is_driver_only(tracking.tracking_uri, not share)
     fixed = {
         "params": params,
         "max_epochs": cfg.max_epochs,
         "sweep_name": sweep_name,
         "parent_run_id": parent_id,
         "tracking": tracking.__dict__,
-        "storage_path": str(storage),
+        "storage": storage,
         "scaling": ScalingSpec.from_params(params.ray),
         "worker": {
             "attention": cfg.attention,
-            "prepared_dir": str(prepared.resolve()),
-            "features_dir": str(features.resolve()),
+            **stage_worker_inputs(storage, share, prepared.resolve(), features.resolve()),
         },
     }
     scheduler = ASHAScheduler(
@@ -243,7 +252,8 @@ def run_tune(
             ),
             run_config=tune.RunConfig(
                 name=sweep_name,
-                storage_path=str(storage),
+                storage_path=storage.path,
+                storage_filesystem=None if storage.is_local else storage.filesystem,
                 verbose=0,
                 callbacks=[_placement_group_reaper()],
             ),
