@@ -117,7 +117,10 @@ class TwoNodes:
         self.start_node2()
 
     def start_node2(self) -> None:
-        self.node2 = _start(self.node2_cmd, self.env, self.tmp / "node2.log")
+        # joining a cluster is refused with the loopback switch off (=0, pipeline.ray_runtime);
+        # the explicit --node-ip-address keeps this node on 127.0.0.1 all the same
+        env = {**self.env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+        self.node2 = _start(self.node2_cmd, env, self.tmp / "node2.log")
         self.procs.append(self.node2)
         self._wait_for_nodes(2)
 
@@ -142,7 +145,8 @@ class TwoNodes:
             if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(n)]:
                 return
             time.sleep(2)
-        pytest.fail(f"{n} Ray node(s) did not come up: {(self.tmp / 'head.log').read_text()}")
+        logs = "".join(p.read_text() for p in sorted(self.tmp.glob("*.log")))
+        pytest.fail(f"{n} Ray node(s) did not come up: {logs[-3000:]}")
 
     def stop(self) -> None:
         for proc in self.procs:
