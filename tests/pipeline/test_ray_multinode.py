@@ -96,7 +96,9 @@ class TwoNodes:
         self.temp_dir = Path("/tmp") / f"raymn{self.port}"  # short: socket path length limit
         self.procs: list[subprocess.Popen[bytes]] = []
         self.node2: subprocess.Popen[bytes] | None = None
-        self.node2_cmd = _node_cmd([f"--address=127.0.0.1:{self.port}", '--resources={"node2": 1}'])
+        # "127.1" is 127.0.0.1 to the resolver; Ray would rewrite "127.0.0.1" to the machine's
+        # address when a node joins (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1)
+        self.node2_cmd = _node_cmd([f"--address=127.1:{self.port}", '--resources={"node2": 1}'])
 
     @property
     def address(self) -> str:
