@@ -121,7 +121,8 @@ class TwoNodes:
     def start_node2(self) -> None:
         # joining a cluster is refused with the loopback switch off (=0, pipeline.ray_runtime);
         # the explicit --node-ip-address keeps this node on 127.0.0.1 all the same
-        env = {**self.env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+        # gRPC's own resolver does not read "127.1"; the system's (getaddrinfo) does
+        env = {**self.env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "GRPC_DNS_RESOLVER": "native"}
         self.node2 = _start(self.node2_cmd, env, self.tmp / "node2.log")
         self.procs.append(self.node2)
         self._wait_for_nodes(2)
