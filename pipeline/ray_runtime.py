@@ -21,6 +21,8 @@ from pathlib import Path
 
 from sat_model.config import RayConfig
 
+from .storage import Storage, resolve_storage
+
 __all__ = [
     "RaySession",
     "loopback_env",
@@ -73,10 +75,10 @@ def resolve_use_gpu(setting: str) -> bool:
     raise ValueError(f"ray.use_gpu must be auto, true or false, got {setting!r}")
 
 
-def resolve_storage_path(cfg: RayConfig, project_root: Path) -> Path:
-    """Absolute storage path for Ray Train/Tune results (workers change their cwd)."""
-    path = Path(cfg.storage_path).expanduser()
-    return path if path.is_absolute() else (project_root / path).resolve()
+def resolve_storage_path(cfg: RayConfig, project_root: Path) -> Storage:
+    """Where Ray Train/Tune keep runs: an object-store URI as given, a folder made absolute
+    (workers change their cwd); see :mod:`pipeline.storage`."""
+    return resolve_storage(cfg.storage_path, project_root)
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pyarrow.fs as pafs
 import torch
 
-from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir, write_text_atomic
+from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir
 from sat_model.checkpoint import is_checkpoint_dir
 from sat_model.config import Params, RayConfig
 from sat_model.paths import absolute, output_path
@@ -45,6 +46,7 @@ from sat_model.training import Callback, EpochState
 
 from .ray_runtime import loopback_env, resolve_use_gpu
 from .run_identity import RunIdentity
+from .storage import AWS_ENV, Storage, fetch_inputs, upload_inputs, workers_share_files
 
 if TYPE_CHECKING:
     from .tracking import Tracking
@@ -53,6 +55,7 @@ __all__ = [
     "RUN_RECORD",
     "FitOutcome",
     "ScalingSpec",
+    "StagedInputs",
     "TrainFn",
     "TrainJob",
     "TrainOutcome",
@@ -62,7 +65,9 @@ __all__ = [
     "deterministic_run_name",
     "fit_on_ray",
     "sat_train_fn",
+    "stage_worker_inputs",
     "train_with_ray",
+    "warn_if_tracking_is_driver_only",
 ]
 
 
@@ -124,15 +129,17 @@ def _worker_entry(train_fn: TrainFn, loop_config: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class ScalingSpec:
-    """How many workers and what each holds (``ray.num_workers``, ``ray.cpus_per_worker``)."""
+    """How many workers, what each holds and where they go (``ray.num_workers``, ...)."""
 
     num_workers: int
     cpus_per_worker: int
     use_gpu: bool
+    placement_strategy: str = "PACK"  # STRICT_SPREAD: one worker per node
 
     @classmethod
     def from_params(cls, cfg: RayConfig) -> ScalingSpec:
-        return cls(cfg.num_workers, cfg.cpus_per_worker, resolve_use_gpu(cfg.use_gpu))
+        use_gpu = resolve_use_gpu(cfg.use_gpu)
+        return cls(cfg.num_workers, cfg.cpus_per_worker, use_gpu, cfg.placement_strategy)
 
     def to_ray(self) -> Any:
         from ray.train import ScalingConfig
@@ -141,6 +148,7 @@ class ScalingSpec:
             num_workers=self.num_workers,
             use_gpu=self.use_gpu,
             resources_per_worker={"CPU": self.cpus_per_worker, "GPU": int(self.use_gpu)},
+            placement_strategy=self.placement_strategy,
         )
 
 
@@ -149,9 +157,16 @@ class FitOutcome:
     """What a finished Ray Train run left behind."""
 
     run_name: str
-    storage_dir: Path  # <storage_path>/<run_name>
-    checkpoint_dir: Path | None  # the last reported checkpoint in storage
+    storage_dir: Storage  # <storage_path>/<run_name>
+    checkpoint: Storage | None  # the last reported checkpoint in storage
     metrics: dict[str, Any]  # the last report's metrics (rank 0)
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        """The last checkpoint's folder when the storage is local (None in an object store)."""
+        if self.checkpoint is None or not self.checkpoint.is_local:
+            return None
+        return Path(self.checkpoint.path)
 
 
 def deterministic_run_name(prefix: str, *parts: Any) -> str:
@@ -165,7 +180,7 @@ def fit_on_ray(
     *,
     config: Any,
     run_name: str,
-    storage_path: Path,
+    storage_path: Path | Storage,
     scaling: ScalingSpec,
     max_failures: int,
     callbacks: Sequence[Any] = (),
@@ -177,19 +192,25 @@ def fit_on_ray(
 
     ``max_failures`` restarts (``FailureConfig``) resume from the last reported checkpoint.
     ``callbacks`` are Ray Train ``UserCallback`` s (Tune passes its ``TuneReportCallback``).
+    ``storage_path``: a local folder (absolute: Ray workers change cwd) or a :class:`Storage`.
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
-    if not storage_path.is_absolute():
-        raise ValueError(f"storage_path must be absolute (Ray workers change cwd): {storage_path}")
+    if isinstance(storage_path, Path):
+        if not storage_path.is_absolute():
+            raise ValueError(f"storage_path must be absolute (workers change cwd): {storage_path}")
+        storage_path = Storage(pafs.LocalFileSystem(), str(storage_path), str(storage_path))
+    storage = storage_path
     trainer = TorchTrainer(
         functools.partial(_worker_entry, train_fn),
         train_loop_config={"torch_threads": scaling.cpus_per_worker, "config": config},
         scaling_config=scaling.to_ray(),
         run_config=RunConfig(
             name=run_name,
-            storage_path=str(storage_path),
+            storage_path=storage.path,
+            # Ray resolves a plain path itself; a URI's file system carries its endpoint
+            storage_filesystem=None if storage.is_local else storage.filesystem,
             failure_config=FailureConfig(max_failures=max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),  # the last and the one before
             callbacks=list(callbacks) or None,
@@ -197,18 +218,21 @@ def fit_on_ray(
         ),
     )
     result = trainer.fit()
-    checkpoint = Path(result.checkpoint.path) if result.checkpoint is not None else None
-    return FitOutcome(run_name, storage_path / run_name, checkpoint, dict(result.metrics or {}))
+    checkpoint = None
+    if result.checkpoint is not None:
+        path = result.checkpoint.path
+        checkpoint = Storage(storage.filesystem, path, storage.uri + path[len(storage.path) :])
+    return FitOutcome(run_name, storage.child(run_name), checkpoint, dict(result.metrics or {}))
 
 
 def _worker_env() -> dict[str, str]:
     keys = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED", "MLFLOW_TRACKING_URI")
     env = loopback_env()
-    return {k: env[k] for k in keys if k in env}
+    return {k: env[k] for k in (*keys, *AWS_ENV) if k in env}
 
 
-def copy_checkpoint(source: Path, destination: Path) -> None:
-    """Replace ``destination`` by a durable copy of ``source`` in one rename.
+def copy_checkpoint(source: Path | Storage, destination: Path) -> None:
+    """Replace ``destination`` by a durable copy of ``source`` (local or in storage) in one rename.
 
     Only a folder sat wrote (a checkpoint: ``model.pt`` beside a sat ``config.json``) or an empty
     one is replaced: ``models_dir`` pointing at a folder of the user's raises
@@ -218,7 +242,9 @@ def copy_checkpoint(source: Path, destination: Path) -> None:
     remove_dead_temps(destination.parent, destination.name)
     staging = temp_dir(destination.parent, destination.name)
     try:
-        shutil.copytree(source, staging, dirs_exist_ok=True)
+        if isinstance(source, Path):
+            source = Storage(pafs.LocalFileSystem(), str(source), str(source))
+        source.download(staging)
         replace_dir(staging, destination, owned=is_checkpoint_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -246,6 +272,15 @@ class WorkerHooks:
 
 
 @dataclass(frozen=True)
+class StagedInputs:
+    """The worker inputs the driver uploaded to storage (``ray.worker_inputs``): the manifest
+    (name -> content address) each worker downloads before training."""
+
+    manifest: Mapping[str, str]
+    storage: Storage
+
+
+@dataclass(frozen=True)
 class TrainJob:
     """What every worker of a ``train_model`` run is given: the one worker config that the
     ``train`` stage, each Tune trial and ``benchmarks/bench_ray_train.py`` build."""
@@ -260,6 +295,21 @@ class TrainJob:
     mlflow_run_id: str | None = None
     logged_params: Mapping[str, Any] = field(default_factory=dict)
     hooks: WorkerHooks = WorkerHooks()
+    # None: workers open prepared_dir/features_dir (shared); else fetched from storage
+    staged_inputs: StagedInputs | None = None
+
+    def with_local_inputs(self, into: Path) -> TrainJob:
+        """This job reading a local copy of the staged inputs (fetched into ``into``), or
+        itself when the workers share the driver's folders."""
+        if self.staged_inputs is None:
+            return self
+        fetch_inputs(self.staged_inputs.manifest, self.staged_inputs.storage, into)
+        return replace(
+            self,
+            prepared_dir=into / "prepared",
+            features_dir=into / "features",
+            staged_inputs=None,
+        )
 
     def train(self, run: WorkerRun, out_dir: Path, callbacks: Sequence[Callback]) -> Any:
         """``train_model`` on this worker's shard, continuing ``run.resume_dir`` if any."""
@@ -318,11 +368,29 @@ def sat_train_fn(run: WorkerRun) -> None:
         log_params(job.tracking, job.mlflow_run_id, flatten(dict(job.logged_params)))
         logger = EpochLogger(job.tracking, job.mlflow_run_id)
     with tempfile.TemporaryDirectory(prefix="sat-train-") as out:
+        job = job.with_local_inputs(Path(out) / "inputs")
         model_dir = Path(out) / job.attention
         if run.rank == 0 and resume is not None:
             # a resumed run may not beat the best epoch again: keep its files in what we report
             shutil.copytree(resume, model_dir)
         job.train(run, Path(out), [_RayEpochReporter(run, model_dir, logger)])
+
+
+def stage_worker_inputs(
+    storage: Storage, share: bool, prepared: Path, features: Path
+) -> StagedInputs | None:
+    """Where workers find their inputs: None when they open the driver's paths (``share``);
+    else the files a training run reads (captions, vocabulary, the train and val feature stores)
+    uploaded to ``storage`` by content, with the manifest each worker downloads."""
+    if share:
+        return None
+    files = {
+        f"prepared/{CAPTIONS_FILE}": prepared / CAPTIONS_FILE,
+        f"prepared/{VOCAB_FILE}": prepared / VOCAB_FILE,
+        "features/train.arrow": features / "train.arrow",
+        "features/val.arrow": features / "val.arrow",
+    }
+    return StagedInputs(upload_inputs(files, storage), storage)
 
 
 RUN_RECORD = "sat_run.json"  # in a run's storage folder: its identity, status, checkpoint
@@ -333,7 +401,7 @@ class _Attempt:
     """One earlier run of an identity in Ray's storage, with what the driver recorded of it."""
 
     number: int
-    folder: Path  # <storage>/<name>
+    folder: Storage  # <storage>/<name>
     record: dict[str, Any]  # RUN_RECORD's content, {} when unreadable
 
     @property
@@ -341,35 +409,35 @@ class _Attempt:
         return self.folder.name
 
     @property
-    def checkpoint(self) -> Path | None:
+    def checkpoint(self) -> Storage | None:
         """The final checkpoint of a finished run that is still in storage, else None."""
         relative = self.record.get("checkpoint")
         if self.record.get("status") != "FINISHED" or not relative:
             return None
-        path = self.folder / relative
+        path = self.folder.child(*Path(relative).parts)
         return path if path.is_dir() else None
 
 
-def _attempts(storage: Path, base: str) -> list[_Attempt]:
+def _attempts(storage: Storage, base: str) -> list[_Attempt]:
     """The runs called ``<base>-<n>`` under ``storage``, by attempt number."""
     found = []
-    for folder in storage.glob(f"{base}-*"):
+    for folder in storage.subdirs():
         suffix = folder.name.removeprefix(f"{base}-")
-        if folder.is_dir() and suffix.isdigit():
-            found.append(_Attempt(int(suffix), folder, _read_record(folder / RUN_RECORD)))
+        if folder.name.startswith(f"{base}-") and suffix.isdigit():
+            found.append(_Attempt(int(suffix), folder, _read_record(folder.child(RUN_RECORD))))
     return sorted(found, key=lambda a: a.number)
 
 
-def _read_record(path: Path) -> dict[str, Any]:
+def _read_record(file: Storage) -> dict[str, Any]:
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        record = json.loads(file.read_text())
+    except (OSError, ValueError):  # missing (FileNotFoundError is an OSError) or not JSON
         return {}
     return record if isinstance(record, dict) else {}
 
 
-def _write_record(storage: Path, name: str, record: Mapping[str, Any]) -> None:
-    write_text_atomic(storage / name / RUN_RECORD, json.dumps(record, indent=1) + "\n")
+def _write_record(storage: Storage, name: str, record: Mapping[str, Any]) -> None:
+    storage.child(name, RUN_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def _choose_run(
@@ -433,6 +501,7 @@ def train_with_ray(
     if done is not None:
         checkpoint, run_id = done.checkpoint, done.record.get("mlflow_run_id")
     else:
+        share = workers_share_files(params.ray.worker_inputs, storage)
         job = TrainJob(
             params,
             attention,
@@ -441,6 +510,7 @@ def train_with_ray(
             resume_from=seed[0] if seed else None,
             identity=identity.digest,
             hooks=hooks,
+            staged_inputs=stage_worker_inputs(storage, share, prepared, features),
         )
         checkpoint, run_id = _fit_run(job, root, name, identity, address)
     copy_checkpoint(checkpoint, model_dir)
@@ -453,7 +523,7 @@ def train_with_ray(
 
 def _fit_run(
     job: TrainJob, root: Path, name: str, identity: RunIdentity, address: str | None
-) -> tuple[Path, str]:
+) -> tuple[Storage, str]:
     """Run (or resume) the Ray Train run ``name`` under its MLflow run; (checkpoint, run id)."""
     from .lineage import lineage_tags
     from .ray_runtime import ray_session, resolve_storage_path
@@ -464,6 +534,7 @@ def _fit_run(
         root, prepared_dir=params.data.prepared_dir, features_dir=params.encoder.features_dir
     )
     tracking = connect(params.mlflow, root)
+    warn_if_tracking_is_driver_only(tracking.tracking_uri, job.staged_inputs is not None)
     tags = {"sat.attention": attention, "sat.identity": identity.digest, **lineage}
     run_id = find_or_create_run(tracking, name, tags=tags)
     storage = resolve_storage_path(params.ray, root)
@@ -488,10 +559,21 @@ def _fit_run(
     except BaseException:
         tracking.call(lambda c: c.set_terminated(run_id, "FAILED"), f"end run {run_id}")
         raise
-    if outcome.checkpoint_dir is None:
+    if outcome.checkpoint is None:
         raise RuntimeError(f"Ray Train run {name} finished without a checkpoint")
-    checkpoint = os.path.relpath(outcome.checkpoint_dir, outcome.storage_dir)  # project may move
+    # relative to the run's folder: the project (or the bucket's mirror) may move
+    checkpoint = os.path.relpath(outcome.checkpoint.path, outcome.storage_dir.path)
     finished = {**record, "status": "FINISHED", "checkpoint": checkpoint}
     _write_record(storage, name, finished)
     tracking.call(lambda c: c.set_terminated(run_id, "FINISHED"), f"end run {run_id}")
-    return outcome.checkpoint_dir, run_id
+    return outcome.checkpoint, run_id
+
+
+def warn_if_tracking_is_driver_only(tracking_uri: str, workers_elsewhere: bool) -> None:
+    """One line on stderr when rank 0 may run on another node than a file-based MLflow store."""
+    local = tracking_uri.startswith(("sqlite:", "file:")) or "://" not in tracking_uri
+    if workers_elsewhere and local:
+        _say(
+            f"warning: mlflow tracking URI {tracking_uri} is a file on this machine; workers on "
+            "other nodes cannot log to it: a cluster needs a tracking server (mlflow server)"
+        )

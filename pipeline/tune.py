@@ -32,7 +32,16 @@ from sat_model.paths import absolute
 
 from .lineage import lineage_tags
 from .ray_runtime import ray_session, remove_orphaned_placement_groups, resolve_storage_path
-from .ray_train import ScalingSpec, TrainJob, deterministic_run_name, fit_on_ray, sat_train_fn
+from .ray_train import (
+    ScalingSpec,
+    TrainJob,
+    deterministic_run_name,
+    fit_on_ray,
+    sat_train_fn,
+    stage_worker_inputs,
+    warn_if_tracking_is_driver_only,
+)
+from .storage import Storage, workers_share_files
 from .tracking import PARENT_TAG, Tracking, connect, find_or_create_run, log_params
 
 __all__ = [
@@ -95,7 +104,7 @@ class _Sweep:
     max_epochs: int
     parent_run_id: str
     tracking: Tracking
-    storage_path: Path
+    storage: Storage
     scaling: ScalingSpec
 
 
@@ -119,7 +128,7 @@ def _trial(config: dict[str, Any], sweep: _Sweep) -> None:
         sat_train_fn,
         config=replace(sweep.job, params=params, tracking=tracking, mlflow_run_id=run_id),
         run_name=f"{sweep.name}-{trial_id}",
-        storage_path=sweep.storage_path,
+        storage_path=sweep.storage,
         scaling=sweep.scaling,
         max_failures=params.ray.max_failures,
         callbacks=[TuneReportCallback()],
@@ -202,7 +211,8 @@ def run_tune(params: Params, *, project_root: Path, address: str | None = None) 
             tune_config=_tune_config(params.tune),
             run_config=tune.RunConfig(
                 name=sweep.name,
-                storage_path=str(sweep.storage_path),
+                storage_path=sweep.storage.path,
+                storage_filesystem=None if sweep.storage.is_local else sweep.storage.filesystem,
                 verbose=0,
                 callbacks=[_placement_group_reaper()],
             ),
@@ -229,11 +239,17 @@ def _start_sweep(params: Params, root: Path) -> _Sweep:
         tracking, name, tags={"sat.attention": cfg.attention, "sat.sweep": "1", **lineage}
     )
     log_params(tracking, parent_id, {f"tune.{k}": str(v) for k, v in cfg.model_dump().items()})
+    storage = resolve_storage_path(params.ray, root)
+    share = workers_share_files(params.ray.worker_inputs, storage)
+    warn_if_tracking_is_driver_only(tracking.tracking_uri, not share)
+    prepared = absolute(params.data.prepared_dir, root)
+    features = absolute(params.encoder.features_dir, root)
     job = TrainJob(
         params,
         cfg.attention,
-        prepared_dir=absolute(params.data.prepared_dir, root),
-        features_dir=absolute(params.encoder.features_dir, root),
+        prepared_dir=prepared,
+        features_dir=features,
+        staged_inputs=stage_worker_inputs(storage, share, prepared, features),
     )
     return _Sweep(
         name=name,
@@ -241,7 +257,7 @@ def _start_sweep(params: Params, root: Path) -> _Sweep:
         max_epochs=cfg.max_epochs,
         parent_run_id=parent_id,
         tracking=tracking,
-        storage_path=resolve_storage_path(params.ray, root),
+        storage=storage,
         scaling=ScalingSpec.from_params(params.ray),
     )
 

@@ -310,7 +310,15 @@ class RayConfig(_Section):
     cpus_per_worker: int = Field(2, ge=1)
     use_gpu: Literal["auto", "true", "false"] = "auto"
     max_failures: int = Field(2, ge=0)
-    storage_path: str = "ray_results"  # relative paths resolve against the project root
+    # a folder (relative to the project root) or an object-store URI every node reaches
+    # (s3://bucket/prefix; credentials and endpoint from the AWS_* environment variables)
+    storage_path: str = "ray_results"
+    # how workers get data/prepared and data/features: "shared" opens the driver's paths (one
+    # machine, or the same mount on every node); "upload" copies them through storage_path;
+    # "auto": shared when storage_path is a folder, upload when it is a URI
+    worker_inputs: Literal["auto", "shared", "upload"] = "auto"
+    # where Ray puts the workers: PACK fills a node first, STRICT_SPREAD one worker per node
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
 
 
 class Params(_Section):
