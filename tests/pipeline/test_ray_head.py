@@ -1,8 +1,7 @@
-"""``python -m pipeline.ray_head -- CMD``: a real loopback Ray head for one command, stopped by PID."""
+"""``python -m pipeline.ray_head -- CMD``: one loopback Ray head per command, stopped by PID."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
