@@ -19,8 +19,9 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
+# One Ray head for every stage of the repro (pipeline/ray_head.py; stopped by PID, even on failure)
 run: $(VENV)/.installed
-	$(BIN)/dvc repro
+	$(BIN)/python -m pipeline.ray_head --params params.yaml -- $(BIN)/dvc repro
 	$(BIN)/sat summary
 
 test: $(VENV)/.installed

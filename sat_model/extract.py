@@ -2,11 +2,13 @@
 
 Dimensions: ``B`` batch, ``S`` crop size, ``L`` locations, ``D`` annotation size.
 
-Images decode in DataLoader worker processes while the main process runs the frozen encoder
-under ``torch.inference_mode``. A batch is always the same slice of a split's image list
-(``batch_slices``), with the images that fail to decode removed, so any engine that follows the
-same slicing (``pipeline.ray_extract``) produces byte-identical stores. Undecodable images are
-skipped with their reason; extraction fails only when no image at all could be extracted.
+Images decode in DataLoader worker processes (JPEG decode, resize and crop to uint8 pixels: PIL
+does the work, one torch thread each) while the main process normalises each batch at once and
+runs the frozen encoder under ``torch.inference_mode``, so decoding overlaps the forward pass.
+A batch is always the same slice of a split's image list (``batch_slices``), with the images that
+fail to decode removed, so any engine that follows the same slicing (``pipeline.ray_extract``)
+produces byte-identical stores. Undecodable images are skipped with their reason; extraction
+fails only when no image at all could be extracted.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from tqdm import tqdm
 
 from sat_model.encoders import Encoder, EncoderDescription
 from sat_model.features import FeatureMeta, FeatureWriter
-from sat_model.images import ImageError, load_image, preprocess
+from sat_model.images import ImageError, load_image, normalize_pixels, resize_crop
 from sat_model.tables import TableError, read_images, split_order
 
 __all__ = [
@@ -59,13 +61,12 @@ class Preprocessing:
 
     resize: int
     crop: int
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
     max_pixels: int
 
-    def tensor(self, path: str) -> torch.Tensor:
+    def pixels(self, path: str) -> torch.Tensor:
+        """uint8 (3, S, S); :func:`encode_batch` normalises whole batches."""
         image = load_image(path, max_pixels=self.max_pixels, min_side=self.resize)
-        return preprocess(image, self.resize, self.crop, self.mean, self.std)  # (3, S, S)
+        return resize_crop(image, self.resize, self.crop)  # (3, S, S) uint8
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class DecodedBatch:
     """The decodable part of one batch slice, plus the reasons for the rest."""
 
     image_ids: list[str]
-    images: torch.Tensor  # (B_ok, 3, S, S)
+    images: torch.Tensor  # (B_ok, 3, S, S) uint8 pixels, not yet normalised
     skipped: list[tuple[str, str]]  # (image_id, reason)
 
 
@@ -145,7 +146,7 @@ def _decode_one(item: ImageItem, prep: Preprocessing) -> tuple[str, torch.Tensor
     if item.refused:
         return item.image_id, None, item.refused
     try:
-        return item.image_id, prep.tensor(item.path), ""
+        return item.image_id, prep.pixels(item.path), ""
     except ImageError as e:
         return item.image_id, None, e.reason
 
@@ -153,14 +154,15 @@ def _decode_one(item: ImageItem, prep: Preprocessing) -> tuple[str, torch.Tensor
 def collate_samples(samples: list[tuple[str, torch.Tensor | None, str]], crop: int) -> DecodedBatch:
     ok = [(image_id, x) for image_id, x, _ in samples if x is not None]
     skipped = [(image_id, reason) for image_id, x, reason in samples if x is None]
-    images = torch.stack([x for _, x in ok]) if ok else torch.empty(0, 3, crop, crop)
+    images = torch.stack([x for _, x in ok]) if ok else torch.empty(0, 3, crop, crop).byte()
     return DecodedBatch([image_id for image_id, _ in ok], images, skipped)  # images (B_ok,3,S,S)
 
 
 def encode_batch(encoder: Encoder, images: torch.Tensor) -> np.ndarray:
-    """Annotations (B, L, D) as float16 (the store's dtype)."""
+    """Annotations (B, L, D) as float16 (the store's dtype) of uint8 ``images`` (B, 3, S, S)."""
+    d = encoder.description
     with torch.inference_mode():
-        annotations = encoder(images)  # (B, L, D) float32
+        annotations = encoder(normalize_pixels(images, d.mean, d.std))  # (B, L, D) float32
     return annotations.to(torch.float16).cpu().numpy()
 
 
@@ -261,7 +263,7 @@ def extract_features(
     if not splits:
         raise ExtractError(f"{images_table} holds no image with status 'ok' in a split")
     d = encoder.description
-    prep = Preprocessing(resize, crop, d.mean, d.std, max_image_pixels)
+    prep = Preprocessing(resize, crop, max_image_pixels)
     run = run_split or extract_split
     start = time.perf_counter()
     results = [

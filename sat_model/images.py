@@ -25,7 +25,9 @@ __all__ = [
     "ImageError",
     "decode_image_bytes",
     "load_image",
+    "normalize_pixels",
     "preprocess",
+    "resize_crop",
     "square_thumbnail",
     "to_rgb",
 ]
@@ -226,6 +228,33 @@ def square_thumbnail(image: Image.Image, side: int) -> Image.Image:
     return image.resize((side, side), Image.Resampling.BILINEAR, box=(left, top, left + s, top + s))
 
 
+def resize_crop(image: Image.Image, resize: int = 256, crop: int = 224) -> torch.Tensor:
+    """Resize the shorter side to ``resize``, centre-crop ``crop``: uint8 pixels (3, crop, crop).
+
+    The decoding half of :func:`preprocess`; extraction workers stop here and hand a quarter of
+    the bytes of a float image to the process that runs the encoder.
+    """
+    if crop > resize:
+        raise ValueError(f"crop {crop} is larger than resize {resize}")
+    if image.mode != "RGB":
+        raise ValueError(f"preprocess expects an RGB image, got mode {image.mode!r}")
+    resized = TF.resize(image, resize, interpolation=TF.InterpolationMode.BILINEAR)
+    return TF.pil_to_tensor(TF.center_crop(resized, [crop, crop]))  # (3, S, S) uint8
+
+
+def normalize_pixels(
+    pixels: torch.Tensor,
+    mean: tuple[float, float, float] = IMAGENET_MEAN,
+    std: tuple[float, float, float] = IMAGENET_STD,
+) -> torch.Tensor:
+    """uint8 pixels (..., 3, S, S) → float32 ``(x / 255 - mean) / std``, same shape.
+
+    The same float operations in the same order for one image or a batch, so a batch normalised
+    at once equals its images normalised one by one, bit for bit.
+    """
+    return TF.normalize(pixels.float().div_(255.0), mean, std, inplace=True)
+
+
 def preprocess(
     image: Image.Image,
     resize: int = 256,
@@ -234,10 +263,4 @@ def preprocess(
     std: tuple[float, float, float] = IMAGENET_STD,
 ) -> torch.Tensor:
     """Resize the shorter side to ``resize``, centre-crop ``crop``, normalise: (3, crop, crop)."""
-    if crop > resize:
-        raise ValueError(f"crop {crop} is larger than resize {resize}")
-    if image.mode != "RGB":
-        raise ValueError(f"preprocess expects an RGB image, got mode {image.mode!r}")
-    resized = TF.resize(image, resize, interpolation=TF.InterpolationMode.BILINEAR)
-    cropped = TF.center_crop(resized, [crop, crop])
-    return TF.normalize(TF.pil_to_tensor(cropped).float().div_(255.0), mean, std)  # (3, S, S)
+    return normalize_pixels(resize_crop(image, resize, crop), mean, std)  # (3, S, S)

@@ -137,3 +137,47 @@ def test_crop_must_match_the_encoder_input_size(tmp_path, encoder) -> None:
         extract_features(
             table, tmp_path, tmp_path / "f", encoder, 64, 48, 2, 0, 10_000, progress=False
         )
+
+
+SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k-sample"
+
+
+@pytest.mark.skipif(not SAMPLE.is_dir(), reason="Flickr8k sample absent (../shared/data)")
+def test_parallel_workers_give_the_sequential_features_on_real_jpegs(tmp_path: Path) -> None:
+    import shutil
+
+    root = tmp_path / "photos"
+    root.mkdir()
+    names = sorted(p.name for p in (SAMPLE / "Flickr8k_Dataset").glob("*.jpg"))[:10]
+    for name in names:  # a copy in tmp_path: the shared data stays read-only
+        shutil.copy(SAMPLE / "Flickr8k_Dataset" / name, root / name)
+    (root / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"\x00" * 64)  # JPEG magic only
+    files = [*names[:5], "broken.jpg", "none.jpg", *names[5:]]
+    ids = [*names[:5], "broken", "missing", *names[5:]]
+    table = pa.table(
+        {"image_id": ids, "split": ["train"] * len(ids), "file": files, "status": ["ok"] * len(ids)}
+    )
+    pq.write_table(table, tmp_path / "images.parquet")
+    encoder = build_encoder("random", input_size=224)
+    reports = {}
+    for workers in (0, 2):
+        reports[workers] = extract_features(
+            tmp_path / "images.parquet", root, tmp_path / f"w{workers}", encoder, resize=256,
+            crop=224, batch_size=4, num_workers=workers, max_image_pixels=50_000_000,
+            progress=False,
+        ).to_dict()  # fmt: skip
+    sequential = FeatureStore(tmp_path / "w0" / "train.arrow")
+    parallel = FeatureStore(tmp_path / "w2" / "train.arrow")
+    assert parallel.ids == sequential.ids == names
+    rows = np.arange(len(names))
+    np.testing.assert_array_equal(parallel.get_batch(rows), sequential.get_batch(rows))
+    # the store holds what the one-image path (``preprocess``, as ``sat caption`` uses) gives
+    d = encoder.description
+    first = preprocess(load_image(root / names[0], min_side=256), 256, 224, d.mean, d.std)
+    with torch.inference_mode():
+        expected = encoder(first.unsqueeze(0)).to(torch.float16).numpy()  # (1, L, D)
+    np.testing.assert_array_equal(parallel.get_batch([0]), expected)
+    for report in reports.values():
+        reasons = {s["item"]: s["reason"] for s in report["skipped"]}
+        assert reasons["missing"] == "file not found"
+        assert reasons["broken"].startswith("cannot decode")

@@ -1,0 +1,151 @@
+"""One local Ray head for a whole command: ``python -m pipeline.ray_head [--params F] -- CMD ...``.
+
+``make run`` wraps ``dvc repro`` in this: both train stages then connect to one cluster
+(``RAY_ADDRESS=127.0.0.1:<port>``, read by :func:`pipeline.ray_runtime.resolve_address`) instead
+of each starting and stopping its own local Ray, which on 2 busy cores costs several seconds per
+stage (README, "Timings"). The head is ``ray start --head --block`` on loopback, with
+``ray.num_cpus`` CPUs, no dashboard and a private temp dir, in its own process group; it is
+stopped by that group's id when the command ends, fails or is interrupted (SIGINT, SIGTERM,
+SIGHUP), never with ``ray stop`` (which would stop every Ray on the machine).
+
+When an address is already given (``RAY_ADDRESS`` or ``ray.address``) nothing is started: the
+command runs against that cluster as it would without this wrapper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+
+from pipeline.ray_runtime import loopback_env, resolve_address
+from sat_model.config import load_params
+
+__all__ = ["RayHeadError", "main", "ray_head", "run_with_head"]
+
+_START_TIMEOUT_S = 120.0
+_TERM_GRACE_S = 10.0  # `ray start --block` winds GCS and raylet down on SIGTERM; then SIGKILL
+
+
+class RayHeadError(RuntimeError):
+    """The head did not come up (the message carries the end of its log)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM ``proc``'s process group, SIGKILL what is left after a grace period."""
+    for sig, grace in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and _group_alive(proc.pid):
+            proc.poll()  # reap the leader so the group can empty
+            time.sleep(0.2)
+        if not _group_alive(proc.pid):
+            break
+    proc.wait(timeout=10)
+
+
+def _wait_until_up(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while not _port_open(port):  # the GCS port answers once the head is up
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RayHeadError(f"ray start --head did not come up on 127.0.0.1:{port}:\n{tail}")
+        time.sleep(0.2)
+
+
+@contextmanager
+def ray_head(num_cpus: int, temp_root: Path | None = None) -> Iterator[str]:
+    """Start a loopback Ray head for the block; yields its ``host:port`` address."""
+    port = _free_port()
+    # short: Ray's socket paths inside the temp dir have a length limit of ~107 bytes
+    temp_dir = (temp_root or Path("/tmp")) / f"sat-ray-{port}"
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    log = temp_dir / "head.log"
+    ray = Path(sys.executable).with_name("ray")
+    cmd = [
+        str(ray if ray.exists() else "ray"), "start", "--head", "--block",
+        "--node-ip-address=127.0.0.1", f"--port={port}", f"--num-cpus={num_cpus}",
+        "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=loopback_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        _wait_until_up(proc, port, log)
+        yield f"127.0.0.1:{port}"
+    finally:
+        _stop_group(proc)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _raise_on_signal(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through ray_head's finally: the head is stopped
+
+
+def run_with_head(command: Sequence[str], num_cpus: int, address: str | None) -> int:
+    """Run ``command`` against ``address``, or against a head started for it; its exit code."""
+    env = loopback_env()
+    if address:
+        return subprocess.run(list(command), env=env).returncode
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_on_signal)
+    started = time.perf_counter()
+    with ray_head(num_cpus) as head:
+        print(f"ray_head: Ray head on {head} ({time.perf_counter() - started:.1f} s)", flush=True)
+        env.update(RAY_ADDRESS=head, RAY_AUTH_MODE="token")  # `ray start` turns token auth on
+        code = subprocess.run(list(command), env=env).returncode
+        stopping = time.perf_counter()
+    print(f"ray_head: Ray head stopped ({time.perf_counter() - stopping:.1f} s)", flush=True)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.ray_head", description=__doc__)
+    parser.add_argument("--params", default="params.yaml", help="params file (%(default)s)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given (python -m pipeline.ray_head -- dvc repro)")
+    cfg = load_params(args.params).ray
+    try:
+        return run_with_head(command, cfg.num_cpus, resolve_address(cfg))
+    except RayHeadError as e:
+        print(f"ray_head: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""``python -m pipeline.ray_head -- CMD``: one loopback Ray head per command, stopped by PID."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.ray_runtime import loopback_env
+
+# The command records the address it was given and the head's GCS pid group, then fails.
+_FAILING_STAGE = """
+import os, sys, ray
+ray.init()  # RAY_ADDRESS from the wrapper: connects, starts nothing
+assert ray.cluster_resources()["CPU"] == 2
+open(sys.argv[1], "w").write(os.environ["RAY_ADDRESS"])
+sys.exit(3)
+"""
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.ray
+def test_head_is_stopped_when_the_command_fails(tmp_path: Path) -> None:
+    params = tmp_path / "params.yaml"
+    params.write_text("ray:\n  num_cpus: 2\n")
+    seen = tmp_path / "address"
+    env = loopback_env()
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.ray_head", "--params", str(params), "--",
+         sys.executable, "-c", _FAILING_STAGE, str(seen)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 3, out.stderr[-2000:]  # the command's own exit code
+    host, port = seen.read_text().split(":")
+    assert host == "127.0.0.1"
+    assert not _listening(int(port))  # the head is gone
+    assert not Path(f"/tmp/sat-ray-{port}").exists()  # and its private temp dir
+    assert "Ray head stopped" in out.stdout
+
+
+def test_a_given_address_starts_no_head(tmp_path: Path) -> None:
+    params = tmp_path / "params.yaml"
+    params.write_text("ray:\n  address: 127.0.0.1:1\n")
+    env = {**loopback_env(), "RAY_ADDRESS": ""}
+    code = "import os, sys; sys.exit(0 if 'RAY_AUTH_MODE' not in os.environ else 5)"
+    env.pop("RAY_AUTH_MODE", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.ray_head", "--params", str(params), "--",
+         sys.executable, "-c", code],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Ray head" not in out.stdout
