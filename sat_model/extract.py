@@ -186,11 +186,12 @@ def collate_samples(samples: list[tuple[str, torch.Tensor | None, str]], crop: i
 def encode_batch(encoder: Encoder, images: torch.Tensor) -> np.ndarray:
     """Annotations (B, L, D) as float16 (the store's dtype)."""
     with torch.inference_mode():
-        annotations = encoder(images)  # (B, L, D) float32
-    return annotations.to(torch.float16).cpu().numpy()
+        annotations: torch.Tensor = encoder(images)  # (B, L, D) float32
+    half: np.ndarray = annotations.to(torch.float16).cpu().numpy()
+    return half
 
 
-class _DecodeDataset(Dataset):
+class _DecodeDataset(Dataset[tuple[str, torch.Tensor | None, str]]):
     def __init__(self, items: Sequence[ImageItem], prep: Preprocessing) -> None:
         self.items = items
         self.prep = prep

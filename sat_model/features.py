@@ -13,9 +13,11 @@ numpy views into the mapping and the process never copies the whole file into RA
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -63,7 +65,9 @@ class FeatureMeta:
             raise FeatureStoreError(f"{path}: not a feature store (metadata lacks {missing})")
         ints = ("input_size", "L", "D", "grid_h", "grid_w", "format_version")
         try:
-            values = {f: int(raw[f]) if f in ints else raw[f] for f in cls.__dataclass_fields__}
+            values: dict[str, Any] = {
+                f: int(raw[f]) if f in ints else raw[f] for f in cls.__dataclass_fields__
+            }
         except ValueError as e:
             raise FeatureStoreError(f"{path}: bad feature store metadata: {e}") from e
         return cls(**values)
@@ -167,7 +171,8 @@ class FeatureStore:
         if column.null_count:
             raise FeatureStoreError(f"{self.path}: features column holds nulls")
         values = column.flatten().to_numpy(zero_copy_only=True)  # (n_b·L·D,) float16 view
-        return values.reshape(len(batch), self.meta.L, self.meta.D)  # (n_b, L, D)
+        view: np.ndarray = values.reshape(len(batch), self.meta.L, self.meta.D)  # (n_b, L, D)
+        return view
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -185,9 +190,10 @@ class FeatureStore:
             raise IndexError(f"row {i} out of range for {n} rows in {self.path}")
         i = i % n
         block = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return self._blocks[block][i - self._starts[block]]
+        row: np.ndarray = self._blocks[block][i - self._starts[block]]
+        return row
 
-    def get_batch(self, indices: np.ndarray | list[int]) -> np.ndarray:
+    def get_batch(self, indices: np.ndarray | Sequence[int]) -> np.ndarray:
         """Rows ``indices`` gathered into a new (B, L, D) float16 array."""
         out = np.empty((len(indices), self.meta.L, self.meta.D), dtype=np.float16)
         for j, i in enumerate(indices):
