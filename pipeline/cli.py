@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------- caption, models, promote, evaluate
-def _params_or_defaults(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _params_or_defaults(args: argparse.Namespace):
     # outside a project (no params.yaml) the defaults and MLFLOW_TRACKING_URI still work
     from sat_model.config import Params, load_params
 
@@ -158,7 +158,7 @@ def _params_or_defaults(args: argparse.Namespace):  # type: ignore[no-untyped-de
     return load_params(args.params, args.overrides)
 
 
-def _mlflow_cfg(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _mlflow_cfg(args: argparse.Namespace):
     return _params_or_defaults(args).mlflow
 
 
@@ -215,7 +215,7 @@ def _caption_device(choice: str) -> str:
     return choice
 
 
-def _print_caption(found, fmt: str, attention_out: str | None) -> None:  # type: ignore[no-untyped-def]
+def _print_caption(found, fmt: str, attention_out: str | None) -> None:
     from tqdm import tqdm
 
     from sat_model.visualize import write_word_overlays
@@ -337,7 +337,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     return evaluate.main([*_forward_params(args), *extra]) or 0
 
 
-def _register_more(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _register_more(sub: argparse._SubParsersAction) -> None:
     """Subcommands for evaluation, the registry and captioning (caption, models, promote...)."""
     p = sub.add_parser("caption", help="caption image files and folders; attention overlays")
     add_params_args(p)

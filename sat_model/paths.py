@@ -33,7 +33,7 @@ def resolve_inside(root: Path, name: str) -> tuple[Path, str]:
     return path, f"path {name!r} escapes the image root {root}"
 
 
-def output_path(value: str, project_root: Path) -> Path:
+def output_path(value: str | Path, project_root: Path) -> Path:
     """The absolute folder an output param names; a relative one must stay under the project.
 
     Raises:

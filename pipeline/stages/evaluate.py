@@ -203,7 +203,7 @@ def _evaluate(args: argparse.Namespace, params: Params) -> int:
     return 0
 
 
-def _tracking_uri(params, params_file: str, model: str) -> str | None:  # type: ignore[no-untyped-def]
+def _tracking_uri(params, params_file: str, model: str) -> str | None:
     """The project's tracking store for an MLflow model URI (``mlflow.tracking_uri`` honoured)."""
     if not is_model_uri(model):
         return None

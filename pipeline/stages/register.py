@@ -15,6 +15,7 @@ current champion on ``mlflow.champion_metric``, and only where ``mlflow.promote`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -45,9 +46,7 @@ def _run_artifacts(model_dir: Path, reports: Path) -> list[tuple[str, Path]]:
     ]
 
 
-def _register_one(  # type: ignore[no-untyped-def]
-    params, project_root: Path, tracking, attention: str, tags: dict
-):
+def _register_one(params, project_root: Path, tracking, attention: str, tags: dict):
     """Log one evaluated model into its training run (or a new run) and register it."""
     from pipeline.registry import checkpoint_sha256, log_and_register
     from pipeline.tracking import dataset_inputs, find_training_run, flatten, with_retries
@@ -60,7 +59,7 @@ def _register_one(  # type: ignore[no-untyped-def]
     training_run = find_training_run(tracking, sha)
     client = tracking.client()
 
-    def register():  # type: ignore[no-untyped-def]
+    def register():
         return log_and_register(
             client, model_dir=model_dir, model_name=cfg.model_name,
             experiment_id=tracking.experiment_id,
@@ -82,7 +81,7 @@ def _register_one(  # type: ignore[no-untyped-def]
     return registered, training_run
 
 
-def register_models(params, project_root: Path) -> dict:  # type: ignore[no-untyped-def]
+def register_models(params, project_root: Path) -> dict:
     """Register what was evaluated; return the ``registry.json`` content."""
     from pipeline.registry import current_champion, promote_if_better, promotion_allowed
     from pipeline.tracking import (
@@ -124,8 +123,8 @@ def register_models(params, project_root: Path) -> dict:  # type: ignore[no-unty
                                          "reason": why_not})  # fmt: skip
             continue
         outcome = with_retries(
-            lambda v=registered.version: promote_if_better(
-                client, cfg.model_name, v, cfg.champion_metric
+            functools.partial(
+                promote_if_better, client, cfg.model_name, registered.version, cfg.champion_metric
             ),
             retries=cfg.retries,
             what="promotion",
