@@ -27,6 +27,7 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/pytest
 
 lint: $(VENV)/.installed

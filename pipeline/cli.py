@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------- caption, models, promote, evaluate
-def _params_or_defaults(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _params_or_defaults(args: argparse.Namespace):
     # outside a project (no params.yaml) the defaults and MLFLOW_TRACKING_URI still work
     from sat_model.config import Params, load_params
 
@@ -196,7 +196,7 @@ def _params_or_defaults(args: argparse.Namespace):  # type: ignore[no-untyped-de
     return load_params(args.params, args.overrides)
 
 
-def _mlflow_cfg(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _mlflow_cfg(args: argparse.Namespace):
     return _params_or_defaults(args).mlflow
 
 
@@ -253,7 +253,7 @@ def _caption_device(choice: str) -> str:
     return choice
 
 
-def _print_caption(found, fmt: str, attention_out: str | None) -> None:  # type: ignore[no-untyped-def]
+def _print_caption(found, fmt: str, attention_out: str | None) -> None:
     from tqdm import tqdm
 
     from sat_model.visualize import write_word_overlays
@@ -366,7 +366,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     return evaluate.run(ctx, args.attention, model=args.model, split=args.split, out=args.out)
 
 
-def _register_more(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _register_more(sub: argparse._SubParsersAction) -> None:
     """Subcommands for evaluation, the registry and captioning (caption, models, promote...)."""
     _add_caption(sub)
 
@@ -388,7 +388,7 @@ def _register_more(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.set_defaults(handler=_evaluate)
 
 
-def _add_caption(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_caption(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("caption", help="caption image files and folders; attention overlays")
     add_params_args(p)
     p.add_argument(

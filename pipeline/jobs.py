@@ -25,6 +25,7 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "EXCLUDES",
@@ -151,13 +152,13 @@ async def _stream_logs(client: object, job_id: str) -> None:
         sys.stdout.flush()
 
 
-def _wait_terminal(client: object, job_id: str, timeout_s: float = 60.0) -> object:
+def _wait_terminal(client: Any, job_id: str, timeout_s: float = 60.0) -> Any:
     """The job's final status; the log stream may close a moment before the status is final."""
     import time
 
     deadline = time.monotonic() + timeout_s
     while True:
-        status = client.get_job_status(job_id)  # type: ignore[attr-defined]
+        status = client.get_job_status(job_id)
         if status.is_terminal() or time.monotonic() > deadline:
             return status
         time.sleep(0.5)

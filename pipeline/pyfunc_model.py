@@ -34,6 +34,7 @@ import mlflow
 import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, INVALID_PARAMETER_VALUE
+from mlflow.pyfunc import PythonModel
 
 __all__ = ["CHECKPOINT_ARTIFACT", "SatCaptionerModel"]
 
@@ -54,7 +55,7 @@ def _serve_limits(model_config: dict[str, Any] | None) -> Any:
     return ServeConfig.model_validate(raw)
 
 
-class SatCaptionerModel(mlflow.pyfunc.PythonModel):
+class SatCaptionerModel(PythonModel):
     """Captions images with a trained Show, Attend and Tell model."""
 
     def load_context(self, context: Any) -> None:
@@ -69,7 +70,7 @@ class SatCaptionerModel(mlflow.pyfunc.PythonModel):
 
     # no type hints on predict: MLflow would try to derive a (list-only) schema from them; the
     # signature logged with the model is the schema
-    def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
+    def predict(self, context, model_input, params=None):
         try:
             return self._predict(model_input, params or {})
         except MlflowException:
@@ -147,7 +148,7 @@ def _beam_size(value: Any, max_beam: int) -> int | None:
     if (
         isinstance(value, bool)
         or not isinstance(value, numbers.Integral)
-        or not 1 <= value <= max_beam
+        or not 1 <= int(value) <= max_beam
     ):
         shown = repr(value)[:20]
         raise _bad_request(f"beam_size must be an integer in 1..{max_beam}, got {shown}")

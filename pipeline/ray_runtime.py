@@ -131,9 +131,9 @@ def _actor_created_groups() -> list[tuple[bytes, bool]]:
     job = ray.get_runtime_context().get_job_id()
     groups = []
     for blob in state._connect_and_get_accessor().get_placement_group_table():
-        group = gcs_pb2.PlacementGroupTableData.FromString(blob)
+        group = gcs_pb2.PlacementGroupTableData.FromString(blob)  # type: ignore[attr-defined]
         if (
-            group.state != gcs_pb2.PlacementGroupTableData.REMOVED
+            group.state != gcs_pb2.PlacementGroupTableData.REMOVED  # type: ignore[attr-defined]
             and not group.is_detached
             and JobID(group.creator_job_id).hex() == job
             and not ActorID(group.creator_actor_id).is_nil()

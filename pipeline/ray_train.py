@@ -206,7 +206,7 @@ def fit_on_ray(
         functools.partial(_worker_entry, train_fn),
         train_loop_config={"torch_threads": scaling.cpus_per_worker, "config": config},
         scaling_config=scaling.to_ray(),
-        run_config=RunConfig(
+        run_config=RunConfig(  # type: ignore[call-arg]  # worker_runtime_env: not in its stubs
             name=run_name,
             storage_path=storage.path,
             # Ray resolves a plain path itself; a URI's file system carries its endpoint
@@ -513,6 +513,7 @@ def train_with_ray(
             staged_inputs=stage_worker_inputs(storage, share, prepared, features),
         )
         checkpoint, run_id = _fit_run(job, root, name, identity, address)
+    assert checkpoint is not None  # _choose_run returns an attempt that has a checkpoint
     copy_checkpoint(checkpoint, model_dir)
     if run_id:  # how `register` finds the training run of the model it registers
         tag_trained_checkpoint(connect(params.mlflow, root), run_id, model_dir)

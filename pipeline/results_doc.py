@@ -1,7 +1,7 @@
-"""Fill the README's results section from ``reports/`` beside the paper's Table 1.
+"""Fill docs/EXPERIMENTS.md's results section from ``reports/`` beside the paper's Table 1.
 
 python -m pipeline.results_doc           # print the section
-python -m pipeline.results_doc --write   # rewrite README.md between the results markers
+python -m pipeline.results_doc --write   # rewrite docs/EXPERIMENTS.md between the results markers
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def results_section(reports: Path) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite README.md in place")
-    parser.add_argument("--readme", default="README.md")
+    parser.add_argument("--write", action="store_true", help="rewrite the page in place")
+    parser.add_argument("--readme", default="docs/EXPERIMENTS.md")
     parser.add_argument("--reports", default="reports")
     args = parser.parse_args(argv)
     section = results_section(Path(args.reports))

@@ -34,7 +34,7 @@ class ServeError(RuntimeError):
     """A user error that stops ``sat serve`` before a server starts (one line, exit 1)."""
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``sat serve`` on the ``sat`` command's subparsers."""
     p = subparsers.add_parser(
         "serve", help="serve the champion over HTTP (MLflow's scoring server, 127.0.0.1)"

@@ -202,7 +202,9 @@ def connect(cfg: MlflowConfig, project_root: Path, experiment: str | None = None
         except MlflowException as err:  # another process created it between the two calls
             if err.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-            return client.get_experiment_by_name(name).experiment_id
+            created = client.get_experiment_by_name(name)
+            assert created is not None  # RESOURCE_ALREADY_EXISTS: it is there now
+            return created.experiment_id
 
     exp_id = with_retries(get_or_create, retries=cfg.retries, what=f"experiment {name!r}")
     return Tracking(uri, exp_id, name, cfg.retries)

@@ -207,7 +207,8 @@ def _cpu(state: Mapping[str, Any]) -> dict[str, Any]:
             return type(value)(move(v) for v in value)
         return value
 
-    return move(state)
+    moved: dict[str, Any] = move(state)
+    return moved
 
 
 def _load_payload(path: Path, map_location: str) -> dict[str, Any]:

@@ -194,7 +194,7 @@ class _OptimFields(_Section):
     # beyond the paper: validate, keep and ship an exponential moving average of the weights,
     # updated every optimiser step (0 = off, the weights as trained). On the scenes 0.99 smooths
     # the validation curve (one-length batches swing the raw weights) but leaves test BLEU-4 where
-    # it was (README, "How the defaults were chosen")
+    # it was (docs/EXPERIMENTS.md, "How the defaults were chosen")
     ema_decay: float = Field(0.0, ge=0, lt=1)
 
 

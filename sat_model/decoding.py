@@ -93,10 +93,10 @@ def _greedy(
 
 def _captions(tokens: np.ndarray, alphas: np.ndarray, scores: np.ndarray) -> list[Caption]:
     """Cut each row at its first <end>: tokens (N, t), alphas (N, t, L), scores (N,)."""
-    captions = []
+    captions: list[Caption] = []
     for row, scores_row in zip(tokens, scores, strict=True):
         ends = np.flatnonzero(row == END_ID)
-        n = int(ends[0]) if ends.size else row.size
+        n = int(ends[0]) if ends.size else int(row.size)
         captions.append(
             Caption(
                 tokens=row[:n].tolist(),

@@ -110,7 +110,8 @@ class Encoder(nn.Module):
         return super().train(False)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        grid = self.trunk(images.contiguous(memory_format=torch.channels_last))  # (B, D, h, w)
+        images = images.contiguous(memory_format=torch.channels_last)
+        grid: torch.Tensor = self.trunk(images)  # (B, D, h, w)
         return grid.flatten(2).transpose(1, 2)  # (B, L, D)
 
 
@@ -159,6 +160,9 @@ def efficientnet_lite0_classifier(weights: str | Path | None = None) -> nn.Modul
 
 
 def _lite0_trunk(model: nn.Module, layer: str) -> nn.Module:
+    from timm.models.efficientnet import EfficientNet
+
+    assert isinstance(model, EfficientNet)  # from efficientnet_lite0_classifier
     parts = [model.conv_stem, model.bn1]
     if layer == "head":
         parts += [*model.blocks, model.conv_head, model.bn2]
@@ -194,7 +198,9 @@ def _torchvision_trunk(name: str, layer: str, path: Path) -> nn.Module:
     except RuntimeError as e:
         raise WeightsMismatchError(f"{path} does not fit torchvision {name}: {e}") from e
     if name.startswith("vgg"):
-        return model.features[:-1]  # conv5_x + ReLU, before the last max-pool (Sec. 3.1.1)
+        # conv5_x + ReLU, before the last max-pool (Sec. 3.1.1)
+        features: nn.Module = model.features[:-1]
+        return features
     body = nn.Sequential(*list(model.children())[:-2])  # up to layer4, no avgpool/fc
     if layer == "layer4_pool14":
         return nn.Sequential(body, nn.AdaptiveAvgPool2d((14, 14)))
@@ -214,7 +220,13 @@ def _random_trunk(seed: int) -> nn.Module:
 
 
 def _describe(
-    trunk: nn.Module, name: str, layer: str, input_size: int, sha: str, mean, std
+    trunk: nn.Module,
+    name: str,
+    layer: str,
+    input_size: int,
+    sha: str,
+    mean: tuple[float, float, float],
+    std: tuple[float, float, float],
 ) -> EncoderDescription:
     with torch.inference_mode():
         probe = trunk.eval()(torch.zeros(1, 3, input_size, input_size))  # (1, D, h, w)

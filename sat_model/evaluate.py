@@ -20,6 +20,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,7 +89,11 @@ def read_image_records(
 
 
 def _decode_batch(
-    model: ShowAttendTell, vocab: Vocab, annotations: torch.Tensor, ids: Sequence[str], **search
+    model: ShowAttendTell,
+    vocab: Vocab,
+    annotations: torch.Tensor,
+    ids: Sequence[str],
+    **search: Any,
 ) -> list[DecodedCaption]:
     out = []
     for image_id, c in zip(ids, beam_search(model, annotations, **search), strict=True):
@@ -259,7 +264,8 @@ def write_attention_gallery(
     # the PNGs in a folder of their own: DVC declares it as image plots (a page is no plot)
     png_dir = out_dir / GALLERY_IMAGES_DIR
     png_dir.mkdir(parents=True, exist_ok=True)
-    entries, skipped = [], []
+    entries: list[GalleryEntry] = []
+    skipped: list[dict[str, str]] = []
     for c in sorted(captions, key=lambda c: c.image_id)[:count]:
         record = records.get(c.image_id)
         if record is None:

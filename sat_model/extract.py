@@ -163,10 +163,11 @@ def encode_batch(encoder: Encoder, images: torch.Tensor) -> np.ndarray:
     d = encoder.description
     with torch.inference_mode():
         annotations = encoder(normalize_pixels(images, d.mean, d.std))  # (B, L, D) float32
-    return annotations.to(torch.float16).cpu().numpy()
+    half: np.ndarray = annotations.to(torch.float16).cpu().numpy()
+    return half
 
 
-class _DecodeDataset(Dataset):
+class _DecodeDataset(Dataset[tuple[str, torch.Tensor | None, str]]):
     def __init__(self, items: Sequence[ImageItem], prep: Preprocessing) -> None:
         self.items = items
         self.prep = prep

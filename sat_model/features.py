@@ -15,7 +15,7 @@ copies the whole file into RAM.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import TracebackType
@@ -225,7 +225,8 @@ class FeatureStore:
         if column.null_count:
             raise FeatureStoreError(f"{self.path}: features column holds nulls")
         values = column.flatten().to_numpy(zero_copy_only=True)  # (n_b·L·D,) float16 view
-        return values.reshape(len(batch), self.meta.L, self.meta.D)  # (n_b, L, D)
+        view: np.ndarray = values.reshape(len(batch), self.meta.L, self.meta.D)  # (n_b, L, D)
+        return view
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -243,9 +244,10 @@ class FeatureStore:
             raise IndexError(f"row {i} out of range for {n} rows in {self.path}")
         i = i % n
         block = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return self._blocks[block][i - self._starts[block]]
+        row: np.ndarray = self._blocks[block][i - self._starts[block]]
+        return row
 
-    def get_batch(self, indices: np.ndarray | list[int]) -> np.ndarray:
+    def get_batch(self, indices: np.ndarray | Sequence[int]) -> np.ndarray:
         """Rows ``indices`` gathered into a new (B, L, D) float16 array."""
         out = np.empty((len(indices), self.meta.L, self.meta.D), dtype=np.float16)
         for j, i in enumerate(indices):

@@ -13,10 +13,11 @@ import math
 import struct
 import warnings
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 from torchvision.transforms import functional as TF
 
 __all__ = [
@@ -43,7 +44,7 @@ _BACKGROUND = (255, 255, 255)
 class ImageError(ValueError):
     """An image that cannot be used; ``reason`` is a short phrase for a skip report."""
 
-    def __init__(self, path: str | Path, reason: str) -> None:
+    def __init__(self, path: str | Path | IO[bytes], reason: str) -> None:
         super().__init__(f"{path}: {reason}")
         self.path = str(path)
         self.reason = reason
@@ -79,7 +80,9 @@ def to_rgb(image: Image.Image) -> Image.Image:
     if mode.startswith("I") or mode == "F":
         return _high_bit_depth_to_l(image).convert("RGB")
     if mode == "P":
-        has_alpha = "transparency" in image.info or image.palette.mode == "RGBA"
+        has_alpha = "transparency" in image.info or (
+            image.palette is not None and image.palette.mode == "RGBA"
+        )
         return _composite_on_white(image) if has_alpha else image.convert("RGB")
     if "A" in mode or "a" in mode:  # LA, La, RGBA, RGBa, PA
         return _composite_on_white(image)
@@ -87,7 +90,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def _check_size(
-    image: Image.Image, path: str | Path, max_pixels: int, setting: str = "encoder.max_image_pixels"
+    image: Image.Image,
+    path: str | Path | IO[bytes],
+    max_pixels: int,
+    setting: str = "encoder.max_image_pixels",
 ) -> None:
     width, height = image.size
     if width * height > max_pixels:
@@ -110,12 +116,12 @@ def _draft_for_resize(image: Image.Image, min_side: int) -> None:
 
 
 def load_image(
-    path: str | Path, max_pixels: int = 50_000_000, min_side: int | None = None
+    path: str | Path | IO[bytes], max_pixels: int = 50_000_000, min_side: int | None = None
 ) -> Image.Image:
     """Decode ``path`` into an upright RGB image.
 
     Args:
-        path: image file.
+        path: image file (or an open binary stream of one).
         max_pixels: decompression-bomb limit on width × height, checked from the header before
             any pixel is decoded.
         min_side: when given, JPEGs may be decoded at a reduced scale whose shorter side is still
@@ -166,7 +172,7 @@ def _open_untrusted(data: bytes, formats: tuple[str, ...], label: str) -> Image.
     """Open (header only) with only the parsers of ``formats``; name a refused format."""
     try:
         return Image.open(io.BytesIO(data), formats=list(formats))
-    except Image.UnidentifiedImageError:
+    except UnidentifiedImageError:
         found = _sniff_format(data[:16])
         if found is not None and not _accepted(found, formats):
             raise ImageError(
@@ -239,7 +245,8 @@ def resize_crop(image: Image.Image, resize: int = 256, crop: int = 224) -> torch
     if image.mode != "RGB":
         raise ValueError(f"preprocess expects an RGB image, got mode {image.mode!r}")
     resized = TF.resize(image, resize, interpolation=TF.InterpolationMode.BILINEAR)
-    return TF.pil_to_tensor(TF.center_crop(resized, [crop, crop]))  # (3, S, S) uint8
+    pixels: torch.Tensor = TF.pil_to_tensor(TF.center_crop(resized, [crop, crop]))
+    return pixels  # (3, S, S) uint8
 
 
 def normalize_pixels(
@@ -252,7 +259,8 @@ def normalize_pixels(
     The same float operations in the same order for one image or a batch, so a batch normalised
     at once equals its images normalised one by one, bit for bit.
     """
-    return TF.normalize(pixels.float().div_(255.0), mean, std, inplace=True)
+    normalised: torch.Tensor = TF.normalize(pixels.float().div_(255.0), mean, std, inplace=True)
+    return normalised
 
 
 def preprocess(

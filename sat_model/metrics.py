@@ -147,7 +147,7 @@ def _bleu(gts: dict[str, list[str]], res: dict[str, list[str]]) -> dict[str, flo
 def _meteor_class() -> type:
     from pycocoevalcap.meteor.meteor import Meteor
 
-    class _KillableMeteor(Meteor):
+    class _KillableMeteor(Meteor):  # type: ignore[misc]  # pycocoevalcap is untyped
         """pycocoevalcap's Meteor with a given command line and a close that never blocks.
 
         Meteor's own ``__del__`` takes the lock that ``compute_score`` holds while it waits on
@@ -168,7 +168,8 @@ def _meteor_class() -> type:
             for stream in (self.meteor_p.stdin, self.meteor_p.stdout):
                 # a pipe already broken by the kill has nothing left to flush
                 with contextlib.suppress(OSError):
-                    stream.close()
+                    if stream is not None:
+                        stream.close()
 
         def __del__(self) -> None:
             if hasattr(self, "meteor_p"):
@@ -213,7 +214,9 @@ def _meteor(
     return float(outcome["score"])
 
 
-def _run_meteor(scorer: Any, gts: dict, res: dict, outcome: dict[str, Any]) -> None:
+def _run_meteor(
+    scorer: Any, gts: dict[str, list[str]], res: dict[str, list[str]], outcome: dict[str, Any]
+) -> None:
     try:
         outcome["score"] = scorer.compute_score(gts, res)[0]
     except (OSError, ValueError) as e:  # a closed/broken pipe or a non-numeric answer

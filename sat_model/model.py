@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -180,7 +180,8 @@ class SoftAttention(nn.Module):
         2 is that of σ(2u) in ``scores``, paid here once rather than on every step. Locations
         last: every elementwise pass of ``scores`` then runs along L (196) contiguous values
         rather than A (32 at the default sizes), ~1.3x faster on the step's largest tensor."""
-        return 2.0 * self.annotation_proj(annotations).transpose(1, 2).contiguous()
+        projected: Tensor = self.annotation_proj(annotations)  # (B, L, A)
+        return 2.0 * projected.transpose(1, 2).contiguous()
 
     def scores(
         self, projected: Tensor, hidden: Tensor, sink: ProjectedGradient | None = None
@@ -198,7 +199,8 @@ class SoftAttention(nn.Module):
         the gradient for ``projected`` over all steps.
         """
         hidden = 2.0 * self.hidden_proj(hidden)  # (B*k, A)
-        return _FusedScores.apply(projected, hidden, self.score.weight, sink)  # (B*k, L)
+        scores: Tensor = _FusedScores.apply(projected, hidden, self.score.weight, sink)
+        return scores  # (B*k, L)
 
     def forward(
         self,
@@ -265,13 +267,13 @@ class _CollectProjected(torch.autograd.Function):
     Every step takes its output, so autograd runs this backward after all of theirs."""
 
     @staticmethod
-    def forward(ctx, projected: Tensor, sink: ProjectedGradient) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, projected: Tensor, sink: ProjectedGradient) -> Tensor:
         ctx.set_materialize_grads(False)
         ctx.sink = sink
         return projected.view_as(projected)
 
     @staticmethod
-    def backward(ctx, _none: Tensor | None) -> tuple[Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx: Any, _none: Tensor | None) -> tuple[Tensor | None, None]:
         grad, ctx.sink.grad = ctx.sink.grad, None
         return grad, None
 
@@ -281,8 +283,8 @@ class _FusedScores(torch.autograd.Function):
     backward recomputes σ rather than keeping it (``SoftAttention.scores``)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx, projected: Tensor, hidden: Tensor, weight: Tensor, sink: ProjectedGradient | None
+    def forward(
+        ctx: Any, projected: Tensor, hidden: Tensor, weight: Tensor, sink: ProjectedGradient | None
     ) -> Tensor:
         ctx.save_for_backward(projected, hidden, weight)
         ctx.sink = sink
@@ -298,7 +300,7 @@ class _FusedScores(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor, Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor, Tensor, None]:
         projected, hidden, weight = ctx.saved_tensors
         B, A, L = projected.shape
         k = hidden.size(0) // B
@@ -306,8 +308,9 @@ class _FusedScores(torch.autograd.Function):
         out = None  # (B, A, L), ∂/∂P: this step's own or the sink's running sum
         accumulate = False
         if ctx.needs_input_grad[0]:
-            accumulate = sink is not None and sink.grad is not None
-            out = sink.grad if accumulate else projected.new_empty(B, A, L)
+            held = sink.grad if sink is not None else None
+            accumulate = held is not None
+            out = held if held is not None else projected.new_empty(B, A, L)
         grad_hidden = hidden.new_empty(B * k, A)
         grad_weight = weight.new_zeros(A)
         weight2 = (2.0 * weight).view(1, A, 1)
@@ -563,12 +566,14 @@ class ShowAttendTell(nn.Module):
             and x.size(0) >= ONEDNN_LSTM_MIN_ROWS
         ):
             return torch_lstm_step(self.lstm, x, h, c)
-        return self.lstm(x, (h, c))
+        h, c = self.lstm(x, (h, c))
+        return h, c
 
     def _deep_output(self, embedded: Tensor, hidden: Tensor, context: Tensor) -> Tensor:
         """Eq. 7: L_o(E y_{t-1} + L_h h_t + L_z ẑ_t); tanh, dropout before L_o (authors' code)."""
         pre = embedded + self.hidden_out(hidden) + self.context_out(context)  # (…, m)
-        return self.out(self.dropout(torch.tanh(pre)))  # (…, K)
+        logits: Tensor = self.out(self.dropout(torch.tanh(pre)))
+        return logits  # (…, K)
 
     def _semi_sampling_mask(
         self, batch: int, mode: str, locations: Tensor | None, device: torch.device

@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -207,7 +207,7 @@ def read_flickr8k(
 
 
 # ----------------------------------------------------------------------------- karpathy
-def _load_json(path: Path, what: str) -> dict:
+def _load_json(path: Path, what: str) -> dict[str, Any]:
     try:
         data = json.loads(_read(path, what))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -222,7 +222,9 @@ def read_karpathy(
 ) -> SourceData:
     """Karpathy's split file (``dataset_{flickr8k,flickr30k,coco}.json``)."""
     data = _load_json(root / json_file, "Karpathy split file")
-    images, captions, skipped = _Images(), [], []
+    images = _Images()
+    captions: list[SourceCaption] = []
+    skipped: list[Skip] = []
     for k, entry in enumerate(data.get("images", [])):
         name = str(entry.get("filename", ""))
         file = f"{entry['filepath']}/{name}" if entry.get("filepath") else name
@@ -283,7 +285,9 @@ def read_coco(
     files = [_load_json(root / a, "COCO captions file") for a in annotation_files]
     held_out = sorted({int(im["id"]) for d in files[1:] for im in d.get("images", [])})
     split_of = _coco_splits(held_out, val_images, test_images, seed, rest_to_train)
-    images, captions, skipped = _Images(), [], []
+    images = _Images()
+    captions: list[SourceCaption] = []
+    skipped: list[Skip] = []
     for k, (data, folder, ann_file) in enumerate(
         zip(files, images_dirs, annotation_files, strict=True)
     ):

@@ -126,6 +126,7 @@ def make_validator(
     refs = {i: references[i] for i in ids}
 
     def validate(model: nn.Module) -> dict[str, float]:
+        assert isinstance(model, ShowAttendTell)  # fit validates the model it was given
         hypotheses: dict[str, str] = {}
         for start in range(0, len(rows), batch_size):
             feats = store.get_batch(rows[start : start + batch_size])  # (B, L, D) float16
@@ -183,7 +184,7 @@ class _ModelDirWriter(Callback):
 def save_training_state(path: Path, snapshot: Mapping[str, Any]) -> None:
     """Write ``snapshot`` (``EpochState.checkpoint()``) and the torch RNG states to ``path``
     atomically: plain containers and tensors only, read back with ``weights_only=True``."""
-    rng = {"torch": torch.get_rng_state()}
+    rng: dict[str, Any] = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     payload = {"format_version": LAST_STATE_VERSION, **_to_cpu(dict(snapshot)), "rng_state": rng}
@@ -432,7 +433,7 @@ def _rank_zero(
         device=setup.device,
         mode=params.eval.hard_decode if setup.attention == "hard" else "expected",
     )
-    counts = {
+    counts: dict[str, float] = {
         "train_captions": len(setup.dataset),
         "skipped_captions": setup.skipped,
         "val_images": min(len(val_store), params.train.val_images or len(val_store)),
@@ -510,4 +511,5 @@ def _read_metrics(model_dir: Path) -> dict[str, float]:
     path = model_dir / METRICS_FILE
     if not (model_dir / MODEL_FILE).is_file() or not path.is_file():
         return {}
-    return json.loads(path.read_text(encoding="utf-8"))
+    metrics: dict[str, float] = json.loads(path.read_text(encoding="utf-8"))
+    return metrics

@@ -59,8 +59,12 @@ class NonFiniteLossError(FloatingPointError):
 class TrainBatch(Protocol):
     """What the loop needs of a batch (``sat_model.batching.Batch`` is one)."""
 
-    annotations: torch.Tensor  # (B, L, D)
-    captions: torch.Tensor  # (B, T+1)
+    # read-only (properties), so that a frozen dataclass such as Batch satisfies the protocol
+    @property
+    def annotations(self) -> torch.Tensor: ...  # (B, L, D)
+
+    @property
+    def captions(self) -> torch.Tensor: ...  # (B, T+1)
 
     def to(self, device: torch.device | str) -> TrainBatch: ...
 

@@ -50,7 +50,8 @@ class GalleryEntry:
 def centre_crop(image: Image.Image, resize: int, crop: int) -> Image.Image:
     """The crop the encoder saw: shorter side to ``resize``, then the centre ``crop × crop``."""
     image = TF.resize(image.convert("RGB"), resize)
-    return TF.center_crop(image, crop)
+    cropped: Image.Image = TF.center_crop(image, crop)
+    return cropped
 
 
 def attention_map(
@@ -70,12 +71,13 @@ def attention_map(
         sigma = 0.5 * min(height / grid_h, width / grid_w)
     kernel = 2 * int(3 * sigma) + 1  # ±3σ covers the Gaussian
     smooth = TF.gaussian_blur(up, kernel_size=[kernel, kernel], sigma=[sigma, sigma])
-    out = smooth[0, 0].numpy()  # (H, W)
-    span = out.max() - out.min()
+    out: np.ndarray = smooth[0, 0].numpy()  # (H, W)
+    span = float(out.max() - out.min())
     # uniform α has no focus to show; rounding noise must not be stretched into one
     if span <= 1e-4 * max(float(np.abs(out).max()), 1e-12):
         return np.zeros_like(out)
-    return (out - out.min()) / span
+    scaled: np.ndarray = (out - out.min()) / span
+    return scaled
 
 
 def overlay(image: Image.Image, heat: np.ndarray, cmap: str = "jet") -> Image.Image:

@@ -26,7 +26,8 @@ from pipeline.stages import StageContext, load_context, run_locked, stage_parser
 from sat_model.config import ATTENTION_KINDS
 
 if TYPE_CHECKING:
-    from sat_model.evaluate import DecodedCaption, ImageRecord
+    from sat_model.evaluate import DecodedCaption
+    from sat_model.tables import ImageRecord
 
 __all__ = ["add_arguments", "default_out_dir", "main", "run"]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,7 +52,7 @@ def run_extract(params: Params, root: Path, progress: bool = True) -> ExtractRep
     torch.set_num_threads(cfg.torch_threads)  # decoding workers take the other cores
     weights = str(absolute(cfg.weights, root)) if cfg.weights else None
     encoder = build_encoder(cfg.name, cfg.layer, weights, input_size=cfg.crop)
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         images_table=absolute(params.data.prepared_dir, root) / IMAGES_FILE,
         image_root=image_root(params.data, root),  # from params, never from the table
         out_dir=absolute(cfg.features_dir, root),

@@ -16,8 +16,12 @@ PACKAGES = ("sat_model", "pipeline")
 
 
 def _module_path(name: str) -> Path | None:
-    path = ROOT / (name.replace(".", "/") + ".py")
-    return path if path.exists() else None
+    """The file of module ``name``: ``a/b.py``, or ``a/b/__init__.py`` for a package."""
+    base = ROOT / name.replace(".", "/")
+    for path in (base.with_name(base.name + ".py"), base / "__init__.py"):
+        if path.exists():
+            return path
+    return None
 
 
 def _imports(path: Path) -> set[str]:
@@ -70,9 +74,10 @@ def test_stage_deps_list_every_project_module_it_runs(name: str, stage: dict) ->
     # a directory dep covers every module under it
     missing = sorted(n for n in needed - deps if not any(n.startswith(f"{d}/") for d in deps))
     assert not missing, f"{name} runs these modules but does not list them as deps: {missing}"
-    stale = sorted(d for d in deps if d.endswith(".py") and not (ROOT / d).exists())
+    project = tuple(f"{p}/" for p in PACKAGES)
+    stale = sorted(d for d in deps if d.startswith(project) and not (ROOT / d).exists())
     # a dep on a module the stage never imports is allowed (e.g. copied into a model) but not a
-    # module that does not exist
+    # module or package folder that does not exist
     assert not stale, f"{name} lists modules that do not exist: {stale}"
 
 

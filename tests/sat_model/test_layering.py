@@ -11,13 +11,21 @@ ORCHESTRATION = {"ray", "mlflow", "dvc"}
 
 
 def _all_modules() -> list[str]:
+    """Every module and subpackage of sat_model, at any depth."""
     root = Path(sat_model.__file__).parent
-    return ["sat_model"] + [f"sat_model.{m.name}" for m in pkgutil.iter_modules([str(root)])]
+    found = pkgutil.walk_packages([str(root)], prefix="sat_model.")
+    return ["sat_model", *sorted(m.name for m in found)]
 
 
 def test_sat_model_has_the_modules_it_promises() -> None:
     # guards the module list below from silently shrinking to nothing
-    assert {"sat_model.config", "sat_model.model"} <= set(_all_modules())
+    modules = set(_all_modules())
+    assert "sat_model.config" in modules
+    assert any(m.startswith("sat_model.model") for m in modules - {"sat_model"})
+    # every module file is found, in subpackages too
+    root = Path(sat_model.__file__).parent
+    files = {p for p in root.rglob("*.py") if p.name != "__init__.py"}
+    assert len(files) <= len(modules), "walk_packages missed module files"
 
 
 def test_importing_every_sat_model_module_loads_no_orchestration_package() -> None:
