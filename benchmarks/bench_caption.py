@@ -35,7 +35,7 @@ DEFAULT_FLICKR = REPO.parent / "shared" / "data" / "flickr8k-sample"
 def _photos(root: Path, n: int, folder: Path) -> tuple[str, list[Path]]:
     if (root / "Flickr8k_Dataset").is_dir():
         return "flickr8k-sample", sorted((root / "Flickr8k_Dataset").glob("*.jpg"))[:n]
-    from sat_model.scenes import generate_scene, render_scene
+    from sat_model.data.scenes import generate_scene, render_scene
 
     files = []
     for i in range(n):
@@ -46,11 +46,11 @@ def _photos(root: Path, n: int, folder: Path) -> tuple[str, list[Path]]:
 
 
 def _lite0_model_dir(directory: Path) -> None:
-    from sat_model.checkpoint import save_checkpoint
     from sat_model.config import ModelParams
-    from sat_model.encoders import build_encoder
-    from sat_model.model import build_model
-    from sat_model.vocab import Vocab
+    from sat_model.data.vocab import Vocab
+    from sat_model.features.encoders import build_encoder
+    from sat_model.model.checkpoint import save_checkpoint
+    from sat_model.model.decoder import build_model
 
     d = build_encoder("efficientnet_lite0").description
     words = ("<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(996)])
@@ -80,7 +80,7 @@ def _batched(captioner, files: list[Path], workers: int) -> tuple[float, list[st
 
 
 def _one_at_a_time(captioner, files: list[Path]) -> tuple[float, list[str]]:  # type: ignore[no-untyped-def]
-    from sat_model.images import load_image
+    from sat_model.features.images import load_image
 
     start = time.perf_counter()
     texts = [captioner.caption([load_image(f)])[0].text for f in files]

@@ -36,7 +36,7 @@ def _flickr_references(root: Path, n: int) -> tuple[dict[str, list[str]], list[P
 
 
 def _synthetic_references(n: int, folder: Path) -> tuple[dict[str, list[str]], list[Path]]:
-    from sat_model.scenes import generate_scene, render_scene
+    from sat_model.data.scenes import generate_scene, render_scene
 
     refs, files = {}, []
     for i in range(n):
@@ -50,7 +50,7 @@ def _synthetic_references(n: int, folder: Path) -> tuple[dict[str, list[str]], l
 
 
 def bench_scoring(refs: dict[str, list[str]]) -> dict[str, float]:
-    from sat_model.metrics import score_captions
+    from sat_model.evaluation.metrics import score_captions
 
     ids = list(refs)
     # each image gets the first caption of the next image: fluent, unrelated
@@ -61,11 +61,11 @@ def bench_scoring(refs: dict[str, list[str]]) -> dict[str, float]:
 
 
 def _lite0_model_dir(directory: Path) -> None:
-    from sat_model.checkpoint import save_checkpoint
     from sat_model.config import ModelParams
-    from sat_model.encoders import build_encoder
-    from sat_model.model import build_model
-    from sat_model.vocab import Vocab
+    from sat_model.data.vocab import Vocab
+    from sat_model.features.encoders import build_encoder
+    from sat_model.model.checkpoint import save_checkpoint
+    from sat_model.model.decoder import build_model
 
     d = build_encoder("efficientnet_lite0").description
     vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(996)]), 1,

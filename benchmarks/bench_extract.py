@@ -36,11 +36,11 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from sat_model.encoders import ENCODER_LAYERS, build_encoder
-from sat_model.extract import extract_features, read_image_table
-from sat_model.features import FeatureMeta, FeatureWriter
-from sat_model.images import load_image, preprocess
-from sat_model.tables import IMAGES_FILE
+from sat_model.data.tables import IMAGES_FILE
+from sat_model.features.encoders import ENCODER_LAYERS, build_encoder
+from sat_model.features.extract import extract_features, read_image_table
+from sat_model.features.images import load_image, preprocess
+from sat_model.features.store import FeatureMeta, FeatureWriter
 
 __all__ = ["main"]
 
@@ -144,7 +144,7 @@ def _layers(batch: int) -> list[dict[str, object]]:
 
 _ITERATE = """
 import sys, numpy as np
-from sat_model.features import FeatureStore
+from sat_model.features.store import FeatureStore
 def mem():
     f = dict(l.split(':', 1) for l in open('/proc/self/status'))
     return int(f['RssAnon'].split()[0]), int(f['RssFile'].split()[0])

@@ -32,15 +32,15 @@ from sat_model.config import (
     SoftTrainConfig,
     load_params,
 )
-from sat_model.decoding import beam_search
-from sat_model.losses import build_criterion
-from sat_model.model import (
+from sat_model.data.vocab import END_ID, PAD_ID, START_ID
+from sat_model.model.decoder import (
     ModelConfig,
     ShowAttendTell,
     build_model,
     torch_lstm_step,
 )
-from sat_model.vocab import END_ID, PAD_ID, START_ID
+from sat_model.model.decoding import beam_search
+from sat_model.model.losses import build_criterion
 
 __all__ = ["Dims", "main", "matmul_flops", "train_step_flops"]
 
@@ -85,7 +85,7 @@ def matmul_flops(size: int = 2048, repeats: int = 5) -> dict[str, float]:
 def bench_lstm_kernels(d: Dims, rows: tuple[int, ...], repeats: int = 20) -> list[dict]:
     """One LSTM step (Eq. 1-3) through nn.LSTMCell (two BLAS matmuls) and through torch.lstm
     (oneDNN's RNN primitive, which repacks the weights on every call): the two kernels the
-    decoder picks between by rows (``sat_model.model.ONEDNN_LSTM_MIN_ROWS``)."""
+    decoder picks between by rows (``sat_model.model.decoder.ONEDNN_LSTM_MIN_ROWS``)."""
     gen = torch.Generator().manual_seed(0)
     cell = torch.nn.LSTMCell(d.m + d.D, d.n)
     out = []

@@ -4,7 +4,7 @@ Both runs train the same soft-attention model (params.yaml's ``model`` section) 
 synthetic captions and random-encoder features (``B`` batch, ``T`` caption steps, ``L``
 locations, ``D`` annotation size, as in docs/METHOD.md) through
 :func:`pipeline.ray_train.fit_on_ray`
-and ``sat_model.train_run.train_model``, so the figures include DDP's gradient all-reduce (gloo)
+and ``sat_model.train.run.train_model``, so the figures include DDP's gradient all-reduce (gloo)
 and the length-grouped sharding. Throughput is training captions per second of wall time over the
 epochs after the first (the first pays for worker start-up and allocator warm-up); validation is
 one image, so it hardly counts. Scaling efficiency = two-worker throughput / one-worker
@@ -33,8 +33,8 @@ import pipeline.ray_runtime  # noqa: F401  (loopback env before ray is imported)
 from pipeline.ray_runtime import ray_session
 from pipeline.ray_train import ScalingSpec, TrainJob, WorkerRun, fit_on_ray
 from sat_model.config import Params, RayConfig, load_params
-from sat_model.tables import CAPTIONS_FILE, VOCAB_FILE
-from sat_model.training import Callback, EpochState
+from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE
+from sat_model.train.trainer import Callback, EpochState
 
 __all__ = ["main", "write_synthetic_project"]
 
@@ -49,8 +49,8 @@ def write_synthetic_project(root: Path, captions: int, seed: int = 0) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from sat_model.features import FeatureMeta, FeatureWriter
-    from sat_model.vocab import build_vocab, save_vocab
+    from sat_model.data.vocab import build_vocab, save_vocab
+    from sat_model.features.store import FeatureMeta, FeatureWriter
 
     rng = np.random.default_rng(seed)
     rows = []

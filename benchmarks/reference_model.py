@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sat_model.model import ForwardOutput, ShowAttendTell
-from sat_model.vocab import PAD_ID
+from sat_model.data.vocab import PAD_ID
+from sat_model.model.decoder import ForwardOutput, ShowAttendTell
 
 __all__ = ["reference_forward", "reference_soft_loss"]
 

@@ -256,7 +256,7 @@ def _caption_device(choice: str) -> str:
 def _print_caption(found, fmt: str, attention_out: str | None) -> None:
     from tqdm import tqdm
 
-    from sat_model.visualize import write_word_overlays
+    from sat_model.evaluation.visualize import write_word_overlays
 
     result = found.caption
     if fmt == "jsonl":
@@ -439,18 +439,18 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
 # opposed to bugs. Named by module so that `sat --help` imports none of them.
 _USER_ERRORS = {
     "sat_model.config": ("ParamsError",),
-    "sat_model.vocab": ("VocabError",),
-    "sat_model.images": ("ImageError",),
-    "sat_model.sources": ("SourceError",),
-    "sat_model.prepare": ("PrepareError",),
-    "sat_model.extract": ("ExtractError",),
-    "sat_model.features": ("FeatureStoreError",),
-    "sat_model.encoders": ("EncoderError",),
-    "sat_model.checkpoint": ("CheckpointError",),
-    "sat_model.batching": ("BatchingError",),
-    "sat_model.training": ("NonFiniteLossError",),
-    "sat_model.metrics": ("MetricError",),
-    "sat_model.evaluate": ("EvaluationError",),
+    "sat_model.data.vocab": ("VocabError",),
+    "sat_model.features.images": ("ImageError",),
+    "sat_model.data.sources": ("SourceError",),
+    "sat_model.data.prepare": ("PrepareError",),
+    "sat_model.features.extract": ("ExtractError",),
+    "sat_model.features.store": ("FeatureStoreError",),
+    "sat_model.features.encoders": ("EncoderError",),
+    "sat_model.model.checkpoint": ("CheckpointError",),
+    "sat_model.train.batching": ("BatchingError",),
+    "sat_model.train.trainer": ("NonFiniteLossError",),
+    "sat_model.evaluation.metrics": ("MetricError",),
+    "sat_model.evaluation.evaluate": ("EvaluationError",),
     "pipeline.registry": ("RegistryError",),
     "pipeline.jobs": ("JobFailedError",),
     "mlflow.exceptions": ("MlflowException",),

@@ -60,7 +60,7 @@ class SatCaptionerModel(PythonModel):
 
     def load_context(self, context: Any) -> None:
         from sat_model.captioner import Captioner  # torch loads only in the serving process
-        from sat_model.request_images import ImageLimits
+        from sat_model.features.request_images import ImageLimits
 
         self.serve = _serve_limits(getattr(context, "model_config", None))
         self.image_limits = ImageLimits(self.serve.max_image_pixels, self.serve.formats)
@@ -101,8 +101,8 @@ class SatCaptionerModel(PythonModel):
         self, values: list[Any], beam: int | None
     ) -> tuple[dict[int, Any], dict[int, str]]:
         """Decode, encode and caption ``batch_size`` rows at a time."""
-        from sat_model.images import ImageError
-        from sat_model.request_images import decode_request_image
+        from sat_model.features.images import ImageError
+        from sat_model.features.request_images import decode_request_image
 
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
@@ -124,7 +124,7 @@ class SatCaptionerModel(PythonModel):
 
 def _check_request(values: list[Any], serve: Any) -> None:
     """Refuse a request over the row or byte limits before any image is decoded."""
-    from sat_model.request_images import value_size
+    from sat_model.features.request_images import value_size
 
     if not values:
         raise _bad_request("the request holds no rows")

@@ -1,6 +1,7 @@
 """The ``engine: ray`` extraction: the same batches as the local engine, encoded by Ray Data actors.
 
-A split's image list is cut into the fixed ``batch_slices`` of ``sat_model.extract``; each slice is
+A split's image list is cut into the fixed ``batch_slices`` of ``sat_model.features.extract``; each
+slice is
 one Ray Data row, and ``map_batches`` (``batch_size=1``) hands rows to a pool of actors that each
 hold one frozen encoder. The driver receives the float16 features in slice order
 (``preserve_order``) and writes the store itself, incrementally and atomically, so the file is
@@ -19,8 +20,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from sat_model.encoders import Encoder, EncoderSpec
-from sat_model.extract import (
+from sat_model.features.encoders import Encoder, EncoderSpec
+from sat_model.features.extract import (
     DecodedBatch,
     ImageItem,
     Preprocessing,
@@ -29,7 +30,7 @@ from sat_model.extract import (
     decode_batch,
     encode_batch,
 )
-from sat_model.features import FeatureMeta, FeatureWriter
+from sat_model.features.store import FeatureMeta, FeatureWriter
 
 __all__ = ["RaySplitRunner"]
 
@@ -65,7 +66,8 @@ class _BatchEncoder:
 
 
 class RaySplitRunner:
-    """A drop-in for ``sat_model.extract.extract_split`` running on the current Ray cluster.
+    """A drop-in for ``sat_model.features.extract.extract_split`` running on the current Ray
+    cluster.
 
     Ray must already be initialised (``pipeline.ray_runtime.ray_session``).
     """

@@ -9,7 +9,7 @@ a run again with the same name and storage path resumes from its last reported c
 Train V2 restores the run's checkpoint state from storage), as do Ray's own restarts after a
 worker failure.
 
-:func:`train_with_ray` is the ``train`` stage's use of it: ``sat_model.train_run.train_model`` on
+:func:`train_with_ray` is the ``train`` stage's use of it: ``sat_model.train.run.train_model`` on
 every worker, rank 0 logging each epoch to MLflow once, the final checkpoint copied from Ray's
 storage into ``models/<attention>/`` on the driver. Its runs are named after the run's identity
 (``pipeline.run_identity``: declared params, DVC hashes of code and data, versions) and an attempt
@@ -38,11 +38,11 @@ import pyarrow.fs as pafs
 import torch
 
 from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir
-from sat_model.checkpoint import is_checkpoint_dir
 from sat_model.config import Params, RayConfig
+from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE
+from sat_model.model.checkpoint import is_checkpoint_dir
 from sat_model.paths import absolute, output_path
-from sat_model.tables import CAPTIONS_FILE, VOCAB_FILE
-from sat_model.training import Callback, EpochState
+from sat_model.train.trainer import Callback, EpochState
 
 from .ray_runtime import loopback_env, resolve_use_gpu
 from .run_identity import RunIdentity
@@ -313,7 +313,7 @@ class TrainJob:
 
     def train(self, run: WorkerRun, out_dir: Path, callbacks: Sequence[Callback]) -> Any:
         """``train_model`` on this worker's shard, continuing ``run.resume_dir`` if any."""
-        from sat_model.train_run import train_model
+        from sat_model.train.run import train_model
 
         return train_model(
             self.params,
@@ -333,7 +333,8 @@ class TrainJob:
 
 
 class _RayEpochReporter(Callback):
-    """``sat_model.training`` callback: each epoch to Ray (checkpoint from rank 0) and MLflow."""
+    """``sat_model.train.trainer`` callback: each epoch to Ray (checkpoint from rank 0) and
+    MLflow."""
 
     def __init__(self, run: WorkerRun, model_dir: Path, logger: Any | None) -> None:
         self.run, self.model_dir, self.logger = run, model_dir, logger

@@ -22,7 +22,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from pipeline.tracking import ATTENTION_TAG, CHECKPOINT_TAG
-from sat_model.checkpoint import CONFIG_FILE, MODEL_FILE, VOCAB_FILE
+from sat_model.model.checkpoint import CONFIG_FILE, MODEL_FILE, VOCAB_FILE
 
 __all__ = [
     "CHAMPION_ALIAS",

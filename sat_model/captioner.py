@@ -7,7 +7,7 @@ Used by ``sat caption`` and by the MLflow pyfunc model. A model folder (``models
 everything needed: ``model.pt``, ``vocab.json`` and ``config.json``, whose ``encoder`` section
 describes the frozen encoder the features came from (the feature store's metadata, or
 ``EncoderDescription`` fields, plus ``resize``: when absent, the paper's 256/224 ratio). The
-encoder is rebuilt from that description with :func:`sat_model.encoders.build_encoder` (its
+encoder is rebuilt from that description with :func:`sat_model.features.encoders.build_encoder` (its
 weights come from installed packages, never from the model folder), and its weights checksum
 must match the one recorded: the decoder never reads features of another network.
 """
@@ -28,14 +28,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from sat_model.checkpoint import load_checkpoint, model_from_checkpoint
-from sat_model.decoding import beam_search
-from sat_model.encoders import Encoder, EncoderError, EncoderSpec
-from sat_model.features import FeatureMeta
-from sat_model.images import ImageError, load_image, preprocess
-from sat_model.model import ShowAttendTell
-from sat_model.visualize import centre_crop
-from sat_model.vocab import Vocab
+from sat_model.data.vocab import Vocab
+from sat_model.evaluation.visualize import centre_crop
+from sat_model.features.encoders import Encoder, EncoderError, EncoderSpec
+from sat_model.features.images import ImageError, load_image, preprocess
+from sat_model.features.store import FeatureMeta
+from sat_model.model.checkpoint import load_checkpoint, model_from_checkpoint
+from sat_model.model.decoder import ShowAttendTell
+from sat_model.model.decoding import beam_search
 
 __all__ = [
     "IMAGE_EXTENSIONS",

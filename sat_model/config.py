@@ -145,7 +145,8 @@ class EncoderConfig(_Section):
     name: Literal["efficientnet_lite0", "vgg16", "vgg19", "resnet101", "random"] = (
         "efficientnet_lite0"
     )
-    # feature layer: encoder-specific name (see sat_model.encoders); None picks the encoder default
+    # feature layer: encoder-specific name (see sat_model.features.encoders); None picks the encoder
+    # default
     layer: str | None = None
     # weights file for torchvision encoders; None looks in the torch hub cache (never downloads)
     weights: str | None = None

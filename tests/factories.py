@@ -14,11 +14,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from sat_model.checkpoint import save_checkpoint
 from sat_model.config import ModelParams
-from sat_model.encoders import build_encoder
-from sat_model.model import build_model
-from sat_model.vocab import SPECIALS, Vocab
+from sat_model.data.vocab import SPECIALS, Vocab
+from sat_model.features.encoders import build_encoder
+from sat_model.model.checkpoint import save_checkpoint
+from sat_model.model.decoder import build_model
 
 __all__ = ["write_captions", "write_references", "write_tiny_model"]
 

@@ -26,8 +26,8 @@ from pipeline.stages import StageContext, load_context, run_locked, stage_parser
 from sat_model.config import ATTENTION_KINDS
 
 if TYPE_CHECKING:
-    from sat_model.evaluate import DecodedCaption
-    from sat_model.tables import ImageRecord
+    from sat_model.data.tables import ImageRecord
+    from sat_model.evaluation.evaluate import DecodedCaption
 
 __all__ = ["add_arguments", "default_out_dir", "main", "run"]
 
@@ -66,7 +66,7 @@ def default_out_dir(reports_dir: str | Path, attention: str, model: str | None) 
 def _is_gallery(folder: Path) -> bool:
     """A gallery this stage wrote: ``index.html`` and overlay PNGs (in ``images/``), nothing
     else."""
-    from sat_model.evaluate import GALLERY_IMAGES_DIR
+    from sat_model.evaluation.evaluate import GALLERY_IMAGES_DIR
 
     def ours(path: Path) -> bool:
         if path.is_dir() and path.name == GALLERY_IMAGES_DIR:
@@ -128,9 +128,9 @@ def run(
 def _evaluate(ctx: StageContext, model: str, attention: str, split: str, out_dir: Path) -> int:
     import torch
 
-    from sat_model.evaluate import evaluate_model, read_image_records, write_reports
+    from sat_model.data.tables import CAPTIONS_FILE, IMAGES_FILE
+    from sat_model.evaluation.evaluate import evaluate_model, read_image_records, write_reports
     from sat_model.paths import image_root
-    from sat_model.tables import CAPTIONS_FILE, IMAGES_FILE
 
     params, ev = ctx.params, ctx.params.eval
     prepared = ctx.path(params.data.prepared_dir)
@@ -172,7 +172,7 @@ def _gallery(
     records: Mapping[str, ImageRecord],
 ) -> Callable[[Path], tuple[Path, list[dict[str, str]]]]:
     """``write(folder)``: the attention overlays of the first ``eval.gallery_images`` captions."""
-    from sat_model.evaluate import write_attention_gallery
+    from sat_model.evaluation.evaluate import write_attention_gallery
 
     grid_h, grid_w, crop, attention = _grid(model_dir, attention)
     return functools.partial(

@@ -2,7 +2,7 @@
 
     python -m pipeline.stages.extract [--params params.yaml] [-S encoder.engine=ray ...]
 
-``encoder.engine: local`` runs ``sat_model.extract`` in this process (DataLoader decoding
+``encoder.engine: local`` runs ``sat_model.features.extract`` in this process (DataLoader decoding
 workers); ``ray`` runs the same batches on Ray Data actors (``pipeline.ray_extract``) and writes
 a byte-identical store.
 """
@@ -19,10 +19,10 @@ import torch
 from pipeline.stages import StageContext, load_context, stage_parser
 from sat_model.atomic import write_text_atomic
 from sat_model.config import Params
-from sat_model.encoders import EncoderSpec, build_encoder
-from sat_model.extract import ExtractReport, extract_features
+from sat_model.data.tables import IMAGES_FILE
+from sat_model.features.encoders import EncoderSpec, build_encoder
+from sat_model.features.extract import ExtractReport, extract_features
 from sat_model.paths import absolute, image_root
-from sat_model.tables import IMAGES_FILE
 
 __all__ = ["main", "run", "run_extract", "write_report"]
 

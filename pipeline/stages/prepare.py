@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 from pipeline.stages import StageContext, load_context, stage_parser
 from sat_model.config import ParamsError
-from sat_model.prepare import REPORT_KEYS, PrepareError, prepare_dataset
-from sat_model.sources import SourceError
+from sat_model.data.prepare import REPORT_KEYS, PrepareError, prepare_dataset
+from sat_model.data.sources import SourceError
 
 __all__ = ["main", "run"]
 

@@ -4,7 +4,7 @@ By default it trains through Ray Train (``pipeline.ray_train.train_with_ray``: a
 ``ray.num_cpus``, or the cluster at ``ray.address``/``RAY_ADDRESS``), with a Ray and an MLflow run
 named after the run's identity (everything it depends on): it trains from epoch 1 unless a run of
 that identity finished (nothing to train) or ``--resume`` continues an unfinished one.
-``--in-process`` runs the same ``sat_model.train_run.train_model`` in this process with a
+``--in-process`` runs the same ``sat_model.train.run.train_model`` in this process with a
 progress bar and no Ray or MLflow (debugging, profiling).
 """
 
@@ -77,7 +77,7 @@ def run(
 def _model_dir(params: Params, root: Path, attention: str) -> Path:
     """``<models_dir>/<attention>``, refused before training if it is not ours to replace."""
     from sat_model.atomic import check_replaceable
-    from sat_model.checkpoint import is_checkpoint_dir
+    from sat_model.model.checkpoint import is_checkpoint_dir
     from sat_model.paths import output_path
 
     model_dir = output_path(params.train.models_dir, root) / attention
@@ -107,8 +107,8 @@ def _train_on_ray(
 
 
 def _train_here(ctx: StageContext, attention: str, resume_from: Path | None, progress: bool) -> int:
-    from sat_model.train_run import train_model
-    from sat_model.training import ProgressBar
+    from sat_model.train.run import train_model
+    from sat_model.train.trainer import ProgressBar
 
     params = ctx.params
     result = train_model(

@@ -35,8 +35,8 @@ def _write_tiny_inputs(root: Path) -> None:
     """Prepared captions, vocab and a random-encoder feature store per ARCHITECTURE.md."""
     import numpy as np
 
-    from sat_model.features import FeatureMeta, FeatureWriter
-    from sat_model.vocab import build_vocab, save_vocab
+    from sat_model.data.vocab import build_vocab, save_vocab
+    from sat_model.features.store import FeatureMeta, FeatureWriter
     from tests.factories import write_captions
 
     rng = np.random.default_rng(1)

@@ -21,8 +21,8 @@ from PIL import Image
 
 from pipeline.cli import main
 from pipeline.stages import register
-from sat_model.encoders import build_encoder
-from sat_model.features import FeatureMeta, FeatureWriter
+from sat_model.features.encoders import build_encoder
+from sat_model.features.store import FeatureMeta, FeatureWriter
 from tests.factories import write_references, write_tiny_model
 
 IDS = ["t0", "t1", "t2"]
@@ -54,7 +54,7 @@ def _write_project(root):
     )
     write_tiny_model(root / "models" / "soft", resize=72)
     encoder = build_encoder("random", input_size=64)
-    from sat_model.images import preprocess
+    from sat_model.features.images import preprocess
 
     d = encoder.description
     batch = torch.stack([preprocess(p, 72, 64, d.mean, d.std) for p in pixels])  # (B, 3, S, S)

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from PIL import Image
 
-from sat_model.evaluate import GALLERY_IMAGES_DIR
-from sat_model.train_run import CURVE_COLUMNS
-from sat_model.visualize import write_word_overlays
+from sat_model.evaluation.evaluate import GALLERY_IMAGES_DIR
+from sat_model.evaluation.visualize import write_word_overlays
+from sat_model.train.run import CURVE_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[2]
 QUANTITIES = [c for c in CURVE_COLUMNS if c != "epoch"]  # each column of curves.csv gets a plot

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from pipeline.stages.extract import main
-from sat_model.features import FeatureStore
+from sat_model.features.store import FeatureStore
 
 ROWS = [  # (image_id, split, kind)
     ("t0", "train", "png"),

@@ -25,8 +25,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from sat_model.encoders import build_encoder
-from sat_model.features import FeatureMeta, FeatureStore, FeatureWriter
+from sat_model.features.encoders import build_encoder
+from sat_model.features.store import FeatureMeta, FeatureStore, FeatureWriter
 from tests.factories import write_references, write_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -293,7 +293,7 @@ def _evaluate_project(root: Path) -> None:
 @pytest.mark.java
 def test_evaluate_stage_fails_saying_meteor_timed_out(tmp_path: Path, monkeypatch) -> None:
     from pipeline.stages.evaluate import main
-    from sat_model.metrics import MetricTimeoutError
+    from sat_model.evaluation.metrics import MetricTimeoutError
 
     if shutil.which("java") is None:
         pytest.skip("METEOR needs Java")

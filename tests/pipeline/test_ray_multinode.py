@@ -192,7 +192,7 @@ def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoi
 ) -> None:
     import pyarrow.fs as pafs
 
-    from sat_model.checkpoint import load_checkpoint
+    from sat_model.model.checkpoint import load_checkpoint
 
     env, cluster, tracking_uri = store_and_cluster
     project = tmp_path / "project"

@@ -34,8 +34,8 @@ from pipeline.ray_train import (
     train_with_ray,
 )
 from pipeline.tracking import EpochLogger, Tracking, connect, find_or_create_run
-from sat_model.batching import LengthGroupedBatchSampler
 from sat_model.config import MlflowConfig, load_params
+from sat_model.train.batching import LengthGroupedBatchSampler
 
 # Ray workers cannot import this test module by name: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

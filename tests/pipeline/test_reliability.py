@@ -25,13 +25,14 @@ import pytest
 import torch
 from PIL import Image
 
-from sat_model.checkpoint import CheckpointError
 from sat_model.config import ParamsError
-from sat_model.vocab import Vocab
+from sat_model.data.vocab import Vocab
+from sat_model.model.checkpoint import CheckpointError
 from tests.factories import write_tiny_model
 
 # ----------------------------------------------------------------------------- the file zoo
-# Valid but unusual files: every entry point must accept them (sat_model.images converts them).
+# Valid but unusual files: every entry point must accept them (sat_model.features.images converts
+# them).
 ODD = (
     "grey.png",
     "grey16.png",
@@ -42,7 +43,7 @@ ODD = (
     "plain.jpg",
 )
 # Unusable files, with the words a clear reason must contain (lower case), per entry point
-# family: "check" = prepare's header check, "decode" = sat_model.images.load_image.
+# family: "check" = prepare's header check, "decode" = sat_model.features.images.load_image.
 BAD = {
     "empty.jpg": {"check": "empty file", "decode": "cannot decode"},
     "truncated.jpg": {"check": "truncated", "decode": "cannot decode"},
@@ -181,7 +182,7 @@ def test_extract_stage_skips_bad_and_escaping_rows_and_extracts_every_odd_image(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from pipeline.stages.extract import main
-    from sat_model.features import FeatureStore
+    from sat_model.features.store import FeatureStore
 
     _image_table(tmp_path)
     params = {"encoder": {"name": "random", "resize": 36, "crop": 32, "batch_size": 3,
@@ -336,8 +337,8 @@ def test_training_on_a_truncated_feature_store_names_the_file(
     tiny_project: Path, tmp_path: Path
 ) -> None:
     from sat_model.config import load_params
-    from sat_model.features import FeatureStoreError
-    from sat_model.train_run import train_model
+    from sat_model.features.store import FeatureStoreError
+    from sat_model.train.run import train_model
 
     # inputs only: other tests may already have trained into the shared project's models/
     keep_inputs = shutil.ignore_patterns("models", "mlflow.db", "mlartifacts", "ray_results")

@@ -39,8 +39,10 @@ def test_identity_holds_every_declared_param_and_dvc_md5_of_every_dep(project: P
     identity = train_identity(params, "hard", project)
     assert set(identity.inputs["params"]) == _declared(project, "hard")
     assert identity.inputs["params"]["eval.batch_size"] == params.eval.batch_size
-    model_py = (project / "sat_model" / "model.py").read_bytes()
-    assert identity.inputs["deps"]["sat_model/model.py"] == hashlib.md5(model_py).hexdigest()
+    model_py = (project / "sat_model" / "model" / "decoder.py").read_bytes()
+    assert (
+        identity.inputs["deps"]["sat_model/model/decoder.py"] == hashlib.md5(model_py).hexdigest()
+    )
     assert identity.inputs["deps"]["data/features"] == "missing"  # not extracted here
     assert set(identity.inputs["versions"]) == {"torch", "sat"}
 
@@ -53,7 +55,7 @@ def test_identity_changes_with_declared_params_and_code_only(project: Path) -> N
     for change in ("eval.batch_size=7", "train.soft.lr=0.5", "ray.num_workers=3"):
         changed = load_params(project / "params.yaml", [change])
         assert train_identity(changed, "soft", project).digest != base, change
-    with (project / "sat_model" / "model.py").open("a") as f:
+    with (project / "sat_model" / "model" / "decoder.py").open("a") as f:
         f.write("# one more line\n")
     assert train_identity(params, "soft", project).digest != base
     # and the declared list is read from dvc.yaml: a key added there joins the identity

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from sat_model.config import apply_overrides, read_yaml
-from sat_model.vocab import load_vocab
+from sat_model.data.vocab import load_vocab
 from tests.pipeline.servers import S3Server, mlflow_server, postgres_server, s3_server
 from tests.pipeline.test_dvc_pipeline import TINY
 
@@ -134,7 +134,7 @@ def _caption_in_a_second_process(team: Team, image: Path) -> dict:
 
 
 def _a_test_image(project: Path) -> Path:
-    from sat_model.evaluate import read_image_records
+    from sat_model.evaluation.evaluate import read_image_records
 
     prepared = project / "data/prepared"  # the generated scenes live in <prepared_dir>/images
     records = read_image_records(prepared / "images.parquet", "test", prepared / "images")

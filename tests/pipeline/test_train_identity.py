@@ -2,7 +2,7 @@
 
 In a temporary git clone with tiny params, as a DVC user works: ``dvc repro train@soft`` once;
 then one change at a time, none of them committed (a declared param that is no hyperparameter,
-a training hyperparameter, one line of ``sat_model/model.py``), each followed by ``dvc repro
+a training hyperparameter, one line of ``sat_model/model/decoder.py``), each followed by ``dvc repro
 train@soft``: every time the stage trains from epoch 1 as a new run, the model's hash changes and
 MLflow holds a new curve. The stage run again with nothing changed trains nothing. Real DVC, Ray
 (local, started by the stage) and MLflow (SQLite).
@@ -133,14 +133,14 @@ def test_the_stage_run_again_with_nothing_changed_trains_nothing(
 
 
 def _append_a_line_to_the_model(project: Path) -> None:
-    with (project / "sat_model" / "model.py").open("a") as f:
+    with (project / "sat_model" / "model" / "decoder.py").open("a") as f:
         f.write("# one line more, not committed\n")
 
 
 CHANGES: dict[str, Callable[[Path], None]] = {
     "eval.batch_size": lambda p: _set_params(p, "eval.batch_size=32"),
     "train.soft.lr": lambda p: _set_params(p, "train.soft.lr=0.003"),
-    "sat_model/model.py": _append_a_line_to_the_model,
+    "sat_model/model/decoder.py": _append_a_line_to_the_model,
 }
 
 

@@ -12,8 +12,8 @@ import pytest
 
 from pipeline.stages import train
 from sat_model.config import ParamsError
-from sat_model.features import FeatureMeta, FeatureWriter
-from sat_model.vocab import build_vocab, save_vocab
+from sat_model.data.vocab import build_vocab, save_vocab
+from sat_model.features.store import FeatureMeta, FeatureWriter
 from tests.factories import write_captions
 
 L, D = 4, 6

@@ -22,7 +22,7 @@ from sat_model.atomic import (
     temp_dir,
     write_text_atomic,
 )
-from sat_model.features import FeatureMeta, FeatureWriter
+from sat_model.features.store import FeatureMeta, FeatureWriter
 
 
 @pytest.fixture

@@ -10,14 +10,14 @@ import pyarrow as pa
 import pytest
 import torch
 
-from sat_model.batching import (
+from sat_model.data.tables import load_references
+from sat_model.data.vocab import build_vocab
+from sat_model.train.batching import (
     BatchingError,
     CaptionDataset,
     LengthGroupedBatchSampler,
     load_caption_dataset,
 )
-from sat_model.tables import load_references
-from sat_model.vocab import build_vocab
 from tests.factories import write_captions
 
 L, D = 6, 4
@@ -49,7 +49,9 @@ def write_feature_store(path: Path, ids: list[str], feats: np.ndarray) -> None:
 
 
 def _open_store(path: Path):
-    features = pytest.importorskip("sat_model.features", reason="sat_model.features not landed")
+    features = pytest.importorskip(
+        "sat_model.features.store", reason="sat_model.features.store not landed"
+    )
     return features.FeatureStore(path)
 
 

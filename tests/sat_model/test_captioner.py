@@ -16,8 +16,8 @@ from sat_model.captioner import (
     decode_image_input,
     find_image_files,
 )
-from sat_model.encoders import EncoderError, build_encoder
-from sat_model.images import ImageError
+from sat_model.features.encoders import EncoderError, build_encoder
+from sat_model.features.images import ImageError
 from tests.factories import write_tiny_model
 
 WORDS = ["a", "red", "blue", "circle", "square", "left", "of"]

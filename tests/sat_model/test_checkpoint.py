@@ -10,17 +10,17 @@ import pytest
 import torch
 from torch import nn
 
-from sat_model.checkpoint import (
+from sat_model.data.vocab import build_vocab
+from sat_model.model.checkpoint import (
     CheckpointError,
     load_checkpoint,
     load_model,
     save_checkpoint,
     state_of,
 )
-from sat_model.decoding import greedy
-from sat_model.losses import HardAttentionLoss
-from sat_model.model import ModelConfig, ShowAttendTell
-from sat_model.vocab import build_vocab
+from sat_model.model.decoder import ModelConfig, ShowAttendTell
+from sat_model.model.decoding import greedy
+from sat_model.model.losses import HardAttentionLoss
 
 WORDS = ["a", "red", "blue", "circle", "square", "left", "of", "the"]
 L, D = 6, 5
@@ -135,7 +135,7 @@ def test_vocab_of_another_size_is_refused(tmp_path: Path) -> None:
 
 def test_vocab_json_swapped_for_another_is_refused(tmp_path: Path) -> None:
     path, *_ = _trained_state(tmp_path)
-    from sat_model.vocab import save_vocab
+    from sat_model.data.vocab import save_vocab
 
     save_vocab(_vocab([*WORDS, "green", "big"]), path / "vocab.json")
     with pytest.raises(CheckpointError, match="is not the vocabulary"):

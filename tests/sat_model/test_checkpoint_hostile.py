@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from sat_model.checkpoint import (
+from sat_model.data.vocab import build_vocab
+from sat_model.model.checkpoint import (
     MODEL_FILE,
     CheckpointError,
     load_checkpoint,
     load_model,
     save_checkpoint,
 )
-from sat_model.model import ModelConfig, ShowAttendTell
-from sat_model.vocab import build_vocab
+from sat_model.model.decoder import ModelConfig, ShowAttendTell
 
 WORDS = ["a", "red", "circle", "square"]
 
@@ -134,7 +134,7 @@ def test_the_intact_checkpoint_still_loads(checkpoint: Path) -> None:
 _PEAK_RSS_SCRIPT = textwrap.dedent(
     """
     import resource, sys
-    from sat_model.checkpoint import CheckpointError, load_model
+    from sat_model.model.checkpoint import CheckpointError, load_model
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     try:
         load_model(sys.argv[1])

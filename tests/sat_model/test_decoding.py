@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from sat_model import model as model_module
-from sat_model.decoding import Caption, beam_search, greedy
-from sat_model.model import ModelConfig, ShowAttendTell
-from sat_model.vocab import END_ID, START_ID
+from sat_model.data.vocab import END_ID, START_ID
+from sat_model.model import decoder as model_module
+from sat_model.model.decoder import ModelConfig, ShowAttendTell
+from sat_model.model.decoding import Caption, beam_search, greedy
 
 K, D, L = 15, 6, 5
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from sat_model.encoders import (
+from sat_model.features.encoders import (
     EncoderError,
     WeightsMismatchError,
     WeightsNotFoundError,
@@ -19,7 +19,7 @@ from sat_model.encoders import (
     file_sha256,
     map_state_dict_by_order,
 )
-from sat_model.images import preprocess
+from sat_model.features.images import preprocess
 
 skimage_data = pytest.importorskip("skimage.data")
 

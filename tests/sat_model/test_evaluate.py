@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from sat_model.evaluate import (
+from sat_model.evaluation.evaluate import (
     EvaluationError,
     decode_split,
     evaluate_model,
@@ -23,7 +23,7 @@ from sat_model.evaluate import (
     write_attention_gallery,
     write_reports,
 )
-from sat_model.features import FeatureMeta, FeatureStore, FeatureWriter
+from sat_model.features.store import FeatureMeta, FeatureStore, FeatureWriter
 from tests.factories import write_references, write_tiny_model
 
 pytestmark = pytest.mark.java  # the PTB tokeniser and METEOR run on Java
@@ -134,7 +134,7 @@ def test_captions_that_equal_their_references_score_bleu_and_rouge_one(data, res
 
 def test_batch_size_does_not_change_the_captions(data, result):
     root, model_dir = data
-    from sat_model.checkpoint import load_model
+    from sat_model.model.checkpoint import load_model
 
     model, vocab, _ = load_model(model_dir)
     store = FeatureStore(root / "test.arrow")

@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from sat_model.encoders import build_encoder
-from sat_model.extract import ExtractError, extract_features, read_image_table
-from sat_model.features import FeatureStore
-from sat_model.images import load_image, preprocess
+from sat_model.features.encoders import build_encoder
+from sat_model.features.extract import ExtractError, extract_features, read_image_table
+from sat_model.features.images import load_image, preprocess
+from sat_model.features.store import FeatureStore
 
 RESIZE, CROP = 36, 32
 

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from sat_model.features import (
+from sat_model.features.store import (
     FeatureMeta,
     FeatureStore,
     FeatureStoreError,
@@ -161,7 +161,7 @@ def test_channel_statistics_equal_numpy_over_every_location(tmp_path: Path) -> N
 
 
 def test_the_stored_description_has_the_encoders_own_field_names() -> None:
-    from sat_model.encoders import build_encoder
+    from sat_model.features.encoders import build_encoder
 
     d = build_encoder("random", input_size=32).description
     meta = FeatureMeta.from_fields(d.to_dict())

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torchvision.transforms import v2
 
-from sat_model.grounding import (
+from sat_model.data.tables import Box
+from sat_model.evaluation.grounding import (
     GroundingSample,
     box_to_crop,
     cell_centre,
@@ -17,7 +18,6 @@ from sat_model.grounding import (
     peak_hits_box,
     pointing_accuracy,
 )
-from sat_model.tables import Box
 
 
 def test_square_image_at_crop_size_is_identity():

@@ -11,16 +11,16 @@ import pytest
 from PIL import Image
 
 from sat_model.config import DataConfig, SyntheticConfig
-from sat_model.encoders import build_encoder
-from sat_model.evaluate import (
+from sat_model.data.sources import read_source
+from sat_model.evaluation.evaluate import (
     GALLERY_IMAGES_DIR,
     DecodedCaption,
     read_image_records,
     write_attention_gallery,
 )
-from sat_model.extract import extract_features, read_image_table
+from sat_model.features.encoders import build_encoder
+from sat_model.features.extract import extract_features, read_image_table
 from sat_model.paths import image_root
-from sat_model.sources import read_source
 
 SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k-sample"
 

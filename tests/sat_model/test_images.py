@@ -9,7 +9,13 @@ import pytest
 import torch
 from PIL import Image
 
-from sat_model.images import IMAGENET_MEAN, IMAGENET_STD, ImageError, load_image, preprocess
+from sat_model.features.images import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ImageError,
+    load_image,
+    preprocess,
+)
 
 
 def _save(image: Image.Image, path: Path, **kwargs) -> Path:

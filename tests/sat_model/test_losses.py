@@ -10,15 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from sat_model.config import HardTrainConfig, SoftTrainConfig
-from sat_model.losses import (
+from sat_model.data.vocab import END_ID, PAD_ID, START_ID
+from sat_model.model.decoder import ForwardOutput, ModelConfig, ShowAttendTell
+from sat_model.model.losses import (
     HardAttentionLoss,
     SoftAttentionLoss,
     build_criterion,
     doubly_stochastic_penalty,
     token_log_likelihood,
 )
-from sat_model.model import ForwardOutput, ModelConfig, ShowAttendTell
-from sat_model.vocab import END_ID, PAD_ID, START_ID
 
 K, D, L = 10, 6, 4
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sat_model.metrics import MetricTimeoutError, score_captions
+from sat_model.evaluation.metrics import MetricTimeoutError, score_captions
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="no Java runtime on PATH")
 

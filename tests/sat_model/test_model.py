@@ -8,17 +8,17 @@ import json
 import pytest
 import torch
 
-from sat_model import model as model_module
 from sat_model.config import HardTrainConfig, ModelParams, SoftTrainConfig
-from sat_model.losses import build_criterion
-from sat_model.model import (
+from sat_model.data.vocab import END_ID, PAD_ID, START_ID
+from sat_model.model import decoder as model_module
+from sat_model.model.decoder import (
     HardAttention,
     ModelConfig,
     ShowAttendTell,
     SoftAttention,
     build_model,
 )
-from sat_model.vocab import END_ID, PAD_ID, START_ID
+from sat_model.model.losses import build_criterion
 
 K, D, L = 12, 8, 6
 

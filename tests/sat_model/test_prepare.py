@@ -11,11 +11,11 @@ import pytest
 from PIL import Image
 
 from sat_model.config import DataConfig
-from sat_model.grounding import ground_tokens
-from sat_model.prepare import REPORT_KEYS, PrepareError, check_image, prepare_dataset
-from sat_model.scenes import generate_scene
-from sat_model.tables import CAPTIONS_SCHEMA, IMAGES_SCHEMA, Box
-from sat_model.text import tokenize
+from sat_model.data.prepare import REPORT_KEYS, PrepareError, check_image, prepare_dataset
+from sat_model.data.scenes import generate_scene
+from sat_model.data.tables import CAPTIONS_SCHEMA, IMAGES_SCHEMA, Box
+from sat_model.data.text import tokenize
+from sat_model.evaluation.grounding import ground_tokens
 
 OUTPUTS = ("images.parquet", "captions.parquet", "vocab.json", "prepare_report.json")
 

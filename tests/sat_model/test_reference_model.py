@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from sat_model import model as model_module
 from sat_model.config import HardTrainConfig, SoftTrainConfig
-from sat_model.losses import build_criterion
-from sat_model.model import ModelConfig, ShowAttendTell
-from sat_model.vocab import END_ID, PAD_ID, START_ID
+from sat_model.data.vocab import END_ID, PAD_ID, START_ID
+from sat_model.model import decoder as model_module
+from sat_model.model.decoder import ModelConfig, ShowAttendTell
+from sat_model.model.losses import build_criterion
 
 REFERENCE = Path(__file__).resolve().parents[2] / "benchmarks" / "reference_model.py"
 B, L, D, K, A = 5, 9, 6, 15, 7

@@ -17,8 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from sat_model.evaluate import DecodedCaption, read_image_records, write_attention_gallery
-from sat_model.extract import read_image_table
+from sat_model.evaluation.evaluate import (
+    DecodedCaption,
+    read_image_records,
+    write_attention_gallery,
+)
+from sat_model.features.extract import read_image_table
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("sat_model", "pipeline", "benchmarks", "tests")

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sat_model.grounding import ground_tokens
-from sat_model.scene_grammar import COLOURS, SHAPES, SIZES
-from sat_model.scenes import Scene, SceneObject, generate_scene, generate_scenes, render_scene
-from sat_model.text import tokenize
+from sat_model.data.scene_grammar import COLOURS, SHAPES, SIZES
+from sat_model.data.scenes import Scene, SceneObject, generate_scene, generate_scenes, render_scene
+from sat_model.data.text import tokenize
+from sat_model.evaluation.grounding import ground_tokens
 
 NUMBER = {"one": 1, "two": 2, "three": 3, "four": 4}
 PHRASE = r"an? (?:(small|large) )?(\w+) (circle|square|triangle|star)"

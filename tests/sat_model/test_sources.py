@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from sat_model.config import DataConfig
-from sat_model.sources import (
+from sat_model.data.sources import (
     EXCLUDED,
     LEAVES_FOLDER,
     OK,
@@ -17,7 +17,7 @@ from sat_model.sources import (
     read_source,
     read_synthetic,
 )
-from sat_model.text import tokenize
+from sat_model.data.text import tokenize
 
 SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k-sample"
 needs_sample = pytest.mark.skipif(

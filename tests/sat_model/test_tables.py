@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sat_model.tables import Box, TableError, load_references, read_images
+from sat_model.data.tables import Box, TableError, load_references, read_images
 from tests.factories import write_captions
 
 BOX = dict(label="small red star", shape="star", colour="red", size="small")

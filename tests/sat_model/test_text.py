@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sat_model.text import PTB_SPLITS, detokenize, tokenize
+from sat_model.data.text import PTB_SPLITS, detokenize, tokenize
 
 SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k-sample"
 

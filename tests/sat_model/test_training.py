@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from sat_model.batching import Batch
-from sat_model.checkpoint import load_checkpoint, save_checkpoint
-from sat_model.losses import SoftAttentionLoss
-from sat_model.model import ModelConfig, ShowAttendTell
-from sat_model.training import (
+from sat_model.data.vocab import build_vocab
+from sat_model.model.checkpoint import load_checkpoint, save_checkpoint
+from sat_model.model.decoder import ModelConfig, ShowAttendTell
+from sat_model.model.losses import SoftAttentionLoss
+from sat_model.train.batching import Batch
+from sat_model.train.trainer import (
     Callback,
     EpochState,
     FitOptions,
@@ -22,7 +23,6 @@ from sat_model.training import (
     build_scheduler,
     fit,
 )
-from sat_model.vocab import build_vocab
 from tests.factories import write_captions
 
 L, D, K = 4, 6, 12
@@ -334,8 +334,8 @@ def write_tiny_run(root: Path) -> tuple[Path, Path]:
     """captions.parquet + vocab.json + {train,val}.arrow: colour words readable off feature 0."""
     import numpy as np
 
-    from sat_model.features import FeatureMeta, FeatureWriter
-    from sat_model.vocab import save_vocab
+    from sat_model.data.vocab import save_vocab
+    from sat_model.features.store import FeatureMeta, FeatureWriter
 
     prepared, features = root / "prepared", root / "features"
     colours = ["red", "blue", "green"]
@@ -382,10 +382,10 @@ def test_train_model_writes_a_loadable_model_metrics_and_curves(
     import json
     import shutil
 
-    from sat_model.checkpoint import load_model
     from sat_model.config import load_params
-    from sat_model.train_run import train_model
-    from sat_model.vocab import load_vocab
+    from sat_model.data.vocab import load_vocab
+    from sat_model.model.checkpoint import load_model
+    from sat_model.train.run import train_model
 
     if shutil.which("java") is None:
         pytest.skip("validation BLEU needs Java for the PTB tokenizer")
@@ -438,6 +438,6 @@ def test_train_model_writes_a_loadable_model_metrics_and_curves(
     cfg = json.loads((model_dir / "config.json").read_text())
     assert cfg["encoder"]["name"] == "random" and cfg["encoder"]["num_locations"] == L
     # the saved model is the best epoch's
-    from sat_model.checkpoint import load_checkpoint
+    from sat_model.model.checkpoint import load_checkpoint
 
     assert load_checkpoint(model_dir).epoch == metrics["best_epoch"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sat_model.visualize import (
+from sat_model.evaluation.visualize import (
     GalleryEntry,
     attention_map,
     centre_crop,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from sat_model.vocab import SPECIALS, Vocab, VocabError, build_vocab, load_vocab, save_vocab
+from sat_model.data.vocab import SPECIALS, Vocab, VocabError, build_vocab, load_vocab, save_vocab
 
 CAPTIONS = [
     ["a", "red", "circle"],

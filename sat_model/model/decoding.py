@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from sat_model.model import MODES, DecoderState, ShowAttendTell
-from sat_model.vocab import END_ID, START_ID, Vocab
+from sat_model.data.vocab import END_ID, START_ID, Vocab
+from sat_model.model.decoder import MODES, DecoderState, ShowAttendTell
 
 __all__ = ["Caption", "beam_search", "greedy"]
 

@@ -3,7 +3,8 @@
 Objects are named "[size] [colour] shape" from ``SIZES`` × ``COLOURS`` × ``SHAPES``; captions come
 from fixed templates keyed by the objects (read left to right), so a good model can reproduce
 them, yet they name colours, sizes, counts and spatial relations. The generator
-(:mod:`sat_model.scenes`) draws the objects; grounding (:mod:`sat_model.grounding`) maps these
+(:mod:`sat_model.data.scenes`) draws the objects; grounding (:mod:`sat_model.evaluation.grounding`)
+maps these
 words back onto them.
 """
 

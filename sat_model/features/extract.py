@@ -23,10 +23,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from sat_model.encoders import Encoder, EncoderDescription
-from sat_model.features import FeatureMeta, FeatureWriter
-from sat_model.images import ImageError, load_image, normalize_pixels, resize_crop
-from sat_model.tables import TableError, read_images, split_order
+from sat_model.data.tables import TableError, read_images, split_order
+from sat_model.features.encoders import Encoder, EncoderDescription
+from sat_model.features.images import ImageError, load_image, normalize_pixels, resize_crop
+from sat_model.features.store import FeatureMeta, FeatureWriter
 
 __all__ = [
     "DecodedBatch",
@@ -57,7 +57,7 @@ class ImageItem:
 
 @dataclass(frozen=True)
 class Preprocessing:
-    """How a file becomes an encoder input (see ``sat_model.images``)."""
+    """How a file becomes an encoder input (see ``sat_model.features.images``)."""
 
     resize: int
     crop: int
@@ -117,7 +117,7 @@ class ExtractReport:
 
 
 def read_image_table(path: str | Path, image_root: str | Path) -> dict[str, list[ImageItem]]:
-    """Images with ``status == "ok"`` per split, in table order (:mod:`sat_model.tables`).
+    """Images with ``status == "ok"`` per split, in table order (:mod:`sat_model.data.tables`).
 
     A name that leaves ``image_root`` is never opened: its item carries the reason and is
     skipped.

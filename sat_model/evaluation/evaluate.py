@@ -4,9 +4,10 @@ Dimensions: ``B`` images per batch, ``L`` locations, ``D`` annotation size.
 
 1. Batched beam search over the split's features, one caption per image.
 2. Scores against all of that image's references with pycocoevalcap's own scorers
-   (:func:`sat_model.metrics.score_captions`: PTB tokeniser, BLEU-1..4, METEOR, ROUGE-L, CIDEr-D).
+   (:func:`sat_model.evaluation.metrics.score_captions`: PTB tokeniser, BLEU-1..4, METEOR, ROUGE-L,
+   CIDEr-D).
 3. Where the source has boxes (synthetic scenes): pointing accuracy of α on the objects the
-   generated words name (:mod:`sat_model.grounding`).
+   generated words name (:mod:`sat_model.evaluation.grounding`).
 4. Attention pictures (Sec. 5.4) for the first ``gallery_images`` images (by id).
 
 Images are evaluated when they have both features and references; every other image of the split
@@ -26,16 +27,26 @@ import numpy as np
 import torch
 
 from sat_model.atomic import write_text_atomic
-from sat_model.checkpoint import load_model
-from sat_model.decoding import beam_search
-from sat_model.features import FeatureStore
-from sat_model.grounding import GroundingSample, PointingResult, ground_tokens, pointing_accuracy
-from sat_model.images import ImageError, load_image
-from sat_model.metrics import DEFAULT_METRICS, score_captions
-from sat_model.model import ShowAttendTell
-from sat_model.tables import ImageRecord, load_references, read_images
-from sat_model.visualize import GalleryEntry, centre_crop, write_gallery, write_word_overlays
-from sat_model.vocab import Vocab
+from sat_model.data.tables import ImageRecord, load_references, read_images
+from sat_model.data.vocab import Vocab
+from sat_model.evaluation.grounding import (
+    GroundingSample,
+    PointingResult,
+    ground_tokens,
+    pointing_accuracy,
+)
+from sat_model.evaluation.metrics import DEFAULT_METRICS, score_captions
+from sat_model.evaluation.visualize import (
+    GalleryEntry,
+    centre_crop,
+    write_gallery,
+    write_word_overlays,
+)
+from sat_model.features.images import ImageError, load_image
+from sat_model.features.store import FeatureStore
+from sat_model.model.checkpoint import load_model
+from sat_model.model.decoder import ShowAttendTell
+from sat_model.model.decoding import beam_search
 
 __all__ = [
     "GALLERY_IMAGES_DIR",
@@ -80,7 +91,7 @@ class EvaluationResult:
 def read_image_records(
     images_path: str | Path, split: str, image_root: str | Path | None = None
 ) -> dict[str, ImageRecord]:
-    """The usable images of ``split`` keyed by id (:func:`sat_model.tables.read_images`).
+    """The usable images of ``split`` keyed by id (:func:`sat_model.data.tables.read_images`).
 
     Photos are opened only under ``image_root``, from params; without it every record is refused
     for opening (sizes and boxes, all grounding needs, are still read).

@@ -9,7 +9,7 @@ only through this module, so a column or a file name changes in one place
   (:func:`sat_model.paths.image_root`): the table's own ``image_root`` metadata is only a record
   of where prepare read, never trusted, so editing the table cannot open other files.
 - ``captions.parquet`` (:data:`CAPTIONS_SCHEMA`): the kept captions, raw and tokenised.
-- ``vocab.json`` (:mod:`sat_model.vocab`) and ``prepare_report.json``.
+- ``vocab.json`` (:mod:`sat_model.data.vocab`) and ``prepare_report.json``.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from sat_model.scene_grammar import COLOURS, SHAPE_NOUNS, SIZES, Described
-from sat_model.tables import Box
+from sat_model.data.scene_grammar import COLOURS, SHAPE_NOUNS, SIZES, Described
+from sat_model.data.tables import Box
 
 __all__ = [
     "GroundingSample",

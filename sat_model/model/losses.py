@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sat_model.config import HardTrainConfig, SoftTrainConfig
-from sat_model.model import ForwardOutput
-from sat_model.vocab import PAD_ID
+from sat_model.data.vocab import PAD_ID
+from sat_model.model.decoder import ForwardOutput
 
 __all__ = [
     "REWARDS",

@@ -59,7 +59,8 @@ _INT_FIELDS = (
 @dataclass(frozen=True)
 class EncoderIdentity:
     """Which frozen encoder produced features, and their shape: stored with every store and
-    model (:class:`FeatureMeta`) and described live by ``sat_model.encoders.EncoderDescription``.
+    model (:class:`FeatureMeta`) and described live by
+    ``sat_model.features.encoders.EncoderDescription``.
     """
 
     name: str

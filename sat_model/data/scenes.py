@@ -10,8 +10,8 @@ Everything is deterministic from ``(seed, split, index)``: one image never depen
 others are generated. Object sizes are in pixels at 224 (``SIZE_RANGES``) and scale with the
 image so objects stay visible on a 14×14 feature grid (16 px cells at 224).
 
-The words and the caption grammar live in :mod:`sat_model.scene_grammar`; matching a caption's
-words back onto the objects in :mod:`sat_model.grounding`.
+The words and the caption grammar live in :mod:`sat_model.data.scene_grammar`; matching a caption's
+words back onto the objects in :mod:`sat_model.evaluation.grounding`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from sat_model.atomic import write_bytes_atomic
-from sat_model.scene_grammar import COLOURS, SHAPES, SIZES, scene_captions
+from sat_model.data.scene_grammar import COLOURS, SHAPES, SIZES, scene_captions
 
 __all__ = [
     "BACKGROUNDS",

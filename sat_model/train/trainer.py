@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from sat_model.checkpoint import state_of
+from sat_model.model.checkpoint import state_of
 
 __all__ = [
     "Callback",
@@ -57,7 +57,7 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class TrainBatch(Protocol):
-    """What the loop needs of a batch (``sat_model.batching.Batch`` is one)."""
+    """What the loop needs of a batch (``sat_model.train.batching.Batch`` is one)."""
 
     # read-only (properties), so that a frozen dataclass such as Batch satisfies the protocol
     @property

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sat_model.features import EncoderIdentity
-from sat_model.images import IMAGENET_MEAN, IMAGENET_STD
+from sat_model.features.images import IMAGENET_MEAN, IMAGENET_STD
+from sat_model.features.store import EncoderIdentity
 
 __all__ = [
     "ENCODER_LAYERS",
@@ -85,7 +85,8 @@ class WeightsMismatchError(EncoderError):
 
 @dataclass(frozen=True)
 class EncoderDescription(EncoderIdentity):
-    """A built encoder: its identity (stored as :class:`sat_model.features.FeatureMeta`) and the
+    """A built encoder: its identity (stored as :class:`sat_model.features.store.FeatureMeta`) and
+    the
     input normalisation it expects."""
 
     mean: tuple[float, float, float]

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from sat_model.config import ATTENTION_KINDS
-from sat_model.vocab import END_ID
+from sat_model.data.vocab import END_ID
 
 if TYPE_CHECKING:
     from sat_model.config import ModelParams

@@ -30,26 +30,27 @@ import torch
 from torch import nn
 
 from sat_model.atomic import write_bytes_atomic, write_text_atomic
-from sat_model.batching import (
-    Batch,
-    CaptionDataset,
-    LengthGroupedBatchSampler,
-    load_caption_dataset,
-)
-from sat_model.checkpoint import (
+from sat_model.config import ATTENTION_KINDS, Params
+from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE, load_references
+from sat_model.data.vocab import Vocab, load_vocab
+from sat_model.evaluation.metrics import score_captions
+from sat_model.features.store import FeatureStore, channel_statistics
+from sat_model.model.checkpoint import (
     MODEL_FILE,
     CheckpointError,
     load_checkpoint,
     save_checkpoint,
 )
-from sat_model.config import ATTENTION_KINDS, Params
-from sat_model.decoding import greedy
-from sat_model.features import FeatureStore, channel_statistics
-from sat_model.losses import build_criterion
-from sat_model.metrics import score_captions
-from sat_model.model import ShowAttendTell, build_model
-from sat_model.tables import CAPTIONS_FILE, VOCAB_FILE, load_references
-from sat_model.training import (
+from sat_model.model.decoder import ShowAttendTell, build_model
+from sat_model.model.decoding import greedy
+from sat_model.model.losses import build_criterion
+from sat_model.train.batching import (
+    Batch,
+    CaptionDataset,
+    LengthGroupedBatchSampler,
+    load_caption_dataset,
+)
+from sat_model.train.trainer import (
     Callback,
     EpochState,
     FitOptions,
@@ -58,7 +59,6 @@ from sat_model.training import (
     build_scheduler,
     fit,
 )
-from sat_model.vocab import Vocab, load_vocab
 
 __all__ = [
     "CURVES_FILE",

@@ -26,8 +26,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from sat_model.tables import read_caption_rows
-from sat_model.vocab import Vocab
+from sat_model.data.tables import read_caption_rows
+from sat_model.data.vocab import Vocab
 
 __all__ = [
     "Batch",
@@ -45,7 +45,7 @@ class BatchingError(ValueError):
 
 
 class FeatureSource(Protocol):
-    """What batching needs of ``sat_model.features.FeatureStore`` (ARCHITECTURE.md)."""
+    """What batching needs of ``sat_model.features.store.FeatureStore`` (ARCHITECTURE.md)."""
 
     @property
     def ids(self) -> Sequence[str]: ...

@@ -3,7 +3,7 @@
 The served model decodes request values here. A value's kind is told from its form alone: the
 file system is never asked (a string that is neither base64 nor a ``data:`` URL is refused,
 whatever file it might name). Reasons are short, name no file of the server and quote no image
-content; :class:`~sat_model.images.ImageError` carries them.
+content; :class:`~sat_model.features.images.ImageError` carries them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from PIL import Image
 
-from sat_model.images import ImageError, decode_image_bytes, square_thumbnail
+from sat_model.features.images import ImageError, decode_image_bytes, square_thumbnail
 
 __all__ = ["MEDIA_TYPES", "NOT_AN_IMAGE", "ImageLimits", "decode_request_image", "value_size"]
 

@@ -1,7 +1,7 @@
 """Readers for the four caption sources, all returning one :class:`SourceData`.
 
 A reader parses its source's metadata only: which images exist, their split and file, and
-their raw captions. It never opens an image (``sat_model.prepare`` checks files for every
+their raw captions. It never opens an image (``sat_model.data.prepare`` checks files for every
 source alike). Problems found while parsing are kept, not raised: an image gets a ``status``
 other than ``"ok"`` (a duplicate id, no split, ...) and a caption that cannot be attached to
 an image becomes a :class:`Skip`. Items left out on purpose by a params setting (Karpathy's
@@ -22,8 +22,8 @@ from typing import Any, Literal
 import numpy as np
 
 from sat_model.config import DataConfig
-from sat_model.scenes import generate_scenes
-from sat_model.tables import Box
+from sat_model.data.scenes import generate_scenes
+from sat_model.data.tables import Box
 
 __all__ = [
     "EXCLUDED",

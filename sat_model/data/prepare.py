@@ -1,5 +1,6 @@
 """The ``prepare`` stage: a caption source -> ``captions.parquet``, ``images.parquet``,
-``vocab.json`` and ``prepare_report.json`` (names and schemas owned by :mod:`sat_model.tables`).
+``vocab.json`` and ``prepare_report.json`` (names and schemas owned by
+:mod:`sat_model.data.tables`).
 
 Bad input never stops the stage by itself: each bad image or caption is skipped with its
 reason (in ``images.parquet`` and the report) and every valid item is kept. The stage fails
@@ -27,8 +28,7 @@ from PIL import Image, UnidentifiedImageError
 
 from sat_model.atomic import write_bytes_atomic, write_text_atomic
 from sat_model.config import DataConfig
-from sat_model.paths import resolve_inside
-from sat_model.sources import (
+from sat_model.data.sources import (
     EXCLUDED,
     LEAVES_FOLDER,
     OK,
@@ -38,7 +38,7 @@ from sat_model.sources import (
     SourceImage,
     read_source,
 )
-from sat_model.tables import (
+from sat_model.data.tables import (
     CAPTIONS_FILE,
     CAPTIONS_SCHEMA,
     IMAGES_FILE,
@@ -47,8 +47,9 @@ from sat_model.tables import (
     SPLITS,
     VOCAB_FILE,
 )
-from sat_model.text import tokenize
-from sat_model.vocab import Vocab, build_vocab, save_vocab
+from sat_model.data.text import tokenize
+from sat_model.data.vocab import Vocab, build_vocab, save_vocab
+from sat_model.paths import resolve_inside
 
 __all__ = [
     "REPORT_KEYS",

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from sat_model.atomic import write_bytes_atomic, write_text_atomic
-from sat_model.model import ModelConfig, ShowAttendTell
-from sat_model.vocab import Vocab, VocabError, load_vocab, save_vocab
+from sat_model.data.vocab import Vocab, VocabError, load_vocab, save_vocab
+from sat_model.model.decoder import ModelConfig, ShowAttendTell
 
 __all__ = [
     "CONFIG_FILE",

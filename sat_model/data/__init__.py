@@ -1,0 +1,1 @@
+"""Sources, scene generator, tokenisation, vocabulary, the prepare step and its tables."""

@@ -1,0 +1,1 @@
+"""Caption metrics, attention grounding, evaluation and visualisation."""

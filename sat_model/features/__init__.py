@@ -1,0 +1,1 @@
+"""Images, frozen encoders, feature extraction and the feature store."""

@@ -1,0 +1,1 @@
+"""The Show, Attend and Tell network, its losses, decoding and checkpoints."""

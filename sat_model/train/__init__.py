@@ -1,0 +1,1 @@
+"""Batching, the generic trainer and one training run."""
