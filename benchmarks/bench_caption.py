@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 
+from sat_model.paths import shared_data
+
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_FLICKR = REPO.parent / "shared" / "data" / "flickr8k-sample"
+DEFAULT_FLICKR = shared_data("flickr8k-sample")
 
 
 def _photos(root: Path, n: int, folder: Path) -> tuple[str, list[Path]]:

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_FLICKR = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k-sample"
+from sat_model.paths import shared_data
+
+DEFAULT_FLICKR = shared_data("flickr8k-sample")
 
 
 def _flickr_references(root: Path, n: int) -> tuple[dict[str, list[str]], list[Path]]:

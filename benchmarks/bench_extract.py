@@ -41,12 +41,13 @@ from sat_model.features.encoders import ENCODER_LAYERS, build_encoder
 from sat_model.features.extract import extract_features, read_image_table
 from sat_model.features.images import load_image, preprocess
 from sat_model.features.store import FeatureMeta, FeatureWriter
+from sat_model.paths import shared_data
 
 __all__ = ["main"]
 
 RESIZE = 256  # real photos: the paper's 256 then a 224 crop
 RESULTS = Path(__file__).resolve().parent / "results" / "extract.json"
-FLICKR = Path(__file__).resolve().parents[1].parent / "shared/data/flickr8k-trainval"
+FLICKR = shared_data("flickr8k-trainval")
 
 
 def _image_table(work: Path, count: int, flickr: Path) -> tuple[Path, str]:
@@ -65,9 +66,13 @@ def _image_table(work: Path, count: int, flickr: Path) -> tuple[Path, str]:
             )
             files.append(f"{i}.png")
     table = pa.table(
-        {"image_id": files, "split": ["train"] * len(files), "file": files,
-         "status": ["ok"] * len(files)}
-    ).replace_schema_metadata({"image_root": str(root)})  # fmt: skip
+        {
+            "image_id": files,
+            "split": ["train"] * len(files),
+            "file": files,
+            "status": ["ok"] * len(files),
+        }
+    ).replace_schema_metadata({"image_root": str(root)})
     pq.write_table(table, work / IMAGES_FILE)
     return work / IMAGES_FILE, source
 
@@ -89,9 +94,17 @@ def _root(table: Path) -> Path:
 def _stage_rate(table: Path, out: Path, encoder, batch_size: int, workers: int) -> float:
     start = time.perf_counter()
     report = extract_features(
-        table, _root(table), out, encoder, resize=RESIZE, crop=224, batch_size=batch_size,
-        num_workers=workers, max_image_pixels=50_000_000, progress=False,
-    )  # fmt: skip
+        table,
+        _root(table),
+        out,
+        encoder,
+        resize=RESIZE,
+        crop=224,
+        batch_size=batch_size,
+        num_workers=workers,
+        max_image_pixels=50_000_000,
+        progress=False,
+    )
     return report.to_dict()["images_extracted"] / (time.perf_counter() - start)
 
 
@@ -114,10 +127,14 @@ def _throughput(table: Path, work: Path, batch_size: int, configs, rounds: int) 
             rate = _stage_rate(table, work / f"f{threads}{workers}", encoder, batch_size, workers)
             best[threads, workers] = max(best.get((threads, workers), 0.0), rate)
     stage = [
-        {"torch_threads": t, "num_workers": w, "images_per_s": round(rate, 2),
-         "ratio_to_forward": round(rate / forward[t], 3)}
+        {
+            "torch_threads": t,
+            "num_workers": w,
+            "images_per_s": round(rate, 2),
+            "ratio_to_forward": round(rate / forward[t], 3),
+        }
         for (t, w), rate in best.items()
-    ]  # fmt: skip
+    ]
     return {
         "forward_only_images_per_s": {t: round(r, 2) for t, r in forward.items()},
         "stage": stage,
@@ -135,10 +152,15 @@ def _layers(batch: int) -> list[dict[str, object]]:
         encoder = build_encoder("efficientnet_lite0", layer)
         d = encoder.description
         rows.append(
-            {"layer": layer, "grid": f"{d.grid_h}x{d.grid_w}", "L": d.num_locations,
-             "D": d.annotation_dim, "images_per_s": round(_forward_rate(encoder, x, batch), 2),
-             "store_kib_per_image": round(d.num_locations * d.annotation_dim * 2 / 1024, 1)}
-        )  # fmt: skip
+            {
+                "layer": layer,
+                "grid": f"{d.grid_h}x{d.grid_w}",
+                "L": d.num_locations,
+                "D": d.annotation_dim,
+                "images_per_s": round(_forward_rate(encoder, x, batch), 2),
+                "store_kib_per_image": round(d.num_locations * d.annotation_dim * 2 / 1024, 1),
+            }
+        )
     return rows
 
 
@@ -169,9 +191,12 @@ def _store_rss(work: Path, rows: int) -> dict[str, object]:
     out = subprocess.run(
         [sys.executable, "-c", _ITERATE, str(path)], capture_output=True, text=True, check=True
     ).stdout.split()
-    return {"rows": rows, "file_mib": round(path.stat().st_size / 2**20, 1),
-            "peak_rss_anon_mib": round(int(out[0]) / 1024, 1),
-            "peak_rss_file_mib": round(int(out[1]) / 1024, 1)}  # fmt: skip
+    return {
+        "rows": rows,
+        "file_mib": round(path.stat().st_size / 2**20, 1),
+        "peak_rss_anon_mib": round(int(out[0]) / 1024, 1),
+        "peak_rss_file_mib": round(int(out[1]) / 1024, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,13 +213,16 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         table, source = _image_table(work, args.images, args.flickr8k)
         result = {
-            "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform(),
-                        "load_average_at_start": os.getloadavg()},
+            "machine": {
+                "cpus": torch.get_num_threads(),
+                "platform": platform.platform(),
+                "load_average_at_start": os.getloadavg(),
+            },
             "image_source": source,
             "resize": RESIZE,
             "batch_size": args.batch_size,
             "throughput": _throughput(table, work, args.batch_size, configs, args.rounds),
-        }  # fmt: skip
+        }
         if not args.throughput_only:
             result["layers"] = _layers(16)
             sizes = (100, 1000) if args.quick else (300, 3000)

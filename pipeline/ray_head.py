@@ -94,10 +94,17 @@ def ray_head(num_cpus: int, temp_root: Path | None = None) -> Iterator[str]:
     log = temp_dir / "head.log"
     ray = Path(sys.executable).with_name("ray")
     cmd = [
-        str(ray if ray.exists() else "ray"), "start", "--head", "--block",
-        "--node-ip-address=127.0.0.1", f"--port={port}", f"--num-cpus={num_cpus}",
-        "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-    ]  # fmt: skip
+        str(ray if ray.exists() else "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        f"--num-cpus={num_cpus}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
+    ]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd, env=loopback_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True

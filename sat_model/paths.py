@@ -8,13 +8,25 @@ out of it (``../elsewhere``), an absolute one (or ``~/...``) is the user's expli
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sat_model.config import DataConfig
 
-__all__ = ["PathError", "absolute", "image_root", "output_path", "resolve_inside"]
+__all__ = [
+    "SHARED_DATA_ENV",
+    "PathError",
+    "absolute",
+    "image_root",
+    "output_path",
+    "resolve_inside",
+    "shared_data",
+]
+
+# the one override of where the shared datasets (Flickr8k) live
+SHARED_DATA_ENV = "SAT_SHARED_DATA"
 
 
 class PathError(ValueError):
@@ -72,3 +84,11 @@ def image_root(data: DataConfig, base_dir: Path) -> Path:
         section = data.flickr8k if data.source == "flickr8k" else data.karpathy
         return (root / section.images_dir).resolve()
     return root.resolve()  # coco: names carry their images_dirs folder
+
+
+def shared_data(name: str = "") -> Path:
+    """The shared datasets folder (``name`` inside it): ``$SAT_SHARED_DATA`` when set, else
+    ``../shared/data`` beside the repository. Tests and benchmarks skip what is absent."""
+    env = os.environ.get(SHARED_DATA_ENV)
+    base = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "shared/data"
+    return base / name if name else base

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
+from sat_model.paths import shared_data
 from tests.factories import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
-PHOTOS = REPO.parent / "shared" / "data" / "flickr8k-sample" / "Flickr8k_Dataset"
+PHOTOS = shared_data("flickr8k-sample") / "Flickr8k_Dataset"
 SAT = Path(sys.executable).parent / "sat"
 PARAMS = "encoder: {name: random, resize: 72, crop: 64}\neval: {beam_size: 2, max_length: 4}\n"
 

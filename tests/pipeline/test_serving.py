@@ -28,6 +28,7 @@ from PIL import Image
 
 from pipeline.packaging import log_and_register
 from pipeline.registry import promote_if_better
+from sat_model.paths import shared_data
 from tests.factories import write_tiny_model
 
 pytestmark = [pytest.mark.mlflow, pytest.mark.slow]
@@ -196,7 +197,7 @@ def test_a_non_image_gets_a_clear_error_response(served):
 
 
 # ------------------------------------------------------------------ real photos, hostile input
-SAMPLE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "flickr8k-sample"
+SAMPLE = shared_data("flickr8k-sample")
 PHOTOS = SAMPLE / "Flickr8k_Dataset"
 
 

@@ -15,6 +15,7 @@ from sat_model.features.encoders import build_encoder
 from sat_model.features.extract import ExtractError, extract_features, read_image_table
 from sat_model.features.images import load_image, preprocess
 from sat_model.features.store import FeatureStore
+from sat_model.paths import shared_data
 
 RESIZE, CROP = 36, 32
 
@@ -139,7 +140,7 @@ def test_crop_must_match_the_encoder_input_size(tmp_path, encoder) -> None:
         )
 
 
-SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k-sample"
+SAMPLE = shared_data("flickr8k-sample")
 
 
 @pytest.mark.skipif(not SAMPLE.is_dir(), reason="Flickr8k sample absent (../shared/data)")

@@ -20,9 +20,9 @@ from sat_model.evaluation.evaluate import (
 )
 from sat_model.features.encoders import build_encoder
 from sat_model.features.extract import extract_features, read_image_table
-from sat_model.paths import image_root
+from sat_model.paths import image_root, shared_data
 
-SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k-sample"
+SAMPLE = shared_data("flickr8k-sample")
 
 
 @pytest.fixture
@@ -95,3 +95,16 @@ def test_the_params_root_is_the_one_prepare_reads_synthetic(tmp_path: Path) -> N
 def test_the_params_root_is_the_one_prepare_reads_flickr8k(source: str) -> None:
     data = DataConfig(source=source, root=str(SAMPLE))
     assert image_root(data, Path.cwd()) == read_source(data, SAMPLE, Path.cwd()).image_root
+
+
+def test_shared_data_is_beside_the_repository_unless_the_variable_names_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from sat_model.paths import SHARED_DATA_ENV
+
+    monkeypatch.delenv(SHARED_DATA_ENV, raising=False)
+    repo = Path(__file__).resolve().parents[2]
+    assert shared_data("flickr8k-sample") == repo.parent / "shared" / "data" / "flickr8k-sample"
+    monkeypatch.setenv(SHARED_DATA_ENV, str(tmp_path))
+    assert shared_data("flickr8k-sample") == tmp_path / "flickr8k-sample"
+    assert shared_data() == tmp_path

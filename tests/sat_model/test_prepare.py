@@ -16,6 +16,7 @@ from sat_model.data.scenes import generate_scene
 from sat_model.data.tables import CAPTIONS_SCHEMA, IMAGES_SCHEMA, Box
 from sat_model.data.text import tokenize
 from sat_model.evaluation.grounding import ground_tokens
+from sat_model.paths import shared_data
 
 OUTPUTS = ("images.parquet", "captions.parquet", "vocab.json", "prepare_report.json")
 
@@ -313,7 +314,7 @@ def test_objects_rebuilt_from_the_boxes_column_ground_like_the_scene(tmp_path: P
         assert np.allclose(boxes, [o.box for o in scene.objects])
 
 
-SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k-sample"
+SAMPLE = shared_data("flickr8k-sample")
 
 
 @pytest.mark.skipif(not SAMPLE.is_dir(), reason=f"shared Flickr8k sample not found at {SAMPLE}")

@@ -18,8 +18,9 @@ from sat_model.data.sources import (
     read_synthetic,
 )
 from sat_model.data.text import tokenize
+from sat_model.paths import shared_data
 
-SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k-sample"
+SAMPLE = shared_data("flickr8k-sample")
 needs_sample = pytest.mark.skipif(
     not (SAMPLE / "dataset_flickr8k.json").is_file(),
     reason=f"shared Flickr8k sample not found at {SAMPLE}",

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from sat_model.data.text import PTB_SPLITS, detokenize, tokenize
+from sat_model.paths import shared_data
 
-SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k-sample"
+SAMPLE = shared_data("flickr8k-sample")
 
 
 def test_tokenize_lowercases_and_drops_punctuation() -> None:
