@@ -22,6 +22,7 @@ checkpoint a run produced) is :mod:`pipeline.lineage`.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -186,6 +187,9 @@ class Tracking:
 def connect(cfg: MlflowConfig, project_root: Path, experiment: str | None = None) -> Tracking:
     """Resolve the store and get or create the experiment (artifacts under the project)."""
     bound_http_retries()
+    # a new SQLite store logs its schema migrations at INFO: noise in every first stage's output
+    for logger in ("mlflow.store.db.utils", "alembic"):
+        logging.getLogger(logger).setLevel(logging.WARNING)
     uri = resolve_tracking_uri(cfg, project_root)
     if redact(uri) != uri:
         # MLflow prints "View run at <tracking URI>/#/..." when a run ends: not with a secret
