@@ -20,6 +20,7 @@ row per trial result (trial, epoch, its searched values, val BLEU-4) and one whe
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -36,6 +37,8 @@ __all__ = [
     "format_epoch_line",
     "trial_table",
 ]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -89,13 +92,17 @@ def format_epoch_line(label: str, report: EpochReport, max_epochs: int, eta_s: f
 def _queueing_callback(queue: Any) -> Any:
     """A Ray Train ``UserCallback`` (it runs on the controller) putting every rank's metrics of
     each epoch into ``queue``, as Tune's own ``TuneReportCallback`` forwards its metrics."""
+    from ray.exceptions import RayActorError
     from ray.train import UserCallback
 
     class QueueingCallback(UserCallback):
         def after_report(
             self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any
         ) -> None:
-            queue.put(list(metrics))
+            try:
+                queue.put(list(metrics))
+            except RayActorError:  # the driver is gone: a lost line must not fail the run
+                _log.warning("progress queue lost: epoch %s not shown", metrics[0].get("epoch"))
 
     return QueueingCallback()
 
@@ -115,13 +122,22 @@ def epoch_progress(
 ) -> Iterator[EpochProgress]:
     """Print one line per epoch of the Ray Train run(s) fitted in the block with
     ``callbacks=[progress.callback]``; Ray must be initialised. ``out``: default stderr."""
+    import ray
+    from ray.exceptions import RayActorError
     from ray.util.queue import Queue
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    # num_cpus=0: the workers hold every CPU; the queue only passes a dict per epoch
-    queue = Queue(actor_options={"num_cpus": 0})
+    # num_cpus=0: the workers hold every CPU, the queue passes a dict per epoch. On the driver's
+    # node, as Ray Train's controller is: on another node, its loss would fail the run
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
     progress = EpochProgress(_queueing_callback(queue))
 
     def pump() -> None:
+        with contextlib.suppress(RayActorError):
+            _pump()
+
+    def _pump() -> None:
         while (metrics := queue.get()) is not None:
             report = EpochReport.from_ranks(metrics)
             progress.reports.append(report)
@@ -135,8 +151,9 @@ def epoch_progress(
     try:
         yield progress
     finally:
-        queue.put(None)  # after the controller's last report: the pump prints it, then stops
-        thread.join(timeout=30)
+        with contextlib.suppress(RayActorError):  # gone with its node: nothing left to print
+            queue.put(None)  # after the controller's last report: the pump prints it, stops
+            thread.join(timeout=30)
         queue.shutdown()
 
 
