@@ -67,7 +67,8 @@ def _as_ray_job(args: argparse.Namespace, command: list[str]) -> int | None:
 
     load_params(args.params, args.overrides)  # bad params: one line here, not a failed job
     # the job opens the params file (and the data it names) at this absolute path: shared folder
-    command = [command[0], *_forward_params(args), *command[1:]]
+    verbose = ["-v"] * int(args.verbose or 0)  # the job's traceback, not its one line
+    command = [command[0], *verbose, *_forward_params(args), *command[1:]]
     return run_as_job(address, command, quiet=not args.verbose)
 
 

@@ -16,7 +16,8 @@ storage into ``models/<attention>/`` on the driver. Its runs are named after the
 number, ``sat-<attention>-<12 hex>-<n>``. An invocation trains from epoch 1 in a new attempt
 unless a run of that identity finished (then it trains nothing and hands back that run's model)
 or ``resume=True`` names an unfinished one (then it continues from its last epoch); it says
-which in one line on stderr. Each epoch's checkpoint carries the best model and the last
+which in one line on stderr, then one line per epoch (``pipeline.progress``: loss, val BLEU-4,
+captions/s summed over ranks, ETA). Each epoch's checkpoint carries the best model and the last
 training state (``last_state.pt``), so a restart continues from the last finished epoch.
 """
 
@@ -353,8 +354,14 @@ class _RayEpochReporter(Callback):
         metrics.update({f"val_{k}": v for k, v in (state.val_metrics or {}).items()})
         if self.logger is not None:
             self.logger.log_epoch(state.epoch, metrics)  # step=epoch, once across restarts
+        # what the driver's progress line sums over ranks (pipeline.progress.EpochReport)
+        throughput = {
+            "captions": state.captions,
+            "train_seconds": state.train_seconds,
+            "epoch_seconds": state.seconds,
+        }
         # train_model has rewritten model_dir (best checkpoint, metrics, curves) before this runs
-        self.run.report({"epoch": state.epoch, **metrics}, self.model_dir)
+        self.run.report({"epoch": state.epoch, **metrics, **throughput}, self.model_dir)
 
 
 def sat_train_fn(run: WorkerRun) -> None:
@@ -528,6 +535,7 @@ def _fit_run(
 ) -> tuple[Storage, str]:
     """Run (or resume) the Ray Train run ``name`` under its MLflow run; (checkpoint, run id)."""
     from .lineage import lineage_tags
+    from .progress import epoch_progress
     from .ray_runtime import ray_session, resolve_storage_path
     from .tracking import connect, find_or_create_run
 
@@ -548,8 +556,12 @@ def _fit_run(
         mlflow_run_id=run_id,
         logged_params={"attention": attention, **identity.inputs["params"]},
     )
+    max_epochs = getattr(params.train, attention).max_epochs
     try:
-        with ray_session(params.ray, address=address):
+        with (
+            ray_session(params.ray, address=address),
+            epoch_progress(f"train {attention}", max_epochs) as progress,
+        ):
             outcome = fit_on_ray(
                 sat_train_fn,
                 config=job,
@@ -557,6 +569,7 @@ def _fit_run(
                 storage_path=storage,
                 scaling=ScalingSpec.from_params(params.ray),
                 max_failures=params.ray.max_failures,
+                callbacks=[progress.callback],
             )
     except BaseException:
         tracking.call(lambda c: c.set_terminated(run_id, "FAILED"), f"end run {run_id}")

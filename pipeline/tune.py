@@ -12,6 +12,9 @@ MLflow: one parent run per sweep, one child run per trial (``mlflow.parentRunId`
 trial's sampled values as params and its per-epoch metrics. The best trial's values go to
 ``<tune.output_dir>/best_params.yaml`` as ``-S``-ready dotted keys, with the
 ``dvc exp run -S ...`` line that trains the winner (also printed).
+
+While it runs the driver prints a compact trial table (:func:`pipeline.progress.trial_table`):
+one row per trial result and per trial end, with the searched values and val BLEU-4.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from sat_model.config import Params, TuneConfig
 from sat_model.paths import absolute
 
 from .lineage import lineage_tags
+from .progress import trial_table
 from .ray_runtime import ray_session, remove_orphaned_placement_groups, resolve_storage_path
 from .ray_train import (
     ScalingSpec,
@@ -213,8 +217,11 @@ def run_tune(params: Params, *, project_root: Path, address: str | None = None) 
                 name=sweep.name,
                 storage_path=sweep.storage.path,
                 storage_filesystem=None if sweep.storage.is_local else sweep.storage.filesystem,
-                verbose=0,
-                callbacks=[_placement_group_reaper()],
+                verbose=0,  # Tune's own status tables: the trial table below instead
+                callbacks=[
+                    _placement_group_reaper(),
+                    trial_table(list(search_space(params.tune)), METRIC),
+                ],
             ),
         )
         results = tuner.fit()

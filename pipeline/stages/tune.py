@@ -1,6 +1,6 @@
 """On-demand DVC stage ``tune`` and ``sat tune``: a Ray Tune sweep -> ``best_params.yaml``.
 
-``main(["--params", "params.yaml", "-S", "tune.num_samples=4", "--address", "ray://head:10001"])``
+``main(["--params", "params.yaml", "-S", "tune.num_samples=4", "--address", "head:6379"])``
 runs :func:`pipeline.tune.run_tune`; relative paths in params resolve against the project root
 (the folder of the params file). With ``--apply`` the winner is then trained through the pipeline:
 ``dvc exp run -S <best params>`` in the project root (an experiment; ``dvc exp apply`` keeps it).

@@ -1,34 +1,51 @@
-"""The cluster test: two Ray nodes on 127.0.0.1, runs and inputs in a real S3 store (moto).
+"""The cluster tests: two Ray nodes on 127.0.0.1, runs and inputs in a real S3 store (moto).
 
-A DDP run of two workers, one per node (``STRICT_SPREAD``), trains from inputs the driver
-uploaded to ``s3://``, checkpoints there, loses the second node's raylet (SIGKILL) mid-run,
-resumes from the store once the node is back (``ray start --address`` again), and the model
-copied to ``models/soft/`` is the last checkpoint in the store. The driver runs in a subprocess
-(a process joins one Ray cluster only) as ``__main__``, so its epoch hook travels by value.
+One cluster for the module (a head with the dashboard that serves Ray Jobs, a second node, a
+moto S3 server, an ``mlflow server``), every process stopped by its own process group at the end:
+
+- ``sat tune --address http://127.0.0.1:<dashboard>`` submits the sweep as a Ray Job, exactly as
+  the README's "Scaling out" shows; its trials are found in MLflow; a job that fails ends ``sat``
+  with one line and a non-zero status.
+- A DDP run of two workers, one per node (``STRICT_SPREAD``), trains from inputs the driver
+  uploaded to ``s3://``, checkpoints there, loses the second node's raylet (SIGKILL) mid-run,
+  resumes from the store once the node is back (``ray start --address`` again), and the model
+  copied to ``models/soft/`` is the last checkpoint in the store. The driver runs in a
+  subprocess (a process joins one Ray cluster only) as ``__main__``, so its epoch hook travels by
+  value. It kills a node, so it runs last.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
 from pipeline.ray_runtime import loopback_env
-from tests.pipeline.servers import free_port, mlflow_server, s3_server, stop_process_group
+from tests.pipeline.servers import (
+    RayNodes,
+    free_port,
+    mlflow_server,
+    ray_nodes,
+    s3_server,
+    stop_process_group,
+)
 
-RAY = Path(sys.executable).with_name("ray")
+pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.mlflow, pytest.mark.slow]
+
+BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
-EPOCHS = 4
+EPOCHS = 3
+KILL_EPOCH = 1  # 0-based: the node dies in the second epoch, the first is in the store
 
 DRIVER = """
 import json, os, sys, time
@@ -54,126 +71,89 @@ print(json.dumps({"run_name": out.run_name, "run_id": out.mlflow_run_id}))
 """
 
 
-def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=log.open("ab"), start_new_session=True
-    )
+@dataclass(frozen=True)
+class Cluster:
+    env: dict[str, str]  # for drivers and `sat`: loopback Ray, token auth, S3 endpoint
+    nodes: RayNodes
+    tracking_uri: str  # the mlflow server
 
 
-def _node_cmd(extra: list[str]) -> list[str]:
-    ports = ["--dashboard-agent-listen-port", "--metrics-export-port", "--runtime-env-agent-port"]
-    cmd = [str(RAY), "start", "--block", "--node-ip-address=127.0.0.1", "--num-cpus=1"]
-    return cmd + [f"{flag}={free_port()}" for flag in ports] + extra
-
-
-def _group_pids(pgid: int) -> list[tuple[int, str]]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and os.getpgid(int(proc.name)) == pgid:
-                found.append((int(proc.name), (proc / "cmdline").read_text(errors="replace")))
-        except (OSError, ProcessLookupError):
-            continue
-    return found
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL what is left of a node's process group and check it is gone."""
-    stop_process_group(proc, timeout_s=5)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    while _group_pids(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _group_pids(proc.pid), f"ray node group {proc.pid} still running"
-
-
-class TwoNodes:
-    """A head (resource ``head``) and a second node (``node2``), each its own process group."""
-
-    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
-        self.tmp, self.env, self.port = tmp, env, free_port()
-        self.temp_dir = Path("/tmp") / f"raymn{self.port}"  # short: socket path length limit
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.node2: subprocess.Popen[bytes] | None = None
-        # "127.1" is 127.0.0.1 to the resolver; Ray would rewrite "127.0.0.1" to the machine's
-        # address when a node joins (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1)
-        self.node2_cmd = _node_cmd([f"--address=127.1:{self.port}", '--resources={"node2": 1}'])
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        head = _node_cmd(
-            [
-                "--head",
-                f"--port={self.port}",
-                '--resources={"head": 1}',
-                "--include-dashboard=false",
-                f"--temp-dir={self.temp_dir}",
-            ]
-        )
-        self.procs.append(_start(head, self.env, self.tmp / "head.log"))
-        self._wait_for_nodes(1)
-        self.start_node2()
-
-    def start_node2(self) -> None:
-        # joining a cluster is refused with the loopback switch off (=0, pipeline.ray_runtime);
-        # the explicit --node-ip-address keeps this node on 127.0.0.1 all the same
-        # gRPC's own resolver does not read "127.1"; the system's (getaddrinfo) does
-        env = {**self.env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "GRPC_DNS_RESOLVER": "native"}
-        self.node2 = _start(self.node2_cmd, env, self.tmp / "node2.log")
-        self.procs.append(self.node2)
-        self._wait_for_nodes(2)
-
-    def kill_node2_raylet(self) -> int:
-        assert self.node2 is not None
-        group = _group_pids(self.node2.pid)
-        (raylet,) = [pid for pid, cmd in group if "raylet" in cmd.split("\0")[0]]
-        os.kill(raylet, signal.SIGKILL)
-        _kill_group(self.node2)  # `ray start --block` and its agents go with their raylet
-        return raylet
-
-    def _wait_for_nodes(self, n: int) -> None:
-        code = (
-            f"import ray; ray.init(address={self.address!r}, logging_level='ERROR');"
-            "print(sum(1 for x in ray.nodes() if x['Alive']))"
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            out = subprocess.run(
-                [sys.executable, "-c", code], env=self.env, capture_output=True, text=True
-            )
-            if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(n)]:
-                return
-            time.sleep(2)
-        logs = "".join(p.read_text() for p in sorted(self.tmp.glob("*.log")))
-        pytest.fail(f"{n} Ray node(s) did not come up: {logs[-3000:]}")
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            _kill_group(proc)
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
-@pytest.fixture
-def store_and_cluster(tmp_path: Path) -> Iterator[tuple[dict[str, str], TwoNodes, str]]:
-    with s3_server(tmp_path) as s3:
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("cluster")
+    with s3_server(tmp) as s3:
         s3.create_bucket("sat-runs")
         env = {**loopback_env(), **s3.env, "RAY_AUTH_MODE": "token"}
         env.pop("MLFLOW_TRACKING_URI", None)
         env.pop("RAY_ADDRESS", None)
+        env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # a Ray Job's `python` is this one
         env["RAY_health_check_period_ms"] = "1000"  # the dead node is noticed in seconds
         env["RAY_health_check_failure_threshold"] = "3"
-        backend = f"sqlite:///{tmp_path / 'mlflow-server.db'}"
-        with mlflow_server(tmp_path, backend, str(tmp_path / "mlartifacts")) as tracking_uri:
-            cluster = TwoNodes(tmp_path, env)
-            try:
-                cluster.start()
-                yield env, cluster, tracking_uri
-            finally:
-                cluster.stop()
+        backend = f"sqlite:///{tmp / 'mlflow-server.db'}"
+        with (
+            mlflow_server(tmp, backend, str(tmp / "mlartifacts")) as tracking_uri,
+            ray_nodes(tmp, env, {"node2": 1}, dashboard=True) as nodes,
+        ):
+            yield Cluster(env, nodes, tracking_uri)
+
+
+def _sat(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "sat"), *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=500
+    )
+
+
+@pytest.mark.java
+@pytest.mark.skipif(shutil.which("java") is None, reason="validation BLEU needs Java")
+def test_sat_tune_submitted_as_a_ray_job_streams_its_log_and_logs_its_trials(
+    cluster: Cluster, tiny_project: Path, tmp_path: Path
+) -> None:
+    project = tmp_path / "project"
+    shutil.copytree(tiny_project, project, ignore=shutil.ignore_patterns("mlflow.db", "reports"))
+    overrides = ["tune.num_samples=2", "tune.max_epochs=1", "ray.storage_path=s3://sat-runs/tune"]
+    args = ["tune", "--params", "params.yaml", *(f"-S{o}" for o in overrides)]
+    env = {**cluster.env, "MLFLOW_TRACKING_URI": cluster.tracking_uri}
+    out = _sat([*args, "--address", cluster.nodes.dashboard_url], env, project)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # the job's own output (the entrypoint line Ray prints, the sweep's result) came through
+    assert "Running entrypoint for job" in out.stdout
+    assert "--address auto" in out.stdout  # inside the job the command runs on the cluster
+    assert "best val_bleu_4 = " in out.stdout
+    assert "Traceback" not in out.stderr
+    # the trial table, streamed: a header and a row for each trial's end
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert ["trial", "status", "epoch", "lr", "doubly_stochastic", "val_bleu_4"] in rows
+    assert sum(len(row) == 6 and row[1] == "done" for row in rows) == 2, out.stdout[-3000:]
+    # the job wrote into the (shared) project folder and logged to the tracking server
+    assert (project / "reports" / "tune" / "best_params.yaml").is_file()
+    from mlflow import MlflowClient
+
+    client = MlflowClient(cluster.tracking_uri)
+    experiment = client.get_experiment_by_name("sat")
+    assert experiment is not None
+    (parent,) = client.search_runs([experiment.experiment_id], "tags.`sat.sweep` = '1'")
+    children = client.search_runs(
+        [experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+    )
+    assert len(children) == 2
+    for child in children:
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "val_bleu_4")] == [1]
+    assert not (project / "mlflow.db").exists()  # nothing went to a local store instead
+
+
+def test_a_failed_job_ends_sat_with_one_line_and_a_non_zero_status(
+    cluster: Cluster, tiny_project: Path
+) -> None:
+    # params that validate here but fail in the job: a tracking server nobody listens on
+    env = {**cluster.env, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}
+    args = ["tune", "--params", str(tiny_project / "params.yaml"), "-S", "mlflow.retries=0"]
+    out = _sat([*args, "--address", cluster.nodes.dashboard_url], env, tiny_project)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "sat tune: error:" in out.stdout  # the job's own one line, streamed
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("sat tune: error: Ray job "), out.stderr
+    assert "FAILED (exit status 1)" in last
+    assert "Traceback" not in out.stderr
 
 
 def _read_log(path: Path) -> list[dict[str, object]]:
@@ -182,19 +162,16 @@ def _read_log(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.cluster
-@pytest.mark.ray
-@pytest.mark.mlflow
-@pytest.mark.slow
+@pytest.mark.java
 @pytest.mark.skipif(shutil.which("java") is None, reason="validation BLEU needs Java")
 def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoint(
-    store_and_cluster: tuple[dict[str, str], TwoNodes, str], tiny_project: Path, tmp_path: Path
+    cluster: Cluster, tiny_project: Path, tmp_path: Path
 ) -> None:
     import pyarrow.fs as pafs
 
     from sat_model.model.checkpoint import load_checkpoint
 
-    env, cluster, tracking_uri = store_and_cluster
+    env, tracking_uri = cluster.env, cluster.tracking_uri
     project = tmp_path / "project"
     shutil.copytree(tiny_project, project, ignore=shutil.ignore_patterns("mlflow.db", "reports"))
     params = yaml.safe_load((project / "params.yaml").read_text())
@@ -211,7 +188,14 @@ def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoi
     (project / "params.yaml").write_text(yaml.safe_dump(params))
     log = tmp_path / "epochs.jsonl"
     driver = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, str(project / "params.yaml"), cluster.address, str(log)],
+        [
+            sys.executable,
+            "-c",
+            DRIVER,
+            str(project / "params.yaml"),
+            cluster.nodes.address,
+            str(log),
+        ],
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -221,18 +205,23 @@ def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoi
     )
     try:
         deadline = time.monotonic() + 300
-        while sum(e["epoch"] == 2 for e in _read_log(log)) < 2:  # both workers in epoch 2
+        while sum(e["epoch"] == KILL_EPOCH for e in _read_log(log)) < 2:  # both workers in it
             assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "epoch 2 never started"
+            assert time.monotonic() < deadline, f"epoch {KILL_EPOCH} never started"
             time.sleep(0.2)
         before = _read_log(log)
-        cluster.kill_node2_raylet()  # while epoch 2 sleeps in its hook: mid-run
-        cluster.start_node2()  # same `ray start --address` command: the run may resume
+        cluster.nodes.kill_raylet("node2")  # while the epoch sleeps in its hook: mid-run
+        cluster.nodes.restart("node2")  # same `ray start --address` command: the run may resume
         stdout, _ = driver.communicate(timeout=400)
     finally:
         stop_process_group(driver)
     assert driver.returncode == 0, (tmp_path / "driver.log").read_text()[-3000:]
     outcome = json.loads(stdout.strip().splitlines()[-1])
+    # the driver printed a progress line for every epoch, across the restart
+    said = (tmp_path / "driver.log").read_text()
+    pattern = rf"^train soft  epoch (\d)/{EPOCHS}  loss \S+  val BLEU-4 \S+  \d+ captions/s"
+    progress = re.findall(pattern, said, re.M)
+    assert sorted(set(progress)) == [str(e) for e in range(1, EPOCHS + 1)], said[-3000:]
 
     # placement: every epoch ran on both nodes, one worker each (STRICT_SPREAD); which rank
     # lands on which node is Ray's choice. Epochs in the hook count from 0.
@@ -240,12 +229,12 @@ def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoi
     for epoch in range(EPOCHS):
         nodes = {e["node2"] for e in entries if e["epoch"] == epoch}
         assert nodes == {False, True}, (epoch, entries)
-    # the kill hit mid-run (epoch 2 of 0..3 had started) and new workers resumed from the store
+    # the kill hit mid-run (KILL_EPOCH had started) and new workers resumed from the store
     killed = {e["pid"] for e in before if e["node2"]}
     after = [e for e in entries if e["node2"] and e["pid"] not in killed]
     assert len(killed) == 1 and after, "no worker on node2 restarted: the kill missed the run"
-    assert max(e["epoch"] for e in before) == 2
-    assert after[0]["epoch"] == 2  # the checkpoint of epochs 0-1 in S3 was the resume point
+    assert max(e["epoch"] for e in before) == KILL_EPOCH
+    assert after[0]["epoch"] == KILL_EPOCH  # resumed from the epoch before's checkpoint in S3
     assert max(e["epoch"] for e in after) == EPOCHS - 1
 
     # each epoch logged once to the tracking server

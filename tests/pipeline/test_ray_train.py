@@ -233,10 +233,20 @@ def test_storage_path_must_be_absolute(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("java") is None, reason="validation BLEU needs Java")
 def test_train_with_ray_writes_the_model_folder_and_logs_each_epoch(
-    ray_local: object, tiny_project: Path
+    ray_local: object, tiny_project: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     params = load_params(tiny_project / "params.yaml")
     outcome = train_with_ray(params, "soft", project_root=tiny_project)
+    # the driver printed one progress line per epoch, the last with nothing left to run
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train ")]
+    number = r"\d+\.\d+"
+    pattern = (
+        rf"train soft  epoch (\d)/2  loss {number}  val BLEU-4 {number}  \d+ captions/s  ETA (\S+)"
+    )
+    matches = [re.fullmatch(pattern, line) for line in lines]
+    assert all(matches), lines
+    assert [(m[1], m[2]) for m in matches if m][-1] == ("2", "0s")
+    assert [m[1] for m in matches if m] == ["1", "2"]
     model_dir = tiny_project / "models" / "soft"
     assert outcome.model_dir == model_dir
     files = ("model.pt", "config.json", "vocab.json", "train_metrics.json", "curves.csv")

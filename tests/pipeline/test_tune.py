@@ -102,6 +102,21 @@ def test_tiny_sweep_records_parent_and_child_runs_and_best_params(
     assert set(best["params"]) == {"train.soft.lr", "train.soft.doubly_stochastic"}
     out = capsys.readouterr().out
     assert f"{best['score']:.4f}" in out
+    # the trial table: a header, then rows of trial, status, epoch, searched values, BLEU-4
+    table = out.splitlines()
+    header = next(i for i, line in enumerate(table) if line.startswith("trial "))
+    assert table[header].split() == [
+        "trial",
+        "status",
+        "epoch",
+        "lr",
+        "doubly_stochastic",
+        "val_bleu_4",
+    ]
+    rows = [line.split() for line in table[header + 1 :] if len(line.split()) == 6]
+    assert sum(row[1] == "done" for row in rows) == 3  # every trial ended, none in error
+    assert {row[1] for row in rows} <= {"running", "done"}
+    assert all(row[2] in {"1", "2"} for row in rows if row[1] == "running")
 
     params = load_params(tiny_project / "params.yaml")
     tracking = connect(params.mlflow, tiny_project)

@@ -1,0 +1,215 @@
+"""Progress on the driver: one line per Ray Train epoch, one table row per Tune trial result.
+
+Ray Train runs the training function on workers and its callbacks on a controller actor, whose
+output never reaches the driver's terminal (``log_to_driver`` is off: every worker's output would
+flood it). :func:`epoch_progress` therefore gives Ray Train a ``UserCallback`` that sends each
+epoch's reports, all ranks' at once, to a ``ray.util.queue.Queue``; a thread of the driver
+prints them, one line per epoch::
+
+    train soft  epoch 3/10  loss 3.412  val BLEU-4 0.1234  612 captions/s  ETA 2m10s
+
+Throughput is the captions every rank trained on, summed, over the slowest rank's training
+seconds (validation excluded); the ETA is the epochs still allowed by ``max_epochs`` times the
+mean epoch time so far (early stopping may end the run sooner). In a Ray Job the driver's
+output is the job's log, so the lines reach ``sat ... --address`` too.
+
+:func:`trial_table` is the Tune counterpart, a Tune callback on the driver: a header, then one
+row per trial result (trial, epoch, its searched values, val BLEU-4) and one when a trial ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from . import ray_runtime  # noqa: F401  (loopback env before ray is imported)
+
+__all__ = [
+    "EpochProgress",
+    "EpochReport",
+    "epoch_progress",
+    "format_duration",
+    "format_epoch_line",
+    "trial_table",
+]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    """One epoch of a Ray Train run, from every rank's ``ray.train.report`` metrics."""
+
+    epoch: int
+    loss: float  # mean over ranks of each rank's mean training loss
+    val_bleu_4: float | None  # rank 0 validates; None when no rank reported it
+    captions: int  # trained on, summed over ranks
+    train_seconds: float  # the slowest rank's training pass
+    seconds: float  # the slowest rank's epoch: training and validation
+
+    @property
+    def captions_per_s(self) -> float:
+        return self.captions / self.train_seconds if self.train_seconds > 0 else 0.0
+
+    @classmethod
+    def from_ranks(cls, metrics: Sequence[Mapping[str, Any]]) -> EpochReport:
+        """From ``metrics[rank]``, each with ``epoch``, ``train_loss``, ``captions``,
+        ``train_seconds``, ``epoch_seconds`` (what ``pipeline.ray_train`` reports)."""
+        bleu = [m["val_bleu_4"] for m in metrics if m.get("val_bleu_4") is not None]
+        return cls(
+            epoch=int(metrics[0]["epoch"]),
+            loss=sum(float(m["train_loss"]) for m in metrics) / len(metrics),
+            val_bleu_4=float(bleu[0]) if bleu else None,
+            captions=sum(int(m["captions"]) for m in metrics),
+            train_seconds=max(float(m["train_seconds"]) for m in metrics),
+            seconds=max(float(m["epoch_seconds"]) for m in metrics),
+        )
+
+
+def format_duration(seconds: float) -> str:
+    """``2m10s``, ``1h05m``, ``45s``: the ETA's resolution, not more."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def format_epoch_line(label: str, report: EpochReport, max_epochs: int, eta_s: float) -> str:
+    bleu = "-" if report.val_bleu_4 is None else f"{report.val_bleu_4:.4f}"
+    return (
+        f"{label}  epoch {report.epoch}/{max_epochs}  loss {report.loss:.3f}  val BLEU-4 {bleu}"
+        f"  {report.captions_per_s:.0f} captions/s  ETA {format_duration(eta_s)}"
+    )
+
+
+def _queueing_callback(queue: Any) -> Any:
+    """A Ray Train ``UserCallback`` (it runs on the controller) putting every rank's metrics of
+    each epoch into ``queue``, as Tune's own ``TuneReportCallback`` forwards its metrics."""
+    from ray.exceptions import RayActorError
+    from ray.train import UserCallback
+
+    class QueueingCallback(UserCallback):
+        def after_report(
+            self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any
+        ) -> None:
+            try:
+                queue.put(list(metrics))
+            except RayActorError:  # the driver is gone: a lost line must not fail the run
+                _log.warning("progress queue lost: epoch %s not shown", metrics[0].get("epoch"))
+
+    return QueueingCallback()
+
+
+@dataclass
+class EpochProgress:
+    """What :func:`epoch_progress` yields: the callback for ``fit_on_ray`` and, on the driver,
+    every epoch's report so far (restarted epochs included, in the order they came)."""
+
+    callback: Any  # a ray.train.UserCallback
+    reports: list[EpochReport] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def epoch_progress(
+    label: str, max_epochs: int, *, out: TextIO | None = None
+) -> Iterator[EpochProgress]:
+    """Print one line per epoch of the Ray Train run(s) fitted in the block with
+    ``callbacks=[progress.callback]``; Ray must be initialised. ``out``: default stderr."""
+    import ray
+    from ray.exceptions import RayActorError
+    from ray.util.queue import Queue
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # num_cpus=0: the workers hold every CPU, the queue passes a dict per epoch. On the driver's
+    # node, as Ray Train's controller is: on another node, its loss would fail the run
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+    progress = EpochProgress(_queueing_callback(queue))
+
+    def pump() -> None:
+        with contextlib.suppress(RayActorError):
+            _pump()
+
+    def _pump() -> None:
+        while (metrics := queue.get()) is not None:
+            report = EpochReport.from_ranks(metrics)
+            progress.reports.append(report)
+            mean = sum(r.seconds for r in progress.reports) / len(progress.reports)
+            eta = mean * max(max_epochs - report.epoch, 0)
+            line = format_epoch_line(label, report, max_epochs, eta)
+            print(line, file=out or sys.stderr, flush=True)
+
+    thread = threading.Thread(target=pump, name="sat-epoch-progress", daemon=True)
+    thread.start()
+    try:
+        yield progress
+    finally:
+        with contextlib.suppress(RayActorError):  # gone with its node: nothing left to print
+            queue.put(None)  # after the controller's last report: the pump prints it, stops
+            thread.join(timeout=30)
+        queue.shutdown()
+
+
+def trial_table(columns: Sequence[str], metric: str, out: TextIO | None = None) -> Any:
+    """A Tune callback (on the driver) printing one aligned row per trial result and per trial
+    end: trial, status, epoch, the searched values ``columns`` (dotted keys), ``metric``."""
+    from ray.tune import Callback
+
+    class TrialTable(Callback):
+        """Tune callback on the driver: one aligned row per trial result and per trial end."""
+
+        def __init__(self, columns: Sequence[str], metric: str, out: TextIO | None = None) -> None:
+            self.columns, self.metric, self.out = list(columns), metric, out
+            self.widths = [max(len(_short(c)), 10) for c in self.columns]
+            self.header_done = False
+
+        def _row(self, trial: Any, status: str, result: Mapping[str, Any]) -> None:
+            widths = [8, 8, 5, *self.widths, 10]
+            if not self.header_done:
+                self._print(
+                    ["trial", "status", "epoch", *map(_short, self.columns), self.metric], widths
+                )
+                self.header_done = True
+            values = [f"{trial.config[c]:.4g}" if c in trial.config else "-" for c in self.columns]
+            score = result.get(self.metric)
+            cells = [
+                str(trial.trial_id)[-8:],
+                status,
+                str(result.get("epoch", "-")),
+                *values,
+                "-" if score is None else f"{float(score):.4f}",
+            ]
+            self._print(cells, widths)
+
+        def _print(self, cells: Sequence[str], widths: Sequence[int]) -> None:
+            line = "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+            print(line, file=self.out or sys.stdout, flush=True)
+
+        def on_trial_result(
+            self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
+        ) -> None:
+            self._row(trial, "running", result)
+
+        def on_trial_complete(
+            self, iteration: int, trials: list[Any], trial: Any, **info: Any
+        ) -> None:
+            self._row(trial, "done", trial.last_result or {})
+
+        def on_trial_error(
+            self, iteration: int, trials: list[Any], trial: Any, **info: Any
+        ) -> None:
+            self._row(trial, "error", trial.last_result or {})
+
+    return TrialTable(columns, metric, out)
+
+
+def _short(dotted: str) -> str:
+    """``train.soft.lr`` -> ``lr``: the column heading of a searched value."""
+    return dotted.rsplit(".", 1)[-1]

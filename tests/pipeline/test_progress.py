@@ -1,0 +1,46 @@
+"""The driver's progress line: every rank's report of an epoch summed into one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.progress import EpochReport, format_duration, format_epoch_line
+
+
+def _rank(captions: int, train_s: float, epoch_s: float, loss: float, **val: float) -> dict:
+    return {
+        "epoch": 3,
+        "train_loss": loss,
+        "captions": captions,
+        "train_seconds": train_s,
+        "epoch_seconds": epoch_s,
+        **val,
+    }
+
+
+def test_throughput_sums_the_ranks_captions_over_the_slowest_ranks_training_time() -> None:
+    # rank 0 validates (longer epoch, the only BLEU); rank 1 trains slower
+    report = EpochReport.from_ranks(
+        [_rank(600, 2.0, 5.0, 3.0, val_bleu_4=0.25), _rank(600, 3.0, 3.5, 4.0)]
+    )
+    assert report.captions == 1200
+    assert report.captions_per_s == pytest.approx(400.0)  # 1200 / 3 s
+    assert report.loss == pytest.approx(3.5)
+    assert report.val_bleu_4 == 0.25
+    assert report.seconds == 5.0
+    line = format_epoch_line("train soft", report, max_epochs=10, eta_s=130)
+    assert (
+        line == "train soft  epoch 3/10  loss 3.500  val BLEU-4 0.2500  400 captions/s  ETA 2m10s"
+    )
+
+
+def test_an_epoch_without_validation_shows_a_dash() -> None:
+    report = EpochReport.from_ranks([_rank(10, 1.0, 1.0, 2.0)])
+    assert "val BLEU-4 -  10 captions/s" in format_epoch_line("train hard", report, 3, 0)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(0, "0s"), (59.4, "59s"), (60, "1m00s"), (3725, "1h02m")]
+)
+def test_durations_read_at_the_etas_resolution(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
