@@ -199,7 +199,11 @@ class SoftAttention(nn.Module):
         the gradient for ``projected`` over all steps.
         """
         hidden = 2.0 * self.hidden_proj(hidden)  # (B*k, A)
-        scores: Tensor = _FusedScores.apply(projected, hidden, self.score.weight, sink)
+        # under autocast the projections come out in its lower precision while w_att stays in
+        # the parameters' dtype: the fused function runs in the projections' dtype, as autocast
+        # would run the unfused add, tanh and product; autograd casts w_att's gradient back
+        weight = self.score.weight.to(hidden.dtype)
+        scores: Tensor = _FusedScores.apply(projected.to(hidden.dtype), hidden, weight, sink)
         return scores  # (B*k, L)
 
     def forward(
@@ -270,17 +274,19 @@ class _CollectProjected(torch.autograd.Function):
     def forward(ctx: Any, projected: Tensor, sink: ProjectedGradient) -> Tensor:
         ctx.set_materialize_grads(False)
         ctx.sink = sink
+        ctx.dtype = projected.dtype  # the sink may sum in a wider one (autocast)
         return projected.view_as(projected)
 
     @staticmethod
     def backward(ctx: Any, _none: Tensor | None) -> tuple[Tensor | None, None]:
         grad, ctx.sink.grad = ctx.sink.grad, None
-        return grad, None
+        return None if grad is None else grad.to(ctx.dtype), None
 
 
 class _FusedScores(torch.autograd.Function):
     """2 w_att^T σ(P + q): (B, A, L), (B*k, A), (1, A) -> (B*k, L), a few images at a time; the
-    backward recomputes σ rather than keeping it (``SoftAttention.scores``)."""
+    backward recomputes σ rather than keeping it (``SoftAttention.scores``). The three inputs
+    share one dtype (the caller's cast); autocast is off inside, so that it casts nothing."""
 
     @staticmethod
     def forward(
@@ -288,52 +294,78 @@ class _FusedScores(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(projected, hidden, weight)
         ctx.sink = sink
-        B, A, L = projected.shape
-        k = hidden.size(0) // B  # rows per image (beams)
-        scores = projected.new_empty(B * k, L)
-        weight2 = (2.0 * weight).view(1, 1, A)
-        for b0, b1 in _chunks(B, k * A * L):
-            sig = _sigmoid_of_sum(projected, hidden, b0, b1)  # (rows, A, L)
-            rows = sig.size(0)
-            torch.bmm(weight2.expand(rows, 1, A), sig, out=scores[b0 * k : b1 * k].unsqueeze(1))
-        return scores
+        with torch.autocast(projected.device.type, enabled=False):
+            return _fused_scores(projected, hidden, weight)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor, Tensor, None]:
         projected, hidden, weight = ctx.saved_tensors
-        B, A, L = projected.shape
-        k = hidden.size(0) // B
-        sink: ProjectedGradient | None = ctx.sink
-        out = None  # (B, A, L), ∂/∂P: this step's own or the sink's running sum
-        accumulate = False
-        if ctx.needs_input_grad[0]:
-            held = sink.grad if sink is not None else None
-            accumulate = held is not None
-            out = held if held is not None else projected.new_empty(B, A, L)
-        grad_hidden = hidden.new_empty(B * k, A)
-        grad_weight = weight.new_zeros(A)
-        weight2 = (2.0 * weight).view(1, A, 1)
-        for b0, b1 in _chunks(B, k * A * L):
-            sig = _sigmoid_of_sum(projected, hidden, b0, b1)  # (rows, A, L)
-            g = grad[b0 * k : b1 * k].unsqueeze(1)  # (rows, 1, L)
-            # an elementwise product and a sum, not bmm(σ, g): MKL's batched matrix-vector
-            # product ran ~6x slower than this on (64, 32, 196) on the 2-core CI machine
-            pre = torch.mul(sig, g)  # (rows, A, L), σ g
-            grad_weight += pre.sum((0, 2))  # (A,), Σ σ g
-            pre.addcmul_(pre, sig, value=-1.0)  # σ (1 - σ) g = ∂/∂(P + q) before w_att
-            torch.sum(pre, dim=2, out=grad_hidden[b0 * k : b1 * k])
-            if out is not None:
-                per_image = pre if k == 1 else pre.view(b1 - b0, k, A, L).sum(1)
-                if accumulate:
-                    out[b0:b1].addcmul_(per_image, weight2)
-                else:
-                    torch.mul(per_image, weight2, out=out[b0:b1])
-        grad_hidden.mul_(weight2.view(1, A))
-        grad_projected = out
-        if sink is not None and out is not None:
-            sink.grad, grad_projected = out, None
-        return grad_projected, grad_hidden, (2.0 * grad_weight).view(1, A), None
+        sink = ctx.sink if ctx.needs_input_grad[0] else None
+        with torch.autocast(projected.device.type, enabled=False):
+            grads = _fused_scores_backward(
+                grad.to(projected.dtype), projected, hidden, weight, ctx.needs_input_grad[0], sink
+            )
+        return (*grads, None)
+
+
+def _fused_scores(projected: Tensor, hidden: Tensor, weight: Tensor) -> Tensor:
+    """The forward of ``_FusedScores``: (B*k, L)."""
+    B, A, L = projected.shape
+    k = hidden.size(0) // B  # rows per image (beams)
+    scores = projected.new_empty(B * k, L)
+    weight2 = (2.0 * weight).view(1, 1, A)
+    for b0, b1 in _chunks(B, k * A * L):
+        sig = _sigmoid_of_sum(projected, hidden, b0, b1)  # (rows, A, L)
+        rows = sig.size(0)
+        torch.bmm(weight2.expand(rows, 1, A), sig, out=scores[b0 * k : b1 * k].unsqueeze(1))
+    return scores
+
+
+def _fused_scores_backward(
+    grad: Tensor,
+    projected: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    needs_projected: bool,
+    sink: ProjectedGradient | None,
+) -> tuple[Tensor | None, Tensor, Tensor]:
+    """The backward of ``_FusedScores`` for ``grad`` (B*k, L): the gradients for ``projected``
+    (None when not needed, or when it went into ``sink``), ``hidden`` and ``weight``."""
+    B, A, L = projected.shape
+    k = hidden.size(0) // B
+    out = None  # (B, A, L), ∂/∂P: this step's own or the sink's running sum
+    accumulate = False
+    if needs_projected:
+        held = sink.grad if sink is not None else None
+        accumulate = held is not None
+        # the sink sums over all steps: in float32 at least, whatever autocast's dtype
+        dtype = (
+            projected.dtype if sink is None else torch.promote_types(projected.dtype, torch.float32)
+        )
+        out = held if held is not None else projected.new_empty(B, A, L, dtype=dtype)
+    grad_hidden = hidden.new_empty(B * k, A)
+    grad_weight = weight.new_zeros(A)
+    weight2 = (2.0 * weight).view(1, A, 1)
+    for b0, b1 in _chunks(B, k * A * L):
+        sig = _sigmoid_of_sum(projected, hidden, b0, b1)  # (rows, A, L)
+        g = grad[b0 * k : b1 * k].unsqueeze(1)  # (rows, 1, L)
+        # an elementwise product and a sum, not bmm(σ, g): MKL's batched matrix-vector
+        # product ran ~6x slower than this on (64, 32, 196) on the 2-core CI machine
+        pre = torch.mul(sig, g)  # (rows, A, L), σ g
+        grad_weight += pre.sum((0, 2))  # (A,), Σ σ g
+        pre.addcmul_(pre, sig, value=-1.0)  # σ (1 - σ) g = ∂/∂(P + q) before w_att
+        torch.sum(pre, dim=2, out=grad_hidden[b0 * k : b1 * k])
+        if out is not None:
+            per_image = pre if k == 1 else pre.view(b1 - b0, k, A, L).sum(1)
+            if accumulate:
+                out[b0:b1].addcmul_(per_image, weight2)
+            else:
+                torch.mul(per_image, weight2, out=out[b0:b1])
+    grad_hidden.mul_(weight2.view(1, A))
+    if sink is not None and out is not None:
+        sink.grad, out = out, None
+    return out, grad_hidden, (2.0 * grad_weight).view(1, A)
 
 
 def _chunks(images: int, per_image: int) -> list[tuple[int, int]]:

@@ -96,6 +96,38 @@ def test_every_trainable_parameter_gets_a_gradient(attention: str) -> None:
 
 
 @pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_training_under_bfloat16_autocast_gives_float32_gradients_near_float32_training(
+    attention: str,
+) -> None:
+    """train.mixed_precision: bf16 runs the training pass under autocast; the fused attention
+    scorer must take bf16 activations next to float32 parameters. Hard attention at forced
+    locations, so that both precisions take the same path s̃."""
+    torch.manual_seed(0)
+    model = tiny_model(attention, coordinates=True, grid_w=3, normalize_features=True)
+    annotations, captions = tiny_batch()
+    locations = torch.randint(0, L, (4, captions.size(1) - 1)) if attention == "hard" else None
+    cfg = SoftTrainConfig(doubly_stochastic=1.0) if attention == "soft" else HardTrainConfig()
+    runs = []
+    for autocast in (False, True):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(annotations, captions, locations=locations)
+            loss = build_criterion(attention, cfg)(out, captions).loss
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss32, grads32), (loss16, grads16) = runs
+    assert torch.isfinite(loss16)
+    # bfloat16 keeps 8 bits of mantissa (~0.4 %): the loss within a few percent of float32's
+    torch.testing.assert_close(loss16.float(), loss32, rtol=0.05, atol=0.0)
+    for name, p in model.named_parameters():
+        g = grads16[name]
+        assert g is not None and g.dtype == p.dtype, f"{name}: {None if g is None else g.dtype}"
+        assert torch.isfinite(g).all(), name
+        cosine = torch.nn.functional.cosine_similarity(g.flatten(), grads32[name].flatten(), 0)
+        assert cosine > 0.98, f"{name}: cosine {cosine:.3f} to the float32 gradient"
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_no_nans_on_random_tensors(attention: str) -> None:
     torch.manual_seed(1)
     model = tiny_model(attention, dropout=0.5)

@@ -130,14 +130,7 @@ def test_same_seed_gives_identical_parameters_after_an_epoch() -> None:
     "dtype",
     [
         None,
-        pytest.param(
-            torch.bfloat16,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="not done: the fused attention scorer (model.py) mixes float32 and bf16 "
-                "under autocast (RuntimeError: expected scalar type Float but found BFloat16)",
-            ),
-        ),
+        torch.bfloat16,
     ],
 )
 def test_bf16_autocast_runs_the_forward_pass_in_bf16_and_trains_float32_weights(dtype) -> None:
