@@ -174,6 +174,30 @@ def test_batched_and_one_image_decoding_agree_across_the_two_lstm_kernels(
     assert set(rows_through_lstm) == {18}  # one image at a time never reached torch.lstm
 
 
+def test_batched_and_one_image_decoding_agree_at_the_papers_sizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the paper's decoder (m, n, A = 512, 1800, 512; L = 196, D = 512; K = 10,000), random
+    # weights: the batch of 3 images x 3 beams through torch.lstm (limit lowered to 9), one
+    # image (3 rows) through nn.LSTMCell, and where the batch is split into chunks of images
+    monkeypatch.setattr(model_module, "ONEDNN_LSTM_MIN_ROWS", 9)
+    monkeypatch.setattr(model_module, "SCORE_CHUNK_ELEMENTS", 2 * 3 * 512 * 196)
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=10_000, annotation_dim=512, num_locations=196, embed_dim=512,
+                         hidden_dim=1800, attention_dim=512, dropout=0.5, gate=True,
+                         attention="soft")  # fmt: skip
+    model = ShowAttendTell(config)
+    with torch.no_grad():
+        model.out.weight.mul_(3.0)
+    annotations = torch.randn(3, 196, 512, generator=torch.Generator().manual_seed(0))
+    batched = beam_search(model, annotations, beam_size=3, max_length=5)
+    for image, b in zip(annotations, batched, strict=True):
+        (alone,) = beam_search(model, image.unsqueeze(0), beam_size=3, max_length=5)
+        assert alone.tokens == b.tokens
+        assert alone.score == pytest.approx(b.score, abs=1e-4)
+        np.testing.assert_allclose(alone.alphas, b.alphas, atol=1e-6)
+
+
 def test_captions_carry_one_attention_map_per_word() -> None:
     model = random_model(5, end_bias=2.0)
     for c in beam_search(model, random_annotations(5), beam_size=3, max_length=10):
