@@ -70,13 +70,23 @@ def _lite0_model_dir(directory: Path) -> None:
     from sat_model.model.decoder import build_model
 
     d = build_encoder("efficientnet_lite0").description
-    vocab = Vocab(("<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(996)]), 1,
-                  10_000, 20)  # fmt: skip
-    model = build_model(ModelParams(), vocab_size=len(vocab), annotation_dim=d.annotation_dim,
-                        num_locations=d.num_locations, attention="soft")  # fmt: skip
-    save_checkpoint(directory, model_config=model.config, vocab=vocab,
-                    model_state=model.state_dict(),
-                    extra_config={"encoder": {**d.to_dict(), "resize": 256}})  # fmt: skip
+    vocab = Vocab(
+        ("<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(996)]), 1, 10_000, 20
+    )
+    model = build_model(
+        ModelParams(),
+        vocab_size=len(vocab),
+        annotation_dim=d.annotation_dim,
+        num_locations=d.num_locations,
+        attention="soft",
+    )
+    save_checkpoint(
+        directory,
+        model_config=model.config,
+        vocab=vocab,
+        model_state=model.state_dict(),
+        extra_config={"encoder": {**d.to_dict(), "resize": 256}},
+    )
 
 
 def bench_captioning(files: list[Path], beam_size: int, max_length: int) -> dict[str, float]:
@@ -90,9 +100,13 @@ def bench_captioning(files: list[Path], beam_size: int, max_length: int) -> dict
     images = [decode_image_input(f) for f in files]
     captioner.caption(images)
     seconds = time.perf_counter() - start
-    return {"caption_images": len(files), "caption_seconds": seconds,
-            "caption_images_per_s": len(files) / seconds, "beam_size": beam_size,
-            "max_length": max_length}  # fmt: skip
+    return {
+        "caption_images": len(files),
+        "caption_seconds": seconds,
+        "caption_images_per_s": len(files) / seconds,
+        "beam_size": beam_size,
+        "max_length": max_length,
+    }
 
 
 def main() -> None:

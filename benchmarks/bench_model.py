@@ -159,8 +159,9 @@ def _captions(batch: int, steps: int, vocab: int, gen: torch.Generator) -> torch
 def bench_training(d: Dims, attention: str, batch: int, steps: int, iters: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     params = ModelParams(embed_dim=d.m, hidden_dim=d.n, attention_dim=d.A)
-    model = build_model(params, vocab_size=d.K, annotation_dim=d.D, num_locations=d.L,
-                        attention=attention)  # fmt: skip
+    model = build_model(
+        params, vocab_size=d.K, annotation_dim=d.D, num_locations=d.L, attention=attention
+    )
     cfg = SoftTrainConfig() if attention == "soft" else HardTrainConfig()
     criterion = build_criterion(attention, cfg)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -193,9 +194,17 @@ def bench_against_reference(
     (benchmarks/reference_model.py) at the same sizes, soft attention with the doubly
     stochastic term, Adam, captions of 8-20 words; interleaved rounds, best of each."""
     gen = torch.Generator().manual_seed(0)
-    config = ModelConfig(vocab_size=d.K, annotation_dim=d.D, num_locations=d.L, embed_dim=d.m,
-                         hidden_dim=d.n, attention_dim=d.A, dropout=0.5, gate=True,
-                         attention="soft")  # fmt: skip
+    config = ModelConfig(
+        vocab_size=d.K,
+        annotation_dim=d.D,
+        num_locations=d.L,
+        embed_dim=d.m,
+        hidden_dim=d.n,
+        attention_dim=d.A,
+        dropout=0.5,
+        gate=True,
+        attention="soft",
+    )
     ours, theirs = ShowAttendTell(config), ShowAttendTell(config)
     theirs.load_state_dict(ours.state_dict())
     criterion = build_criterion("soft", SoftTrainConfig(doubly_stochastic=doubly_stochastic))
@@ -247,9 +256,17 @@ def bench_beam(
     d: Dims, images: int, beam: int, max_length: int, device: str = "cpu", rounds: int = 10
 ) -> dict:
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=d.K, annotation_dim=d.D, num_locations=d.L, embed_dim=d.m,
-                         hidden_dim=d.n, attention_dim=d.A, dropout=0.5, gate=True,
-                         attention="soft")  # fmt: skip
+    config = ModelConfig(
+        vocab_size=d.K,
+        annotation_dim=d.D,
+        num_locations=d.L,
+        embed_dim=d.m,
+        hidden_dim=d.n,
+        attention_dim=d.A,
+        dropout=0.5,
+        gate=True,
+        attention="soft",
+    )
     model = ShowAttendTell(config).to(device)
     with torch.no_grad():
         model.out.bias[END_ID] = -1e4  # every caption runs to max_length: equal work both ways

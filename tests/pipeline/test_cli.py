@@ -36,14 +36,31 @@ def _write_project(root):
     images = root / "data" / "prepared" / "images"
     images.mkdir(parents=True)
     rng = np.random.default_rng(0)
-    box = dict(label="large red circle", shape="circle", colour="red", size="large",
-               x0=0.0, y0=0.0, x1=80.0, y1=60.0)  # fmt: skip
+    box = dict(
+        label="large red circle",
+        shape="circle",
+        colour="red",
+        size="large",
+        x0=0.0,
+        y0=0.0,
+        x1=80.0,
+        y1=60.0,
+    )
     rows, pixels = [], []
     for image_id in IDS:
         photo = Image.fromarray(rng.integers(0, 256, (60, 80, 3), dtype=np.uint8))
         photo.save(images / f"{image_id}.png")
-        rows.append(dict(image_id=image_id, split="test", file=f"{image_id}.png", width=80,
-                         height=60, status="ok", boxes=[box]))  # fmt: skip
+        rows.append(
+            dict(
+                image_id=image_id,
+                split="test",
+                file=f"{image_id}.png",
+                width=80,
+                height=60,
+                status="ok",
+                boxes=[box],
+            )
+        )
         pixels.append(photo)
     table = pa.Table.from_pylist(rows).replace_schema_metadata(
         {"image_root": str(images), "source": "synthetic"}
@@ -58,8 +75,9 @@ def _write_project(root):
 
     d = encoder.description
     batch = torch.stack([preprocess(p, 72, 64, d.mean, d.std) for p in pixels])  # (B, 3, S, S)
-    meta = FeatureMeta(d.name, d.layer, 64, d.num_locations, d.annotation_dim, d.grid_h,
-                       d.grid_w, d.weights_sha256)  # fmt: skip
+    meta = FeatureMeta(
+        d.name, d.layer, 64, d.num_locations, d.annotation_dim, d.grid_h, d.grid_w, d.weights_sha256
+    )
     with FeatureWriter(root / "data" / "features" / "test.arrow", meta) as writer:
         writer.write(IDS, encoder(batch).detach().numpy())
     (root / "params.yaml").write_text(PARAMS)
@@ -77,8 +95,9 @@ def test_caption_with_a_model_folder_reports_bad_images_and_keeps_going(project,
     bad = project / "bad.jpg"
     bad.write_bytes(b"not a jpeg")
     good = project / "data" / "prepared" / "images" / "t0.png"
-    code = main(["caption", str(good), str(bad), "--model", "models/soft", "--attention-out",
-                 "overlays"])  # fmt: skip
+    code = main(
+        ["caption", str(good), str(bad), "--model", "models/soft", "--attention-out", "overlays"]
+    )
     out, err = capsys.readouterr()
     assert code == 0
     (line,) = out.strip().splitlines()

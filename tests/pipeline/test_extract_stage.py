@@ -51,9 +51,15 @@ def _project(root: Path, encoder: str, crop: int, resize: int) -> Path:
     ).replace_schema_metadata({"image_root": str(prepared / "images"), "source": "synthetic"})
     pq.write_table(table, prepared / "images.parquet")
     params = {
-        "encoder": {"name": encoder, "resize": resize, "crop": crop, "batch_size": 2,
-                    "num_workers": 0, "torch_threads": 1},
-    }  # fmt: skip
+        "encoder": {
+            "name": encoder,
+            "resize": resize,
+            "crop": crop,
+            "batch_size": 2,
+            "num_workers": 0,
+            "torch_threads": 1,
+        },
+    }
     (root / "params.yaml").write_text(json.dumps(params))  # JSON is YAML
     return root
 
@@ -63,8 +69,10 @@ def test_local_stage_writes_stores_and_report(tmp_path: Path, monkeypatch) -> No
     assert main(["-S", "encoder.num_workers=1"]) == 0
     features = tmp_path / "data" / "features"
     assert sorted(p.name for p in features.iterdir()) == [
-        "extract_report.json", "train.arrow", "val.arrow"
-    ]  # fmt: skip
+        "extract_report.json",
+        "train.arrow",
+        "val.arrow",
+    ]
     assert FeatureStore(features / "train.arrow").ids == ["t0", "t1", "t2", "t3"]
     report = json.loads((features / "extract_report.json").read_text())
     assert report["engine"] == "local"

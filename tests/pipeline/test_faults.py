@@ -59,16 +59,27 @@ def _extract_project(root: Path, count: int) -> None:
         }
     ).replace_schema_metadata({"image_root": str(prepared / "images"), "source": "synthetic"})
     pq.write_table(table, prepared / "images.parquet")
-    params = {"encoder": {"name": "random", "resize": 36, "crop": 32, "batch_size": 2,
-                          "num_workers": 0, "torch_threads": 1}}  # fmt: skip
+    params = {
+        "encoder": {
+            "name": "random",
+            "resize": 36,
+            "crop": 32,
+            "batch_size": 2,
+            "num_workers": 0,
+            "torch_threads": 1,
+        }
+    }
     (root / "params.yaml").write_text(json.dumps(params))
 
 
 def _extract(root: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "pipeline.stages.extract"],
-        cwd=root, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        cwd=root,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 @pytest.mark.slow
@@ -133,11 +144,21 @@ def _free_port() -> int:
 
 def _start_server(root: Path, port: int) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "mlflow", "server",
-        "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
-        "--artifacts-destination", str(root / "server-artifacts"),
-        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'server.db'}",
+        "--artifacts-destination",
+        str(root / "server-artifacts"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     log = (root / "server.log").open("ab")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_env())
     deadline = time.monotonic() + 120
@@ -181,8 +202,12 @@ def _register(root: Path, uri: str) -> tuple[int, str, float]:
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "pipeline.stages.register"],
-        cwd=root, env=_env(MLFLOW_TRACKING_URI=uri), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=root,
+        env=_env(MLFLOW_TRACKING_URI=uri),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return done.returncode, done.stdout + done.stderr, time.monotonic() - start
 
 
@@ -270,8 +295,10 @@ def _evaluate_project(root: Path) -> None:
     ids = ["t0", "t1"]
     for image_id in ids:
         Image.new("RGB", (40, 40), (200, 30, 30)).save(prepared / "images" / f"{image_id}.png")
-    rows = [dict(image_id=i, split="test", file=f"{i}.png", width=40, height=40, status="ok",
-                 boxes=[]) for i in ids]  # fmt: skip
+    rows = [
+        dict(image_id=i, split="test", file=f"{i}.png", width=40, height=40, status="ok", boxes=[])
+        for i in ids
+    ]
     table = pa.Table.from_pylist(rows).replace_schema_metadata(
         {"image_root": str(prepared / "images"), "source": "flickr8k"}
     )
@@ -279,8 +306,9 @@ def _evaluate_project(root: Path) -> None:
     write_references(prepared / "captions.parquet", {i: ["a red circle"] for i in ids})
     write_tiny_model(root / "models" / "soft", crop=32, resize=36)
     d = build_encoder("random", input_size=32).description
-    meta = FeatureMeta(d.name, d.layer, 32, d.num_locations, d.annotation_dim, d.grid_h,
-                       d.grid_w, d.weights_sha256)  # fmt: skip
+    meta = FeatureMeta(
+        d.name, d.layer, 32, d.num_locations, d.annotation_dim, d.grid_h, d.grid_w, d.weights_sha256
+    )
     rng = np.random.default_rng(0)
     with FeatureWriter(root / "data" / "features" / "test.arrow", meta) as writer:
         writer.write(ids, rng.standard_normal((2, d.num_locations, d.annotation_dim)))

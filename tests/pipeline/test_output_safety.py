@@ -31,8 +31,11 @@ def _checkpoint(path: Path, weights: bytes) -> Path:
 def _sat(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pipeline.cli", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_copy_checkpoint_never_replaces_a_folder_sat_did_not_write(tmp_path: Path) -> None:

@@ -11,9 +11,18 @@ from pipeline.stages.prepare import main
 IMAGE_COLUMNS = ["image_id", "split", "file", "width", "height", "status", "boxes"]
 CAPTION_COLUMNS = ["image_id", "split", "file", "caption_index", "raw", "tokens"]
 REPORT_KEYS = {
-    "images_total", "images_ok", "images_skipped", "captions_total", "captions_kept",
-    "captions_skipped", "vocab_size", "images_train", "images_val", "images_test", "skipped",
-}  # fmt: skip
+    "images_total",
+    "images_ok",
+    "images_skipped",
+    "captions_total",
+    "captions_kept",
+    "captions_skipped",
+    "vocab_size",
+    "images_train",
+    "images_val",
+    "images_test",
+    "skipped",
+}
 
 TINY = """\
 data:

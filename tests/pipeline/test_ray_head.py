@@ -35,10 +35,23 @@ def test_head_is_stopped_when_the_command_fails(tmp_path: Path) -> None:
     env = loopback_env()
     env.pop("RAY_ADDRESS", None)
     out = subprocess.run(
-        [sys.executable, "-m", "pipeline.ray_head", "--params", str(params), "--",
-         sys.executable, "-c", _FAILING_STAGE, str(seen)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pipeline.ray_head",
+            "--params",
+            str(params),
+            "--",
+            sys.executable,
+            "-c",
+            _FAILING_STAGE,
+            str(seen),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 3, out.stderr[-2000:]  # the command's own exit code
     host, port = seen.read_text().split(":")
     assert host == "127.0.0.1"
@@ -54,9 +67,21 @@ def test_a_given_address_starts_no_head(tmp_path: Path) -> None:
     code = "import os, sys; sys.exit(0 if 'RAY_AUTH_MODE' not in os.environ else 5)"
     env.pop("RAY_AUTH_MODE", None)
     out = subprocess.run(
-        [sys.executable, "-m", "pipeline.ray_head", "--params", str(params), "--",
-         sys.executable, "-c", code],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pipeline.ray_head",
+            "--params",
+            str(params),
+            "--",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Ray head" not in out.stdout

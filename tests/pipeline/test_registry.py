@@ -96,11 +96,21 @@ def start_mlflow_server(root: Path) -> tuple[str, subprocess.Popen]:
     """A real tracking server (SQLite backend, local artifact store) on a free loopback port."""
     port = _free_port()
     command = [
-        sys.executable, "-m", "mlflow", "server",
-        "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-        "--artifacts-destination", str(root / "mlartifacts"),
-        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(root / "mlartifacts"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     log = (root / "server.log").open("wb")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     uri = f"http://127.0.0.1:{port}"
@@ -131,10 +141,15 @@ def server(tmp_path_factory):
 
 def _register(client, model_dir, bleu_4, experiment_id):
     return log_and_register(
-        client, model_dir=model_dir, model_name=NAME, experiment_id=experiment_id,
-        metrics={"bleu_4": bleu_4, "cider": 0.5}, params={"model.embed_dim": "8"},
-        tags={"sat.attention": "soft", "mlflow.source.git.commit": "abc"}, run_name="t",
-    )  # fmt: skip
+        client,
+        model_dir=model_dir,
+        model_name=NAME,
+        experiment_id=experiment_id,
+        metrics={"bleu_4": bleu_4, "cider": 0.5},
+        params={"model.embed_dim": "8"},
+        tags={"sat.attention": "soft", "mlflow.source.git.commit": "abc"},
+        run_name="t",
+    )
 
 
 @pytest.mark.mlflow
@@ -157,8 +172,9 @@ def test_register_dedup_promote_and_caption_over_http(server, tmp_path, monkeypa
     assert promote_if_better(client, NAME, first.version, "bleu_4").promoted  # no champion yet
 
     # a retry of the same checkpoint (copied elsewhere) reuses version 1
-    again = _register(client, Path(shutil.copytree(tmp_path / "m1", tmp_path / "m1b")), 0.2,
-                      experiment_id)  # fmt: skip
+    again = _register(
+        client, Path(shutil.copytree(tmp_path / "m1", tmp_path / "m1b")), 0.2, experiment_id
+    )
     assert (again.version, again.reused) == ("1", True)
 
     worse = _register(

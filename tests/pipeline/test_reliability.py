@@ -133,12 +133,21 @@ def test_prepare_stage_skips_each_bad_image_with_its_reason_and_keeps_odd_ones(
 
     _flickr_layout(tmp_path / "flickr")
     params = {
-        "data": {"source": "flickr8k", "root": "flickr", "prepared_dir": "prepared",
-                 "max_bad_fraction": 1.0, "vocab": {"min_count": 1},
-                 "flickr8k": {"images_dir": "imgs", "token_file": "tokens.txt",
-                              "train_list": "train.txt", "val_list": "val.txt",
-                              "test_list": "test.txt"}},
-    }  # fmt: skip
+        "data": {
+            "source": "flickr8k",
+            "root": "flickr",
+            "prepared_dir": "prepared",
+            "max_bad_fraction": 1.0,
+            "vocab": {"min_count": 1},
+            "flickr8k": {
+                "images_dir": "imgs",
+                "token_file": "tokens.txt",
+                "train_list": "train.txt",
+                "val_list": "val.txt",
+                "test_list": "test.txt",
+            },
+        },
+    }
     (tmp_path / "params.yaml").write_text(json.dumps(params))
     monkeypatch.chdir(tmp_path)
     assert main([]) == 0
@@ -185,8 +194,16 @@ def test_extract_stage_skips_bad_and_escaping_rows_and_extracts_every_odd_image(
     from sat_model.features.store import FeatureStore
 
     _image_table(tmp_path)
-    params = {"encoder": {"name": "random", "resize": 36, "crop": 32, "batch_size": 3,
-                          "num_workers": 0, "torch_threads": 1}}  # fmt: skip
+    params = {
+        "encoder": {
+            "name": "random",
+            "resize": 36,
+            "crop": 32,
+            "batch_size": 3,
+            "num_workers": 0,
+            "torch_threads": 1,
+        }
+    }
     (tmp_path / "params.yaml").write_text(json.dumps(params))
     monkeypatch.chdir(tmp_path)
     assert main([]) == 0
@@ -301,9 +318,17 @@ def _damage(model: Path, how: str, marker: Path) -> str:
         (model / "model.pt").write_bytes(data[: len(data) // 2])
         return "corrupted"
     other = Vocab(("<pad>", "<start>", "<end>", "<unk>", "a", "blue", "square"), 1, 100, 20)
-    (model / "vocab.json").write_text(json.dumps({"format_version": 1, "itos": list(other.itos),
-                                                  "min_count": 1, "max_size": 100,
-                                                  "max_caption_length": 20}))  # fmt: skip
+    (model / "vocab.json").write_text(
+        json.dumps(
+            {
+                "format_version": 1,
+                "itos": list(other.itos),
+                "min_count": 1,
+                "max_size": 100,
+                "max_caption_length": 20,
+            }
+        )
+    )
     return "vocab"
 
 
@@ -347,8 +372,14 @@ def test_training_on_a_truncated_feature_store_names_the_file(
     store.write_bytes(store.read_bytes()[: store.stat().st_size // 2])
     params = load_params(project / "params.yaml")
     with pytest.raises(FeatureStoreError, match=r"train\.arrow"):
-        train_model(params, "soft", project / "data" / "prepared", project / "data" / "features",
-                    project / "models", device="cpu")  # fmt: skip
+        train_model(
+            params,
+            "soft",
+            project / "data" / "prepared",
+            project / "data" / "features",
+            project / "models",
+            device="cpu",
+        )
     assert not (project / "models" / "soft" / "model.pt").exists()
 
 

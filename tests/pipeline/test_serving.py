@@ -122,18 +122,25 @@ def served(tmp_path_factory):
         client = MlflowClient(tracking)
         model_dir = write_tiny_model(root / "model", words=sorted(WORDS), resize=72)
         registered = log_and_register(
-            client, model_dir=model_dir, model_name=NAME,
-            experiment_id=client.create_experiment("serving"), metrics={"bleu_4": 0.1},
-            params={}, tags={"attention": "soft"},
-        )  # fmt: skip
+            client,
+            model_dir=model_dir,
+            model_name=NAME,
+            experiment_id=client.create_experiment("serving"),
+            metrics={"bleu_4": 0.1},
+            params={},
+            tags={"attention": "soft"},
+        )
         promote_if_better(client, NAME, registered.version, "bleu_4")
         (root / "params.yaml").write_text(PARAMS)
         serve_port = _free_port()
         env = {**os.environ, "MLFLOW_TRACKING_URI": tracking}
         scoring = _start(
             [str(SAT), "serve", "--params", str(root / "params.yaml"), "--port", str(serve_port)],
-            f"http://127.0.0.1:{serve_port}/ping", root / "serve.log", env=env, cwd=root,
-        )  # fmt: skip
+            f"http://127.0.0.1:{serve_port}/ping",
+            root / "serve.log",
+            env=env,
+            cwd=root,
+        )
         try:
             yield Served(f"http://127.0.0.1:{serve_port}", scoring.pid, tracking, root)
         finally:

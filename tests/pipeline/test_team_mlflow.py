@@ -62,9 +62,13 @@ def _env(url: str) -> dict[str, str]:
 
 def run(team: Team, *cmd: str) -> str:
     out = subprocess.run(
-        list(cmd), cwd=team.project, env=_env(team.url), capture_output=True, text=True,
+        list(cmd),
+        cwd=team.project,
+        env=_env(team.url),
+        capture_output=True,
+        text=True,
         timeout=900,
-    )  # fmt: skip
+    )
     assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout}\n{out.stderr}"
     return out.stdout + out.stderr
 
@@ -146,8 +150,9 @@ def test_promote_then_load_the_champion_from_a_second_process(team: Team) -> Non
 
     client = MlflowClient(team.url)
     before = client.get_model_version_by_alias(NAME, "champion").version
-    other = next(v.version for v in client.search_model_versions(f"name='{NAME}'")
-                 if v.version != before)  # fmt: skip
+    other = next(
+        v.version for v in client.search_model_versions(f"name='{NAME}'") if v.version != before
+    )
     run(team, str(Path(sys.executable).parent / "sat"), "promote", "--version", str(other))
     assert client.get_model_version_by_alias(NAME, "champion").version == other
 
@@ -166,8 +171,9 @@ def test_from_the_champion_to_its_training_run(team: Team) -> None:
     training = client.get_run(version.run_id)  # the version's run IS the training run
     assert training.data.tags["sat.attention"] == attention
     assert training.data.tags["sat.checkpoint_sha256"] == version.tags["sat.checkpoint_sha256"]
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=team.project, capture_output=True,
-                          text=True, check=True).stdout.strip()  # fmt: skip
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=team.project, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert training.data.tags["mlflow.source.git.commit"] == head
     assert training.data.params[f"train.{attention}.max_epochs"] == "1"
 
@@ -184,12 +190,18 @@ def test_from_the_champion_to_its_training_run(team: Team) -> None:
         assert training.data.metrics[key] == pytest.approx(report[key])
     artifacts = {a.path for a in client.list_artifacts(training.info.run_id, "evaluation")}
     artifacts |= {a.path for a in client.list_artifacts(training.info.run_id, "training")}
-    assert artifacts >= {"evaluation/captions.json", "evaluation/metrics.json",
-                         "evaluation/attention", "training/curves.csv"}  # fmt: skip
+    assert artifacts >= {
+        "evaluation/captions.json",
+        "evaluation/metrics.json",
+        "evaluation/attention",
+        "training/curves.csv",
+    }
 
     lock = yaml.safe_load((team.project / "dvc.lock").read_text())["stages"]
-    expected = {"prepared": lock["prepare"]["outs"][0]["md5"],
-                "features": lock["extract"]["outs"][0]["md5"]}  # fmt: skip
+    expected = {
+        "prepared": lock["prepare"]["outs"][0]["md5"],
+        "features": lock["extract"]["outs"][0]["md5"],
+    }
     inputs = {d.dataset.name: d.dataset.digest for d in training.inputs.dataset_inputs}
     assert inputs == expected
 

@@ -115,9 +115,12 @@ def test_train_state_travels_beside_the_moving_average_and_is_optional(tmp_path:
     assert load_checkpoint(path).train_state is None  # saved without one
     trained = {k: v + 1.0 for k, v in model.state_dict().items()}
     save_checkpoint(
-        tmp_path / "ema", model_config=model.config, vocab=vocab,
-        model_state=model.state_dict(), train_state=trained,
-    )  # fmt: skip
+        tmp_path / "ema",
+        model_config=model.config,
+        vocab=vocab,
+        model_state=model.state_dict(),
+        train_state=trained,
+    )
     ckpt = load_checkpoint(tmp_path / "ema")
     for name, value in trained.items():
         assert torch.equal(ckpt.train_state[name], value), name

@@ -27,9 +27,16 @@ WORDS = ["a", "red", "circle", "square"]
 
 def _config(vocab_size: int, **changes: object) -> ModelConfig:
     values = dict(
-        vocab_size=vocab_size, annotation_dim=5, num_locations=6, embed_dim=8, hidden_dim=12,
-        attention_dim=7, dropout=0.0, gate=True, attention="soft",
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        annotation_dim=5,
+        num_locations=6,
+        embed_dim=8,
+        hidden_dim=12,
+        attention_dim=7,
+        dropout=0.0,
+        gate=True,
+        attention="soft",
+    )
     values.update(changes)
     return ModelConfig(**values)
 
@@ -39,9 +46,11 @@ def checkpoint(tmp_path: Path) -> Path:
     vocab = build_vocab([WORDS], 1, 100, 20)
     config = _config(len(vocab))
     save_checkpoint(
-        tmp_path / "ckpt", model_config=config, vocab=vocab,
+        tmp_path / "ckpt",
+        model_config=config,
+        vocab=vocab,
         model_state=ShowAttendTell(config).state_dict(),
-    )  # fmt: skip
+    )
     return tmp_path / "ckpt"
 
 
@@ -155,8 +164,10 @@ def test_a_huge_hidden_dim_fails_without_a_large_allocation(checkpoint: Path) ->
     _rewrite(checkpoint, _set_model_field("hidden_dim", 30000))
     done = subprocess.run(
         [sys.executable, "-c", _PEAK_RSS_SCRIPT, str(checkpoint)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "does not fit the saved model config" in done.stderr
     assert int(done.stdout) < 64 * 2**20, f"peak RSS grew by {int(done.stdout) / 2**20:.0f} MiB"

@@ -183,9 +183,17 @@ def test_batched_and_one_image_decoding_agree_at_the_papers_sizes(
     monkeypatch.setattr(model_module, "ONEDNN_LSTM_MIN_ROWS", 9)
     monkeypatch.setattr(model_module, "SCORE_CHUNK_ELEMENTS", 2 * 3 * 512 * 196)
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=10_000, annotation_dim=512, num_locations=196, embed_dim=512,
-                         hidden_dim=1800, attention_dim=512, dropout=0.5, gate=True,
-                         attention="soft")  # fmt: skip
+    config = ModelConfig(
+        vocab_size=10_000,
+        annotation_dim=512,
+        num_locations=196,
+        embed_dim=512,
+        hidden_dim=1800,
+        attention_dim=512,
+        dropout=0.5,
+        gate=True,
+        attention="soft",
+    )
     model = ShowAttendTell(config)
     with torch.no_grad():
         model.out.weight.mul_(3.0)

@@ -116,8 +116,11 @@ def test_missing_torchvision_weights_name_the_exact_cache_path(tmp_path: Path, n
             build_encoder(name)
     finally:
         torch.hub.set_dir(old)
-    expected = {"vgg16": "vgg16-397923af.pth", "vgg19": "vgg19-dcbb9e9d.pth",
-                "resnet101": "resnet101-63fe2227.pth"}[name]  # fmt: skip
+    expected = {
+        "vgg16": "vgg16-397923af.pth",
+        "vgg19": "vgg19-dcbb9e9d.pth",
+        "resnet101": "resnet101-63fe2227.pth",
+    }[name]
     assert str(tmp_path / "hub" / "checkpoints" / expected) in str(info.value)
 
 

@@ -31,15 +31,30 @@ pytestmark = pytest.mark.java  # the PTB tokeniser and METEOR run on Java
 MAX_LEN = 5
 GRID, CROP = 4, 64  # 4x4 cells of 16 px over a 64 px crop; cell centres at 8, 24, 40, 56
 BOX_T = pa.struct(
-    [("label", pa.string()), ("shape", pa.string()), ("colour", pa.string()),
-     ("size", pa.string()), ("x0", pa.float32()), ("y0", pa.float32()),
-     ("x1", pa.float32()), ("y1", pa.float32())]
-)  # fmt: skip
+    [
+        ("label", pa.string()),
+        ("shape", pa.string()),
+        ("colour", pa.string()),
+        ("size", pa.string()),
+        ("x0", pa.float32()),
+        ("y0", pa.float32()),
+        ("x1", pa.float32()),
+        ("y1", pa.float32()),
+    ]
+)
 
 
 def _box(x0, y0, x1, y1):
-    return dict(label="large red circle", shape="circle", colour="red", size="large",
-                x0=x0, y0=y0, x1=x1, y1=y1)  # fmt: skip
+    return dict(
+        label="large red circle",
+        shape="circle",
+        colour="red",
+        size="large",
+        x0=x0,
+        y0=y0,
+        x1=x1,
+        y1=y1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +77,36 @@ def data(tmp_path_factory):
         Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(
             images / f"{image_id}.png"
         )
-        rows.append(dict(image_id=image_id, split="test", file=f"{image_id}.png", width=64,
-                         height=64, status="ok", boxes=bxs))  # fmt: skip
+        rows.append(
+            dict(
+                image_id=image_id,
+                split="test",
+                file=f"{image_id}.png",
+                width=64,
+                height=64,
+                status="ok",
+                boxes=bxs,
+            )
+        )
     schema = pa.schema(
-        [("image_id", pa.string()), ("split", pa.string()), ("file", pa.string()),
-         ("width", pa.int32()), ("height", pa.int32()), ("status", pa.string()),
-         ("boxes", pa.list_(BOX_T))],
+        [
+            ("image_id", pa.string()),
+            ("split", pa.string()),
+            ("file", pa.string()),
+            ("width", pa.int32()),
+            ("height", pa.int32()),
+            ("status", pa.string()),
+            ("boxes", pa.list_(BOX_T)),
+        ],
         metadata={"image_root": str(images), "source": "synthetic"},
-    )  # fmt: skip
+    )
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), root / "images.parquet")
-    refs = {"img0": ["a circle", "a big circle"], "img1": ["circle"], "img2": ["a circle"],
-            "img3": ["a circle"]}  # fmt: skip
+    refs = {
+        "img0": ["a circle", "a big circle"],
+        "img1": ["circle"],
+        "img2": ["a circle"],
+        "img3": ["a circle"],
+    }
     write_references(root / "captions.parquet", refs)
     meta = FeatureMeta("random", "conv2", CROP, GRID * GRID, 32, GRID, GRID, "random-seed-0")
     with FeatureWriter(root / "test.arrow", meta) as writer:
@@ -83,10 +117,17 @@ def data(tmp_path_factory):
 
 def _evaluate(root, model_dir, captions="captions.parquet", **kw):
     return evaluate_model(
-        model_dir=model_dir, features_path=root / "test.arrow",
-        captions_path=root / captions, images_path=root / "images.parquet", split="test",
-        beam_size=2, max_length=MAX_LEN, resize=CROP, batch_size=2, **kw,
-    )  # fmt: skip
+        model_dir=model_dir,
+        features_path=root / "test.arrow",
+        captions_path=root / captions,
+        images_path=root / "images.parquet",
+        split="test",
+        beam_size=2,
+        max_length=MAX_LEN,
+        resize=CROP,
+        batch_size=2,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +179,9 @@ def test_batch_size_does_not_change_the_captions(data, result):
 
     model, vocab, _ = load_model(model_dir)
     store = FeatureStore(root / "test.arrow")
-    one = decode_split(model, vocab, store, ["img0", "img1", "img2"], beam_size=2,
-                       max_length=MAX_LEN, batch_size=1)  # fmt: skip
+    one = decode_split(
+        model, vocab, store, ["img0", "img1", "img2"], beam_size=2, max_length=MAX_LEN, batch_size=1
+    )
     assert [c.words for c in one] == [c.words for c in result.captions]
 
 
@@ -148,10 +190,15 @@ def test_nothing_to_evaluate_is_an_error(data, tmp_path):
     write_references(tmp_path / "other.parquet", {"elsewhere": ["a circle"]})
     with pytest.raises(EvaluationError, match="no 'test' image has both"):
         evaluate_model(
-            model_dir=model_dir, features_path=root / "test.arrow",
-            captions_path=tmp_path / "other.parquet", images_path=root / "images.parquet",
-            split="test", beam_size=1, max_length=2, resize=CROP,
-        )  # fmt: skip
+            model_dir=model_dir,
+            features_path=root / "test.arrow",
+            captions_path=tmp_path / "other.parquet",
+            images_path=root / "images.parquet",
+            split="test",
+            beam_size=1,
+            max_length=2,
+            resize=CROP,
+        )
 
 
 def test_reports_are_json_with_flat_metrics(result, tmp_path):
@@ -168,9 +215,16 @@ def test_gallery_has_one_overlay_per_word_and_skips_missing_photos(data, result,
     records = read_image_records(root / "images.parquet", "test", root / "images")
     records.pop("img1")  # as if the image table lost it
     page, skipped = write_attention_gallery(
-        result.captions, records, tmp_path, count=3, grid_h=GRID, grid_w=GRID, resize=CROP,
-        crop=CROP, title="soft",
-    )  # fmt: skip
+        result.captions,
+        records,
+        tmp_path,
+        count=3,
+        grid_h=GRID,
+        grid_w=GRID,
+        resize=CROP,
+        crop=CROP,
+        title="soft",
+    )
     assert skipped == [{"item": "img1", "reason": "not in the image table"}]
     assert not list(tmp_path.glob("*.png"))  # the PNGs have a folder of their own (DVC plots)
     pngs = tmp_path / "images"

@@ -67,9 +67,17 @@ def encoder():
 
 def _extract(table: Path, out: Path, encoder, num_workers: int = 0, batch_size: int = 2):
     return extract_features(
-        table, table.parent, out, encoder, resize=RESIZE, crop=CROP, batch_size=batch_size,
-        num_workers=num_workers, max_image_pixels=10_000, progress=False,
-    )  # fmt: skip
+        table,
+        table.parent,
+        out,
+        encoder,
+        resize=RESIZE,
+        crop=CROP,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        max_image_pixels=10_000,
+        progress=False,
+    )
 
 
 def test_table_reader_keeps_ok_rows_in_a_split_in_table_order(tmp_path: Path) -> None:
@@ -163,10 +171,17 @@ def test_parallel_workers_give_the_sequential_features_on_real_jpegs(tmp_path: P
     reports = {}
     for workers in (0, 2):
         reports[workers] = extract_features(
-            tmp_path / "images.parquet", root, tmp_path / f"w{workers}", encoder, resize=256,
-            crop=224, batch_size=4, num_workers=workers, max_image_pixels=50_000_000,
+            tmp_path / "images.parquet",
+            root,
+            tmp_path / f"w{workers}",
+            encoder,
+            resize=256,
+            crop=224,
+            batch_size=4,
+            num_workers=workers,
+            max_image_pixels=50_000_000,
             progress=False,
-        ).to_dict()  # fmt: skip
+        ).to_dict()
     sequential = FeatureStore(tmp_path / "w0" / "train.arrow")
     parallel = FeatureStore(tmp_path / "w2" / "train.arrow")
     assert parallel.ids == sequential.ids == names

@@ -57,9 +57,17 @@ def test_extract_reads_under_the_root_given_not_the_tables(tampered: Path) -> No
     assert all(p.is_relative_to(tampered.parent / "images") for p in paths.values())
     encoder = build_encoder("random", input_size=32)
     report = extract_features(
-        tampered, tampered.parent / "images", tampered.parent / "features", encoder,
-        resize=40, crop=32, batch_size=2, num_workers=0, max_image_pixels=10_000, progress=False,
-    )  # fmt: skip
+        tampered,
+        tampered.parent / "images",
+        tampered.parent / "features",
+        encoder,
+        resize=40,
+        crop=32,
+        batch_size=2,
+        num_workers=0,
+        max_image_pixels=10_000,
+        progress=False,
+    )
     (split,) = report.splits
     assert split.extracted == 1  # only inside.png; /etc/passwd and ../secret.png never opened
     assert sorted(image_id for image_id, _ in split.skipped) == ["passwd", "secret"]
@@ -70,9 +78,16 @@ def test_gallery_opens_photos_only_under_the_root_given(tampered: Path, tmp_path
     alphas = np.full((1, 4), 0.25)  # (len, L): a 2x2 grid, uniform attention
     captions = [DecodedCaption(i, ("circle",), alphas, -1.0) for i in sorted(records)]
     _, skipped = write_attention_gallery(
-        captions, records, tmp_path / "gallery", count=3, grid_h=2, grid_w=2, resize=40,
-        crop=32, title="t",
-    )  # fmt: skip
+        captions,
+        records,
+        tmp_path / "gallery",
+        count=3,
+        grid_h=2,
+        grid_w=2,
+        resize=40,
+        crop=32,
+        title="t",
+    )
     assert sorted(s["item"] for s in skipped) == ["passwd", "secret"]
     assert len(list((tmp_path / "gallery" / GALLERY_IMAGES_DIR).glob("*_image.png"))) == 1
 

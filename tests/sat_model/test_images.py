@@ -25,9 +25,18 @@ def _save(image: Image.Image, path: Path, **kwargs) -> Path:
 
 @pytest.mark.parametrize(
     ("mode", "fmt"),
-    [("L", "png"), ("LA", "png"), ("P", "png"), ("RGBA", "png"), ("CMYK", "jpeg"),
-     ("I;16", "png"), ("I", "tiff"), ("F", "tiff"), ("1", "png")],
-)  # fmt: skip
+    [
+        ("L", "png"),
+        ("LA", "png"),
+        ("P", "png"),
+        ("RGBA", "png"),
+        ("CMYK", "jpeg"),
+        ("I;16", "png"),
+        ("I", "tiff"),
+        ("F", "tiff"),
+        ("1", "png"),
+    ],
+)
 def test_every_mode_loads_as_rgb(tmp_path: Path, mode: str, fmt: str) -> None:
     image = Image.new("RGB", (20, 10), (200, 30, 60)).convert(mode)
     loaded = load_image(_save(image, tmp_path / f"x.{fmt}"))

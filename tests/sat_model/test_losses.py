@@ -236,9 +236,15 @@ def _flat(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
 def test_reinforce_estimator_matches_the_exact_gradient_of_the_lower_bound() -> None:
     torch.manual_seed(0)
     model = tiny_model(
-        "hard", vocab_size=5, annotation_dim=3, num_locations=2, embed_dim=3, hidden_dim=4,
-        attention_dim=3, semi_sampling_p=0.0,
-    )  # fmt: skip
+        "hard",
+        vocab_size=5,
+        annotation_dim=3,
+        num_locations=2,
+        embed_dim=3,
+        hidden_dim=4,
+        attention_dim=3,
+        semi_sampling_p=0.0,
+    )
     # sharpen attention and let the context drive the words, so that paths differ both in
     # probability and in likelihood and the score-function term matters
     with torch.no_grad():

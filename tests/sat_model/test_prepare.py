@@ -38,11 +38,16 @@ def flickr8k_config(root: Path, **data: object) -> DataConfig:
         source="flickr8k",
         root=str(root),
         prepared_dir=str(root.parent / "prepared"),
-        flickr8k={"images_dir": "imgs", "token_file": "tokens.txt", "train_list": "train.txt",
-                  "val_list": "val.txt", "test_list": "test.txt"},
+        flickr8k={
+            "images_dir": "imgs",
+            "token_file": "tokens.txt",
+            "train_list": "train.txt",
+            "val_list": "val.txt",
+            "test_list": "test.txt",
+        },
         vocab={"min_count": 1, "max_caption_length": 10},
         **data,
-    )  # fmt: skip
+    )
 
 
 def write_bad_dataset(root: Path) -> None:
@@ -55,9 +60,18 @@ def write_bad_dataset(root: Path) -> None:
     (imgs / "trunc.jpg").write_bytes(jpeg_bytes()[:1500])
     (imgs / "text.jpg").write_text("this is not an image\n")
     train = [
-        "good1.png", "good2.png", "good3.png", "empty.jpg", "trunc.jpg", "text.jpg",
-        "missing.jpg", "huge.png", "../outside.png", str(root.parent / "outside.png"), "good1.png",
-    ]  # fmt: skip
+        "good1.png",
+        "good2.png",
+        "good3.png",
+        "empty.jpg",
+        "trunc.jpg",
+        "text.jpg",
+        "missing.jpg",
+        "huge.png",
+        "../outside.png",
+        str(root.parent / "outside.png"),
+        "good1.png",
+    ]
     (root / "train.txt").write_text("\n".join(train) + "\n")
     (root / "val.txt").write_text("good4.png\n")
     (root / "test.txt").write_text("")
@@ -138,10 +152,17 @@ def test_every_bad_input_is_skipped_with_its_reason_and_valid_items_are_kept(
     # by hand: 13 image rows, 4 usable; 17 caption lines, 5 kept; train words: a caption for
     # good1 good2 good3 png red circle (9) + 4 specials
     assert {k: report[k] for k in REPORT_KEYS} == {
-        "images_total": 13, "images_ok": 4, "images_skipped": 9,
-        "captions_total": 17, "captions_kept": 5, "captions_skipped": 12,
-        "vocab_size": 4 + 9, "images_train": 3, "images_val": 1, "images_test": 0,
-    }  # fmt: skip
+        "images_total": 13,
+        "images_ok": 4,
+        "images_skipped": 9,
+        "captions_total": 17,
+        "captions_kept": 5,
+        "captions_skipped": 12,
+        "vocab_size": 4 + 9,
+        "images_train": 3,
+        "images_val": 1,
+        "images_test": 0,
+    }
 
 
 def test_vocab_is_built_from_train_captions_only(bad_dataset: Path) -> None:
@@ -225,22 +246,38 @@ def source_configs(tmp_path: Path) -> dict[str, DataConfig]:
             **common,
         ),
         "flickr8k": DataConfig(
-            source="flickr8k", root=root, prepared_dir=str(tmp_path / "flickr8k"),
-            flickr8k={"images_dir": "imgs", "token_file": "tokens.txt", "train_list": "train.txt",
-                      "val_list": "val.txt", "test_list": "test.txt"},
+            source="flickr8k",
+            root=root,
+            prepared_dir=str(tmp_path / "flickr8k"),
+            flickr8k={
+                "images_dir": "imgs",
+                "token_file": "tokens.txt",
+                "train_list": "train.txt",
+                "val_list": "val.txt",
+                "test_list": "test.txt",
+            },
             **common,
         ),
         "karpathy": DataConfig(
-            source="karpathy", root=root, prepared_dir=str(tmp_path / "karpathy"),
-            karpathy={"json_file": "k.json", "images_dir": "imgs"}, **common,
-        ),
-        "coco": DataConfig(
-            source="coco", root=str(tmp_path / "real/coco"), prepared_dir=str(tmp_path / "coco"),
-            coco={"annotation_files": ("train2014.json", "val2014.json"),
-                  "images_dirs": ("train2014", "val2014"), "val_images": 1, "test_images": 1},
+            source="karpathy",
+            root=root,
+            prepared_dir=str(tmp_path / "karpathy"),
+            karpathy={"json_file": "k.json", "images_dir": "imgs"},
             **common,
         ),
-    }  # fmt: skip
+        "coco": DataConfig(
+            source="coco",
+            root=str(tmp_path / "real/coco"),
+            prepared_dir=str(tmp_path / "coco"),
+            coco={
+                "annotation_files": ("train2014.json", "val2014.json"),
+                "images_dirs": ("train2014", "val2014"),
+                "val_images": 1,
+                "test_images": 1,
+            },
+            **common,
+        ),
+    }
 
 
 def test_all_four_sources_write_the_same_table_schemas_and_report_keys(tmp_path: Path) -> None:
@@ -322,9 +359,12 @@ def test_flickr8k_and_karpathy_prepare_identical_tables_from_the_sample(tmp_path
     tables = {}
     for source in ("flickr8k", "karpathy"):
         cfg = DataConfig(
-            source=source, root=str(SAMPLE), prepared_dir=str(tmp_path / source),
-            required_splits=("train", "val"), verify_images=False,  # file checks: other tests
-        )  # fmt: skip
+            source=source,
+            root=str(SAMPLE),
+            prepared_dir=str(tmp_path / source),
+            required_splits=("train", "val"),
+            verify_images=False,  # file checks: other tests
+        )
         out = prepare_dataset(cfg).prepared_dir
         tables[source] = (
             pq.read_table(out / "images.parquet").drop(["status"]).to_pylist(),

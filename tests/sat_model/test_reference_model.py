@@ -37,10 +37,20 @@ reference = _load_reference()
 
 def _model(attention: str) -> ShowAttendTell:
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=K, annotation_dim=D, num_locations=L, embed_dim=8,
-                         hidden_dim=10, attention_dim=A, dropout=0.0, gate=True,
-                         attention=attention, coordinates=True, grid_w=3,
-                         normalize_features=True)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=K,
+        annotation_dim=D,
+        num_locations=L,
+        embed_dim=8,
+        hidden_dim=10,
+        attention_dim=A,
+        dropout=0.0,
+        gate=True,
+        attention=attention,
+        coordinates=True,
+        grid_w=3,
+        normalize_features=True,
+    )
     model = ShowAttendTell(config).double()
     model.set_feature_statistics(torch.rand(D) + 0.5, torch.rand(D) + 0.5)
     return model.train()

@@ -70,8 +70,16 @@ def test_the_scan_would_catch_an_unsafe_torch_load() -> None:
     assert [_weights_only_true(c) for c in _calls(good, "torch.load")] == [True]
 
 
-UNPICKLERS = ("pickle.load", "pickle.loads", "cloudpickle.load", "cloudpickle.loads",
-              "joblib.load", "torch.jit.load", "dill.load", "dill.loads")  # fmt: skip
+UNPICKLERS = (
+    "pickle.load",
+    "pickle.loads",
+    "cloudpickle.load",
+    "cloudpickle.loads",
+    "joblib.load",
+    "torch.jit.load",
+    "dill.load",
+    "dill.loads",
+)
 
 
 def test_library_and_pipeline_never_unpickle() -> None:
@@ -143,9 +151,16 @@ def test_evaluation_gallery_never_opens_a_photo_out_of_the_root(
     alphas = np.full((2, 4), 0.25)  # (len, L): a 2x2 grid, uniform attention
     captions = [DecodedCaption(i, ("a", "circle"), alphas, -1.0) for i in sorted(records)]
     _, skipped = write_attention_gallery(
-        captions, records, tmp_path / "gallery", count=len(captions), grid_h=2, grid_w=2,
-        resize=40, crop=32, title="t",
-    )  # fmt: skip
+        captions,
+        records,
+        tmp_path / "gallery",
+        count=len(captions),
+        grid_h=2,
+        grid_w=2,
+        resize=40,
+        crop=32,
+        title="t",
+    )
     reasons = {s["item"]: s["reason"] for s in skipped}
     assert set(reasons) == {"dotdot", "absolute", "symlink", "sneaky"}
     assert all("escapes the image root" in r for r in reasons.values())

@@ -20,8 +20,15 @@ def _images_table(path: Path, rows: list[dict]) -> Path:
 
 
 def _row(image_id: str, split: str | None, file: str, status: str = "ok", boxes=()) -> dict:
-    return dict(image_id=image_id, split=split, file=file, width=40, height=30, status=status,
-                boxes=list(boxes))  # fmt: skip
+    return dict(
+        image_id=image_id,
+        split=split,
+        file=file,
+        width=40,
+        height=30,
+        status=status,
+        boxes=list(boxes),
+    )
 
 
 def test_only_usable_rows_of_the_split_are_read_in_table_order(tmp_path: Path) -> None:
