@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from sat_model.data.tables import IMAGES_FILE, IMAGES_SCHEMA
 from sat_model.evaluation.evaluate import (
     EvaluationError,
     decode_split,
@@ -30,18 +31,6 @@ pytestmark = pytest.mark.java  # the PTB tokeniser and METEOR run on Java
 
 MAX_LEN = 5
 GRID, CROP = 4, 64  # 4x4 cells of 16 px over a 64 px crop; cell centres at 8, 24, 40, 56
-BOX_T = pa.struct(
-    [
-        ("label", pa.string()),
-        ("shape", pa.string()),
-        ("colour", pa.string()),
-        ("size", pa.string()),
-        ("x0", pa.float32()),
-        ("y0", pa.float32()),
-        ("x1", pa.float32()),
-        ("y1", pa.float32()),
-    ]
-)
 
 
 def _box(x0, y0, x1, y1):
@@ -88,19 +77,8 @@ def data(tmp_path_factory):
                 boxes=bxs,
             )
         )
-    schema = pa.schema(
-        [
-            ("image_id", pa.string()),
-            ("split", pa.string()),
-            ("file", pa.string()),
-            ("width", pa.int32()),
-            ("height", pa.int32()),
-            ("status", pa.string()),
-            ("boxes", pa.list_(BOX_T)),
-        ],
-        metadata={"image_root": str(images), "source": "synthetic"},
-    )
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), root / "images.parquet")
+    schema = IMAGES_SCHEMA.with_metadata({"image_root": str(images), "source": "synthetic"})
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), root / IMAGES_FILE)
     refs = {
         "img0": ["a circle", "a big circle"],
         "img1": ["circle"],
