@@ -19,10 +19,16 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
+# `make run PROFILE=flickr8k`: the same pipeline on a dataset profile, profiles/<name>/ (its own
+# params.yaml, dvc.yaml and outputs; README, "Results on Flickr8k")
+PROFILE ?=
+PROJECT := $(if $(PROFILE),profiles/$(PROFILE),.)
+
 # One Ray head for every stage of the repro (pipeline/ray_head.py; stopped by PID, even on failure)
 run: $(VENV)/.installed
-	$(BIN)/python -m pipeline.ray_head --params params.yaml -- $(BIN)/dvc repro
-	$(BIN)/sat summary
+	$(BIN)/python -m pipeline.ray_head --params $(PROJECT)/params.yaml -- \
+		$(BIN)/dvc repro $(if $(PROFILE),$(PROJECT)/dvc.yaml)
+	$(BIN)/sat summary --reports $(PROJECT)/reports
 
 test: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -28,7 +28,7 @@ from pathlib import Path
 from types import FrameType
 
 from pipeline.ray_runtime import loopback_env, resolve_address
-from sat_model.config import load_params
+from sat_model.config import ParamsError, load_params
 
 __all__ = ["RayHeadError", "main", "ray_head", "run_with_head"]
 
@@ -146,7 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command given (python -m pipeline.ray_head -- dvc repro)")
-    cfg = load_params(args.params).ray
+    try:
+        cfg = load_params(args.params).ray
+    except ParamsError as e:  # a typo, or `make run PROFILE=<name>` with no profiles/<name>/
+        print(f"ray_head: {e}", file=sys.stderr)
+        return 1
     try:
         return run_with_head(command, cfg.num_cpus, resolve_address(cfg))
     except RayHeadError as e:

@@ -106,6 +106,12 @@ def ray_session(
         yield RaySession(address=target, started_here=False)
         return
     level = logging.WARNING if quiet else logging.INFO
+    if quiet:
+        # a local ray.init announces on every run that token authentication is on (or off) for
+        # a cluster that listens on 127.0.0.1 only and ends with this process: noise to a user
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
+            logging.ERROR
+        )
     if target and target != "local":  # "local" (as in ray.init) forces a fresh local cluster
         ray.init(address=target, logging_level=level, log_to_driver=not quiet)
     else:

@@ -142,9 +142,15 @@ class DataConfig(_Section):
 
 # -------------------------------------------------------------------------- encoder
 class EncoderConfig(_Section):
-    name: Literal["efficientnet_lite0", "vgg16", "vgg19", "resnet101", "random"] = (
-        "efficientnet_lite0"
-    )
+    name: Literal[
+        "efficientnet_lite0",
+        "efficientnet_lite1",
+        "efficientnet_lite2",
+        "vgg16",
+        "vgg19",
+        "resnet101",
+        "random",
+    ] = "efficientnet_lite0"
     # feature layer: encoder-specific name (see sat_model.features.encoders); None picks the encoder
     # default
     layer: str | None = None
@@ -217,6 +223,10 @@ class TrainConfig(_Section):
     # validation BLEU-4 from free-running greedy decoding on this many val images (0 = all)
     val_images: int = Field(250, ge=0)
     val_max_length: int = Field(20, ge=1)
+    # the validation score that picks the shipped epoch and drives early stopping. CIDEr weighs
+    # each n-gram by how rare it is across the references and is steadier than BLEU-4 between
+    # epochs on real photographs (docs/REALDATA.md); the scenes' captions are too regular for it
+    monitor: Literal["bleu_4", "cider"] = "bleu_4"
     models_dir: str = "models"
     # bf16: the training forward pass and loss under torch.autocast (GPUs with bfloat16: A100,
     # H100); weights, optimiser and validation stay float32. Changes results, so a stage param

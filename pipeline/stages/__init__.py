@@ -24,6 +24,7 @@ __all__ = [
     "OutputLocked",
     "StageContext",
     "add_params_args",
+    "cli_context",
     "load_context",
     "lock_path",
     "output_lock",
@@ -83,6 +84,18 @@ def load_context(params_file: str | Path, overrides: Sequence[str] = ()) -> Stag
 
     params = load_params(params_file, list(overrides))
     return StageContext(params, Path(params_file).resolve(), tuple(overrides))
+
+
+def cli_context(stage: str, args: argparse.Namespace) -> StageContext:
+    """:func:`load_context` for a stage's ``main``: a bad params file or ``-S`` value is one line
+    on stderr (``<stage>: error: ...``, every bad key named) and exit status 1, not a traceback."""
+    from sat_model.config import ParamsError
+
+    try:
+        return load_context(args.params, args.overrides)
+    except ParamsError as e:
+        print(f"{stage}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def stage_parser(module: str, doc: str | None) -> argparse.ArgumentParser:

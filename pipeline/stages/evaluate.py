@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from pipeline.model_uri import is_model_uri, resolve_model_dir
-from pipeline.stages import StageContext, load_context, run_locked, stage_parser
+from pipeline.stages import StageContext, cli_context, run_locked, stage_parser
 from sat_model.config import ATTENTION_KINDS
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = stage_parser(__name__, __doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    ctx = load_context(args.params, args.overrides)
+    ctx = cli_context("evaluate", args)
     return run(ctx, args.attention, model=args.model, split=args.split, out=args.out)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pipeline.stages import StageContext, load_context, stage_parser
+from pipeline.stages import StageContext, cli_context, stage_parser
 from sat_model.atomic import write_text_atomic
 from sat_model.config import Params
 from sat_model.data.tables import IMAGES_FILE
@@ -82,7 +82,7 @@ def write_report(report: ExtractReport, out_dir: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = stage_parser(__name__, __doc__).parse_args(argv)
-    return run(load_context(args.params, args.overrides))
+    return run(cli_context("extract", args))
 
 
 def run(ctx: StageContext) -> int:

@@ -12,8 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pipeline.stages import StageContext, load_context, stage_parser
-from sat_model.config import ParamsError
+from pipeline.stages import StageContext, cli_context, stage_parser
 from sat_model.data.prepare import REPORT_KEYS, PrepareError, prepare_dataset
 from sat_model.data.sources import SourceError
 
@@ -22,12 +21,7 @@ __all__ = ["main", "run"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = stage_parser(__name__, __doc__).parse_args(argv)
-    try:
-        ctx = load_context(args.params, args.overrides)
-    except ParamsError as e:
-        print(f"prepare: error: {e}", file=sys.stderr)
-        return 1
-    return run(ctx)
+    return run(cli_context("prepare", args))
 
 
 def run(ctx: StageContext) -> int:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.stages import StageContext, load_context, stage_parser
+from pipeline.stages import StageContext, cli_context, stage_parser
 
 __all__ = ["main", "run"]
 
@@ -29,7 +29,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    return run(load_context(args.params, args.overrides), out=args.out)
+    return run(cli_context("register", args), out=args.out)
 
 
 def run(ctx: StageContext, *, out: str | Path | None = None) -> int:

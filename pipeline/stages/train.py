@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.stages import StageContext, load_context, run_locked, stage_parser
+from pipeline.stages import StageContext, cli_context, run_locked, stage_parser
 from sat_model.config import ATTENTION_KINDS
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     return run(
-        load_context(args.params, args.overrides),
+        cli_context("train", args),
         args.attention,
         resume=args.resume,
         resume_from=Path(args.resume_from) if args.resume_from else None,

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.stages import StageContext, load_context, stage_parser
+from pipeline.stages import StageContext, cli_context, stage_parser
 
 __all__ = ["apply_command", "main", "run"]
 
@@ -50,7 +50,7 @@ def _dvc() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    return run(load_context(args.params, args.overrides), address=args.address, apply=args.apply)
+    return run(cli_context("tune", args), address=args.address, apply=args.apply)
 
 
 def run(ctx: StageContext, *, address: str | None = None, apply: bool = False) -> int:

