@@ -32,7 +32,8 @@ LIBRARY_DIRS = ("pipeline", "sat_model")
 _HEADER = """\
 # Written by `python -m pipeline.profiles` from the root dvc.yaml: edit that one, then run it.
 # The profile's stages run in this folder, with this folder's params.yaml; the library paths
-# point back to the repository root (README, "Results on Flickr8k").
+# point back to the repository root (README, "Results on Flickr8k"). Its scores:
+# `sat summary --reports profiles/<name>/reports`, or name the files to `dvc metrics show`.
 """
 
 
@@ -42,10 +43,13 @@ def _library_path(path: str, up: str) -> str:
 
 
 def profile_dvc(root_dvc: dict[str, Any], depth: int = 2) -> dict[str, Any]:
-    """The root ``dvc.yaml`` (parsed) as it reads from a folder ``depth`` levels down."""
+    """The stages of the root ``dvc.yaml`` (parsed) as they read from a folder ``depth`` levels
+    down. The top-level ``metrics`` and ``plots`` stay out: DVC collects them from every
+    ``dvc.yaml`` of the repository, so a profile never run in a clone would make a bare
+    ``dvc metrics show`` there warn about its missing files."""
     up = "../" * depth
-    profile = copy.deepcopy(root_dvc)
-    for stage in profile.get("stages", {}).values():
+    profile = {"stages": copy.deepcopy(root_dvc.get("stages", {}))}
+    for stage in profile["stages"].values():
         stage["deps"] = [_library_path(dep, up) for dep in stage.get("deps", [])]
     return profile
 

@@ -75,6 +75,10 @@ def test_library_deps_climb_to_the_repository_and_data_deps_stay_in_the_profile(
         "../../sat_model/x.py",
     ]
     assert stage["outs"] == ["models/soft"] and stage["cmd"] == root_dvc["stages"]["train"]["cmd"]
+    # DVC collects metrics and plots from every dvc.yaml: a profile never run would make a
+    # bare `dvc metrics show` warn about its missing files
+    root_dvc["metrics"] = ["reports/soft/metrics.json"]
+    assert set(profile_dvc(root_dvc)) == {"stages"}
     assert root_dvc["stages"]["train"]["deps"][1] == "pipeline/stages/train.py"  # not mutated
 
 
