@@ -434,3 +434,29 @@ def test_train_model_writes_a_loadable_model_metrics_and_curves(
     from sat_model.model.checkpoint import load_checkpoint
 
     assert load_checkpoint(model_dir).epoch == metrics["best_epoch"]
+
+
+@pytest.mark.parametrize(("monitor", "shipped"), [("cider", 2), ("bleu_4", 1)])
+def test_train_monitor_picks_the_shipped_epoch_by_its_validation_score(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, monitor: str, shipped: int
+) -> None:
+    """`train.monitor` (cider in the Flickr8k profile) decides which epoch is shipped. The val
+    scores are set so that BLEU-4 peaks at epoch 1 and CIDEr at epoch 2."""
+    import json
+
+    from sat_model.config import load_params
+    from sat_model.train import run
+
+    by_epoch = [(0.3, 0.1), (0.2, 0.5), (0.1, 0.2)]  # (BLEU-4, CIDEr) of epochs 1, 2, 3
+    scores = iter([{"bleu_4": b, "cider": c} for b, c in by_epoch])
+    monkeypatch.setattr(run, "score_captions", lambda *a, **k: next(scores))
+    prepared, features = write_tiny_run(tmp_path)
+    (tmp_path / "params.yaml").write_text("{}\n")
+    overrides = [*TINY, f"train.monitor={monitor}", "train.soft.max_epochs=3"]
+    params = load_params(tmp_path / "params.yaml", [*overrides, "train.soft.batch_size=8"])
+    run.train_model(params, "soft", prepared, features, tmp_path / "models", device="cpu")
+    metrics = json.loads((tmp_path / "models" / "soft" / "train_metrics.json").read_text())
+    assert metrics["best_epoch"] == shipped
+    assert (metrics["best_val_bleu_4"], metrics["best_val_cider"]) == (
+        (0.2, 0.5) if monitor == "cider" else (0.3, 0.1)
+    )
