@@ -94,7 +94,10 @@ def _summary(args: argparse.Namespace) -> int:
     if registry.exists():
         info = json.loads(registry.read_text())
         print(f"champion: {info.get('champion')}")
-    print("caption an image:  .venv/bin/sat caption path/to/image.jpg --attention-out overlays/")
+    params = reports.parent / "params.yaml"  # a profile's reports sit beside its params file
+    where = "" if reports.resolve().parent == Path.cwd() else f" --params {params}"
+    command = f".venv/bin/sat caption{where} path/to/image.jpg --attention-out overlays/"
+    print(f"caption an image:  {command}")
     return 0
 
 

@@ -178,3 +178,22 @@ def test_evaluate_of_a_named_model_never_writes_another_stage_output(project):
     assert {"bleu_4", "meteor", "cider"} <= set(json.loads((out / "metrics.json").read_text()))
     assert "hard attention" in (out / "attention" / "index.html").read_text()
     assert sorted(p.name for p in (project / "reports").iterdir()) == ["eval"]
+
+
+def test_summary_of_a_profile_names_its_params_in_the_caption_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make run PROFILE=flickr8k` ends with `sat summary --reports profiles/flickr8k/reports`:
+    the hint must caption with that profile's champion, not the default pipeline's."""
+    from pipeline.cli import main as sat
+
+    scores = {"bleu_1": 0.6, "bleu_4": 0.2, "meteor": 0.2, "rouge_l": 0.45, "cider": 0.5}
+    for root in (tmp_path, tmp_path / "profiles" / "flickr8k"):
+        (root / "reports" / "soft").mkdir(parents=True)
+        (root / "reports" / "soft" / "metrics.json").write_text(json.dumps(scores))
+    monkeypatch.chdir(tmp_path)
+    assert sat(["summary", "--reports", "profiles/flickr8k/reports"]) == 0
+    out = capsys.readouterr().out
+    assert "0.5000" in out and "sat caption --params profiles/flickr8k/params.yaml " in out
+    assert sat(["summary"]) == 0
+    assert "sat caption path/to/image.jpg" in capsys.readouterr().out
