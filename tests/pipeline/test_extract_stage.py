@@ -83,12 +83,14 @@ def test_local_stage_writes_stores_and_report(tmp_path: Path, monkeypatch) -> No
     assert report["encoder"]["weights_sha256"] == "random-seed-0"
 
 
-def test_stage_rejects_an_unknown_param_before_any_work(tmp_path: Path, monkeypatch) -> None:
-    from sat_model.config import ParamsError
-
+def test_stage_rejects_an_unknown_param_before_any_work(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
     monkeypatch.chdir(_project(tmp_path, "random", 32, 40))
-    with pytest.raises(ParamsError, match=r"encoder\.colour"):
+    with pytest.raises(SystemExit) as exited:  # one line on stderr, no traceback
         main(["-S", "encoder.colour=1"])
+    assert exited.value.code == 1
+    assert "encoder.colour" in capsys.readouterr().err
     assert not (tmp_path / "data" / "features").exists()
 
 

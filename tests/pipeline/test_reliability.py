@@ -25,7 +25,6 @@ import pytest
 import torch
 from PIL import Image
 
-from sat_model.config import ParamsError
 from sat_model.data.vocab import Vocab
 from sat_model.model.checkpoint import CheckpointError
 from tests.factories import write_tiny_model
@@ -405,12 +404,10 @@ def test_every_stage_refuses_bad_params_naming_the_key_before_any_work(
     argv = ["--params", "params.yaml", "-S", override]
     if stage in ("train", "evaluate"):
         argv += ["--attention", "soft"]
-    try:
-        code = main(argv)
-    except ParamsError as e:
-        message = str(e)
-    else:
-        assert code != 0
-        message = capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # `<stage>: error: ...` on stderr, no traceback
+        main(argv)
+    assert exited.value.code == 1
+    message = capsys.readouterr().err
+    assert message.startswith(f"{stage}: error: invalid params:")
     assert key in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # nothing written

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from pipeline.stages import train
-from sat_model.config import ParamsError
 from sat_model.data.vocab import build_vocab, save_vocab
 from sat_model.features.store import FeatureMeta, FeatureWriter
 from tests.factories import write_captions
@@ -85,8 +84,12 @@ def test_train_stage_writes_model_folder_and_resumes_from_it(tmp_path: Path) -> 
     assert json.loads((model_dir / "train_metrics.json").read_text())["epochs"] == 2
 
 
-def test_train_stage_rejects_a_bad_override_by_its_key(tmp_path: Path) -> None:
+def test_train_stage_rejects_a_bad_override_by_its_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     params = _write_inputs(tmp_path)
-    with pytest.raises(ParamsError, match=r"train\.soft\.lr"):
+    with pytest.raises(SystemExit) as exited:  # one line on stderr, no traceback
         train.main(["--params", str(params), "--attention", "soft", "-S", "train.soft.lr=fast"])
+    assert exited.value.code == 1
+    assert "train: error: invalid params:" in capsys.readouterr().err
     assert not (tmp_path / "models").exists()
