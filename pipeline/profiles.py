@@ -72,19 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
     args = parser.parse_args(argv)
     text = profile_dvc_text(args.root)
-    stale = []
+    stale = False
     for folder in profiles(args.root):
         path = folder / "dvc.yaml"
-        current = path.read_text(encoding="utf-8") if path.exists() else None
-        if current == text:
+        if path.exists() and path.read_text(encoding="utf-8") == text:
             continue
+        name = path.relative_to(args.root)
         if args.check:
-            stale.append(path)
+            stale = True
+            print(f"{name} is stale: run python -m pipeline.profiles")
         else:
             path.write_text(text, encoding="utf-8")
-            print(f"wrote {path.relative_to(args.root)}")
-    for path in stale:
-        print(f"{path.relative_to(args.root)} is stale: run python -m pipeline.profiles")
+            print(f"wrote {name}")
     return 1 if stale else 0
 
 
