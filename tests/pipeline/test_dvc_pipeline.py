@@ -194,7 +194,7 @@ def test_push_then_a_fresh_clone_pulls_and_finds_nothing_to_run(
         _git(project, "add", "dvc.lock", ".dvc/config")
         _git(project, "commit", "-qm", "pipeline run and its DVC remote")
         assert "pushed" in dvc(project, "push")
-        assert "in sync" in dvc(project, "status", "--cloud")
+        assert "in sync" in dvc(project, "status", "--cloud", "dvc.yaml")
         listed = s3.client().list_objects_v2(Bucket="sat-dvc", MaxKeys=10000)["Contents"]
         cache = project / ".dvc" / "cache"
         local = {p.relative_to(cache).as_posix() for p in (cache / "files").rglob("*")}
