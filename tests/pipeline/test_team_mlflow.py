@@ -4,8 +4,9 @@ artifacts proxied to an S3-compatible object store, configured only by ``MLFLOW_
 One set of servers and one `dvc repro` per module (a git clone of HEAD with tiny params): the
 stages reach the server over HTTP alone (no S3 credentials in their environment), the champion
 loads in a second process, and from the champion one walks to its training run's curves, test
-metrics, artifacts and dataset inputs. Then a real `dvc exp run` registers a version without
-moving the champion. Every server is stopped by its PID (tests/pipeline/servers.py).
+metrics, artifacts and dataset inputs. Then a real `dvc exp run` of a soft-model param re-runs only
+the soft branch, shows in `dvc metrics` and `dvc exp show`, and registers a version without moving
+the champion. Every server is stopped by its PID (tests/pipeline/servers.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import yaml
 from sat_model.config import apply_overrides, read_yaml
 from sat_model.data.vocab import load_vocab
 from tests.pipeline.servers import S3Server, mlflow_server, postgres_server, s3_server
-from tests.pipeline.test_dvc_pipeline import TINY
+from tests.pipeline.test_dvc_pipeline import METRIC_KEYS, TINY, stages_run
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "sat-captioner"
@@ -213,7 +214,16 @@ def test_exp_run_registers_without_moving_the_champion(team: Team) -> None:
     # no champion at all: a `dvc repro` register would now promote any version it registers
     client.delete_registered_model_alias(NAME, "champion")
     dvc = str(Path(sys.executable).parent / "dvc")
-    run(team, dvc, "exp", "run", "-n", "lr-try", "-S", "train.soft.lr=0.02")
+    out = run(team, dvc, "exp", "run", "-n", "lr-try", "-S", "train.soft.lr=0.02")
+    # a soft-model param: only the soft branch and register run again
+    assert stages_run(out) == {"train@soft", "evaluate@soft", "register"}
+    shown = json.loads(run(team, dvc, "metrics", "show", "--json"))
+    workspace = next(iter(shown.values()))["data"]
+    for attention in ("soft", "hard"):
+        assert workspace[f"reports/{attention}/metrics.json"]["data"].keys() >= METRIC_KEYS
+    diff = run(team, dvc, "metrics", "diff", "HEAD", "--all")
+    assert all(key in diff for key in METRIC_KEYS), diff
+    assert "lr-try" in run(team, dvc, "exp", "show", "--no-pager", "--csv")
 
     versions = sorted(client.search_model_versions(f"name='{NAME}'"), key=lambda v: int(v.version))
     assert len(versions) == 3

@@ -5,7 +5,8 @@ then one change at a time, none of them committed (a declared param that is no h
 a training hyperparameter, one line of ``sat_model/model/decoder.py``), each followed by ``dvc repro
 train@soft``: every time the stage trains from epoch 1 as a new run, the model's hash changes and
 MLflow holds a new curve. The stage run again with nothing changed trains nothing. Real DVC, Ray
-(local, started by the stage) and MLflow (SQLite).
+(one head for the module, joined through ``RAY_ADDRESS`` as ``make run``'s stages join theirs)
+and MLflow (SQLite).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
+from pipeline.ray_head import ray_head
 from pipeline.registry import checkpoint_sha256
 from sat_model.config import apply_overrides, read_yaml
 
@@ -58,23 +60,31 @@ TINY = [
 EPOCHS = [1, 2]
 
 
-def _env() -> dict[str, str]:
+@pytest.fixture(scope="module")
+def head() -> Iterator[str]:
+    """One loopback Ray head (``pipeline.ray_head``, as ``make run`` starts it) for the module."""
+    with ray_head(num_cpus=2) as address:
+        yield address
+
+
+def _env(head: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RAY_ADDRESS"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    env.update(RAY_ADDRESS=head, RAY_AUTH_MODE="token")  # `ray start` turns token auth on
     return env
 
 
-def _run(project: Path, *cmd: str) -> str:
+def _run(project: Path, head: str, *cmd: str) -> str:
     out = subprocess.run(
-        list(cmd), cwd=project, env=_env(), capture_output=True, text=True, timeout=900
+        list(cmd), cwd=project, env=_env(head), capture_output=True, text=True, timeout=900
     )
     assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout}\n{out.stderr}"
     return out.stdout + out.stderr
 
 
-def _repro_train(project: Path) -> str:
-    return _run(project, str(Path(sys.executable).parent / "dvc"), "repro", "train@soft")
+def _repro_train(project: Path, head: str) -> str:
+    return _run(project, head, str(Path(sys.executable).parent / "dvc"), "repro", "train@soft")
 
 
 def _set_params(project: Path, *overrides: str) -> None:
@@ -101,14 +111,14 @@ def _curve_epochs(project: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def project(tmp_path_factory: pytest.TempPathFactory, head: str) -> Path:
     """A git clone of this repository's HEAD with tiny params, after one `dvc repro train@soft`."""
     path = tmp_path_factory.mktemp("identity") / "sat"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(path)], check=True)
     _set_params(path, *TINY)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "commit", "-qam", "tiny params"], cwd=path, check=True)
-    out = _repro_train(path)
+    out = _repro_train(path, head)
     assert "train@soft: training from epoch 1" in out, out
     return path
 
@@ -120,12 +130,12 @@ def hashes(project: Path) -> list[str]:
 
 
 def test_the_stage_run_again_with_nothing_changed_trains_nothing(
-    project: Path, hashes: list[str]
+    project: Path, head: str, hashes: list[str]
 ) -> None:
     runs = _training_runs(project)
     attempts = sorted(p.name for p in (project / "ray_results").iterdir())
     stage = ["-m", "pipeline.stages.train", "--params", "params.yaml", "--attention", "soft"]
-    out = _run(project, sys.executable, *stage)
+    out = _run(project, head, sys.executable, *stage)
     assert re.search(r"train@soft: nothing to train: run sat-soft-\w+-1 of this identity", out)
     assert checkpoint_sha256(project / "models" / "soft") == hashes[0]
     assert len(_training_runs(project)) == len(runs)
@@ -146,11 +156,11 @@ CHANGES: dict[str, Callable[[Path], None]] = {
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_each_change_trains_a_new_run_from_epoch_1(
-    project: Path, hashes: list[str], change: str
+    project: Path, head: str, hashes: list[str], change: str
 ) -> None:
     before = _training_runs(project)
     CHANGES[change](project)
-    out = _repro_train(project)
+    out = _repro_train(project, head)
     assert "Running stage 'train@soft'" in out
     assert "train@soft: training from epoch 1 as run" in out, out
     model_hash = checkpoint_sha256(project / "models" / "soft")
