@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pipeline import serve
+from pipeline.quiet import quiet_mlflow
 from pipeline.stages import StageContext, add_params_args, evaluate, load_context, project_root
 from sat_model.config import ATTENTION_KINDS
 
@@ -488,27 +486,11 @@ def _one_line(err: BaseException) -> str:
     return tracking.redact(text) if tracking else text
 
 
-def _quiet() -> None:
-    """Keep MLflow's INFO/WARNING logs, Python warnings and artifact progress bars away."""
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")
-    for name in ("mlflow", "alembic"):  # alembic: MLflow's SQLite schema migrations
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.simplefilter("ignore")
-    # MLflow re-enables its UserWarnings inside some calls (`filter_user_warnings_once`), past
-    # any filter: drop them where they would be shown
-    warnings.showwarning = _drop_warning
-
-
-def _drop_warning(*args: object, **kwargs: object) -> None:
-    """A ``warnings.showwarning`` that shows nothing."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
     if not args.verbose and getattr(args, "quiet", False):
-        _quiet()
+        quiet_mlflow()
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipeline.quiet import quiet_mlflow
 from pipeline.stages import StageContext, cli_context, stage_parser
 
 __all__ = ["main", "run"]
@@ -29,7 +30,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    return run(cli_context("register", args), out=args.out)
+    ctx = cli_context("register", args)
+    quiet_mlflow()  # log_model's warnings, INFO lines and progress bars, for every version
+    return run(ctx, out=args.out)
 
 
 def run(ctx: StageContext, *, out: str | Path | None = None) -> int:
