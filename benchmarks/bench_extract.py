@@ -9,13 +9,15 @@ Writes JSON to stdout and ``benchmarks/results/extract.json``:
 - ``store_rss``: peak anonymous RSS while iterating a feature store of N and 10·N rows, each in
   a fresh interpreter (memory-mapped pages are page cache, reported apart as ``rss_file``).
 
+The encoder, its layer and the resize/crop come from ``--params`` (default ``params.yaml``:
+EfficientNet-Lite0 at 256/224; ``profiles/flickr8k/params.yaml`` for the real-data profile).
 Images: the first ``--images`` Flickr8k photos of ``--flickr8k`` (default
 ``../shared/data/flickr8k-trainval`` beside the repository; real JPEG decode cost), else
 generated PNGs (``image_source`` says which). Stage and forward rounds are interleaved
 (``--rounds``) and the best of each is kept: the machine may be shared with other jobs.
 
-    .venv/bin/python benchmarks/bench_extract.py [--images 512] [--rounds 2] [--quick]
-        [--throughput-only]
+    .venv/bin/python benchmarks/bench_extract.py [--params params.yaml] [--images 512]
+        [--rounds 2] [--quick] [--throughput-only]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
+from sat_model.config import EncoderConfig, load_params
 from sat_model.data.tables import IMAGES_FILE
 from sat_model.features.encoders import ENCODER_LAYERS, build_encoder
 from sat_model.features.extract import extract_features, read_image_table
@@ -45,7 +48,6 @@ from sat_model.paths import shared_data
 
 __all__ = ["main"]
 
-RESIZE = 256  # real photos: the paper's 256 then a 224 crop
 RESULTS = Path(__file__).resolve().parent / "results" / "extract.json"
 FLICKR = shared_data("flickr8k-trainval")
 
@@ -91,15 +93,17 @@ def _root(table: Path) -> Path:
     return Path(pq.read_schema(table).metadata[b"image_root"].decode())
 
 
-def _stage_rate(table: Path, out: Path, encoder, batch_size: int, workers: int) -> float:
+def _stage_rate(
+    table: Path, out: Path, encoder, cfg: EncoderConfig, batch_size: int, workers: int
+) -> float:
     start = time.perf_counter()
     report = extract_features(
         table,
         _root(table),
         out,
         encoder,
-        resize=RESIZE,
-        crop=224,
+        resize=cfg.resize,
+        crop=cfg.crop,
         batch_size=batch_size,
         num_workers=workers,
         max_image_pixels=50_000_000,
@@ -108,13 +112,18 @@ def _stage_rate(table: Path, out: Path, encoder, batch_size: int, workers: int) 
     return report.to_dict()["images_extracted"] / (time.perf_counter() - start)
 
 
-def _throughput(table: Path, work: Path, batch_size: int, configs, rounds: int) -> dict:
-    encoder = build_encoder("efficientnet_lite0")
+def _throughput(
+    table: Path, work: Path, cfg: EncoderConfig, batch_size: int, configs, rounds: int
+) -> dict:
+    encoder = build_encoder(cfg.name, cfg.layer, cfg.weights, input_size=cfg.crop)
     d = encoder.description
     items = read_image_table(table, _root(table))["train"]
     images = torch.stack(
-        [preprocess(load_image(i.path, min_side=RESIZE), RESIZE, 224, d.mean, d.std) for i in items]
-    )  # (N, 3, 224, 224): pre-decoded, so forward-only pays no decoding
+        [
+            preprocess(load_image(i.path, min_side=cfg.resize), cfg.resize, cfg.crop, d.mean, d.std)
+            for i in items
+        ]
+    )  # (N, 3, S, S): pre-decoded, so forward-only pays no decoding
     forward: dict[int, float] = {}
     best: dict[tuple[int, int], float] = {}
     for _ in range(rounds):  # interleaved: a burst of load elsewhere hits both sides alike
@@ -124,7 +133,8 @@ def _throughput(table: Path, work: Path, batch_size: int, configs, rounds: int) 
             forward[threads] = max(forward.get(threads, 0.0), rate)
         for threads, workers in configs:
             torch.set_num_threads(threads)
-            rate = _stage_rate(table, work / f"f{threads}{workers}", encoder, batch_size, workers)
+            out = work / f"f{threads}{workers}"
+            rate = _stage_rate(table, out, encoder, cfg, batch_size, workers)
             best[threads, workers] = max(best.get((threads, workers), 0.0), rate)
     stage = [
         {
@@ -201,6 +211,7 @@ def _store_rss(work: Path, rows: int) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--params", default="params.yaml", help="the encoder section's source")
     parser.add_argument("--images", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds, best kept")
     parser.add_argument("--flickr8k", type=Path, default=FLICKR, help="Flickr8k folder")
@@ -209,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer configurations and rows")
     args = parser.parse_args(argv)
     configs = [(2, 2)] if args.quick else [(1, 1), (1, 2), (2, 1), (2, 2)]
+    cfg = load_params(args.params).encoder
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         table, source = _image_table(work, args.images, args.flickr8k)
@@ -219,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                 "load_average_at_start": os.getloadavg(),
             },
             "image_source": source,
-            "resize": RESIZE,
+            "encoder": cfg.model_dump(include={"name", "layer", "resize", "crop"}),
             "batch_size": args.batch_size,
-            "throughput": _throughput(table, work, args.batch_size, configs, args.rounds),
+            "throughput": _throughput(table, work, cfg, args.batch_size, configs, args.rounds),
         }
         if not args.throughput_only:
             result["layers"] = _layers(16)
