@@ -217,13 +217,15 @@ def test_exp_run_registers_without_moving_the_champion(team: Team) -> None:
     out = run(team, dvc, "exp", "run", "-n", "lr-try", "-S", "train.soft.lr=0.02")
     # a soft-model param: only the soft branch and register run again
     assert stages_run(out) == {"train@soft", "evaluate@soft", "register"}
+    assert "experiment" in out.lower()
     shown = json.loads(run(team, dvc, "metrics", "show", "--json"))
     workspace = next(iter(shown.values()))["data"]
     for attention in ("soft", "hard"):
         assert workspace[f"reports/{attention}/metrics.json"]["data"].keys() >= METRIC_KEYS
     diff = run(team, dvc, "metrics", "diff", "HEAD", "--all")
     assert all(key in diff for key in METRIC_KEYS), diff
-    assert "lr-try" in run(team, dvc, "exp", "show", "--no-pager", "--csv")
+    shown_exps = run(team, dvc, "exp", "show", "--no-pager", "--csv")
+    assert "lr-try" in shown_exps and "train.soft.lr" in shown_exps
 
     versions = sorted(client.search_model_versions(f"name='{NAME}'"), key=lambda v: int(v.version))
     assert len(versions) == 3
