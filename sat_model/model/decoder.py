@@ -18,13 +18,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from sat_model.config import ATTENTION_KINDS
 from sat_model.data.vocab import END_ID
+from sat_model.model.fused import (
+    CollectProjected,
+    FusedScores,
+    ProjectedGradient,
+    soft_recurrence,
+)
 
 if TYPE_CHECKING:
     from sat_model.config import ModelParams
@@ -32,14 +38,12 @@ if TYPE_CHECKING:
 __all__ = [
     "MODES",
     "ONEDNN_LSTM_MIN_ROWS",
-    "SCORE_CHUNK_ELEMENTS",
     "SEMI_SAMPLING_PER",
     "AttentionOutput",
     "DecoderState",
     "ForwardOutput",
     "HardAttention",
     "ModelConfig",
-    "ProjectedGradient",
     "ShowAttendTell",
     "SoftAttention",
     "StepOutput",
@@ -194,7 +198,7 @@ class SoftAttention(nn.Module):
         σ, because the pinned torch's CPU tanh ran 5-9x slower than its sigmoid on this, the
         step's largest tensor, on the 2-core CI machine (benchmarks/bench_model.py,
         "attention_nonlinearity"; builds where tanh is the faster one lose little).
-        The (B*k, A, L) tensor is never held whole: ``_FusedScores`` works through it a few
+        The (B*k, A, L) tensor is never held whole: ``FusedScores`` works through it a few
         images at a time and its backward recomputes σ; ``sink`` (from ``init_state``) collects
         the gradient for ``projected`` over all steps.
         """
@@ -203,7 +207,7 @@ class SoftAttention(nn.Module):
         # the parameters' dtype: the fused function runs in the projections' dtype, as autocast
         # would run the unfused add, tanh and product; autograd casts w_att's gradient back
         weight = self.score.weight.to(hidden.dtype)
-        scores: Tensor = _FusedScores.apply(projected.to(hidden.dtype), hidden, weight, sink)
+        scores: Tensor = FusedScores.apply(projected.to(hidden.dtype), hidden, weight, sink)
         return scores  # (B*k, L)
 
     def forward(
@@ -250,136 +254,6 @@ class HardAttention(SoftAttention):
             context = torch.where(use_expected.unsqueeze(1), expected, context)
         log_prob = log_alpha.gather(1, location.unsqueeze(1)).squeeze(1)  # (B,) log α_{t,s̃}
         return AttentionOutput(alpha, context, location_log_prob=log_prob, entropy=entropy)
-
-
-# Elements of the (rows, A, L) attention tensor that ``_FusedScores`` handles at a time (~4 MiB
-# of float32): the add, σ and product, and backward their recomputation and gradients, then run
-# in cache instead of streaming the step's largest tensor through memory pass after pass.
-SCORE_CHUNK_ELEMENTS = 1 << 20
-
-
-class ProjectedGradient:
-    """Where the fused scores of all steps add up their gradient for 2(W_a a + b) (B, A, L), in
-    place, rather than each step handing autograd a (B, A, L) tensor to sum."""
-
-    def __init__(self) -> None:
-        self.grad: Tensor | None = None
-
-
-class _CollectProjected(torch.autograd.Function):
-    """Identity on ``projected`` whose backward returns what the steps left in the sink.
-    Every step takes its output, so autograd runs this backward after all of theirs."""
-
-    @staticmethod
-    def forward(ctx: Any, projected: Tensor, sink: ProjectedGradient) -> Tensor:
-        ctx.set_materialize_grads(False)
-        ctx.sink = sink
-        ctx.dtype = projected.dtype  # the sink may sum in a wider one (autocast)
-        return projected.view_as(projected)
-
-    @staticmethod
-    def backward(ctx: Any, _none: Tensor | None) -> tuple[Tensor | None, None]:
-        grad, ctx.sink.grad = ctx.sink.grad, None
-        return None if grad is None else grad.to(ctx.dtype), None
-
-
-class _FusedScores(torch.autograd.Function):
-    """2 w_att^T σ(P + q): (B, A, L), (B*k, A), (1, A) -> (B*k, L), a few images at a time; the
-    backward recomputes σ rather than keeping it (``SoftAttention.scores``). The three inputs
-    share one dtype (the caller's cast); autocast is off inside, so that it casts nothing."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, projected: Tensor, hidden: Tensor, weight: Tensor, sink: ProjectedGradient | None
-    ) -> Tensor:
-        ctx.save_for_backward(projected, hidden, weight)
-        ctx.sink = sink
-        with torch.autocast(projected.device.type, enabled=False):
-            return _fused_scores(projected, hidden, weight)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor, Tensor, None]:
-        projected, hidden, weight = ctx.saved_tensors
-        sink = ctx.sink if ctx.needs_input_grad[0] else None
-        with torch.autocast(projected.device.type, enabled=False):
-            grads = _fused_scores_backward(
-                grad.to(projected.dtype), projected, hidden, weight, ctx.needs_input_grad[0], sink
-            )
-        return (*grads, None)
-
-
-def _fused_scores(projected: Tensor, hidden: Tensor, weight: Tensor) -> Tensor:
-    """The forward of ``_FusedScores``: (B*k, L)."""
-    B, A, L = projected.shape
-    k = hidden.size(0) // B  # rows per image (beams)
-    scores = projected.new_empty(B * k, L)
-    weight2 = (2.0 * weight).view(1, 1, A)
-    for b0, b1 in _chunks(B, k * A * L):
-        sig = _sigmoid_of_sum(projected, hidden, b0, b1)  # (rows, A, L)
-        rows = sig.size(0)
-        torch.bmm(weight2.expand(rows, 1, A), sig, out=scores[b0 * k : b1 * k].unsqueeze(1))
-    return scores
-
-
-def _fused_scores_backward(
-    grad: Tensor,
-    projected: Tensor,
-    hidden: Tensor,
-    weight: Tensor,
-    needs_projected: bool,
-    sink: ProjectedGradient | None,
-) -> tuple[Tensor | None, Tensor, Tensor]:
-    """The backward of ``_FusedScores`` for ``grad`` (B*k, L): the gradients for ``projected``
-    (None when not needed, or when it went into ``sink``), ``hidden`` and ``weight``."""
-    B, A, L = projected.shape
-    k = hidden.size(0) // B
-    out = None  # (B, A, L), ∂/∂P: this step's own or the sink's running sum
-    accumulate = False
-    if needs_projected:
-        held = sink.grad if sink is not None else None
-        accumulate = held is not None
-        # the sink sums over all steps: in float32 at least, whatever autocast's dtype
-        dtype = (
-            projected.dtype if sink is None else torch.promote_types(projected.dtype, torch.float32)
-        )
-        out = held if held is not None else projected.new_empty(B, A, L, dtype=dtype)
-    grad_hidden = hidden.new_empty(B * k, A)
-    grad_weight = weight.new_zeros(A)
-    weight2 = (2.0 * weight).view(1, A, 1)
-    for b0, b1 in _chunks(B, k * A * L):
-        sig = _sigmoid_of_sum(projected, hidden, b0, b1)  # (rows, A, L)
-        g = grad[b0 * k : b1 * k].unsqueeze(1)  # (rows, 1, L)
-        # an elementwise product and a sum, not bmm(σ, g): MKL's batched matrix-vector
-        # product ran ~6x slower than this on (64, 32, 196) on the 2-core CI machine
-        pre = torch.mul(sig, g)  # (rows, A, L), σ g
-        grad_weight += pre.sum((0, 2))  # (A,), Σ σ g
-        pre.addcmul_(pre, sig, value=-1.0)  # σ (1 - σ) g = ∂/∂(P + q) before w_att
-        torch.sum(pre, dim=2, out=grad_hidden[b0 * k : b1 * k])
-        if out is not None:
-            per_image = pre if k == 1 else pre.view(b1 - b0, k, A, L).sum(1)
-            if accumulate:
-                out[b0:b1].addcmul_(per_image, weight2)
-            else:
-                torch.mul(per_image, weight2, out=out[b0:b1])
-    grad_hidden.mul_(weight2.view(1, A))
-    if sink is not None and out is not None:
-        sink.grad, out = out, None
-    return out, grad_hidden, (2.0 * grad_weight).view(1, A)
-
-
-def _chunks(images: int, per_image: int) -> list[tuple[int, int]]:
-    """[start, stop) ranges of images of about ``SCORE_CHUNK_ELEMENTS`` elements each."""
-    step = max(1, SCORE_CHUNK_ELEMENTS // per_image)
-    return [(b0, min(b0 + step, images)) for b0 in range(0, images, step)]
-
-
-def _sigmoid_of_sum(projected: Tensor, hidden: Tensor, b0: int, b1: int) -> Tensor:
-    """σ(P + q) for images [b0, b1) and their k rows each: (rows, A, L)."""
-    B, A, L = projected.shape
-    k = hidden.size(0) // B
-    pre = projected[b0:b1].unsqueeze(1) + hidden[b0 * k : b1 * k].view(b1 - b0, k, A, 1)
-    return pre.sigmoid_().view(-1, A, L)  # in place: one allocation
 
 
 def _expected_context(annotations: Tensor, alpha: Tensor) -> Tensor:
@@ -465,18 +339,11 @@ class ShowAttendTell(nn.Module):
 
     def init_state(self, annotations: Tensor) -> DecoderState:
         """h_0, c_0 (Sec. 3.1.2) and W_a a, computed once per image."""
-        self._check_annotations(annotations)
-        if self.feature_mean is not None:
-            annotations = (annotations - self.feature_mean) / self.feature_std  # (B, L, D)
-        if self.coords is not None:
-            coords = self.coords.to(annotations.dtype).expand(annotations.size(0), -1, -1)
-            annotations = torch.cat([annotations, coords], dim=2)  # (B, L, D + 2)
-        mean = annotations.mean(dim=1)  # (B, D)
-        projected = self.attention.project(annotations)  # (B, A, L)
+        annotations, mean, projected = self._prepare(annotations)
         sink = None
         if projected.requires_grad:
             sink = ProjectedGradient()
-            projected = _CollectProjected.apply(projected, sink)
+            projected = CollectProjected.apply(projected, sink)
         return DecoderState(
             h=torch.tanh(self.init_h(mean)),  # (B, n)
             c=torch.tanh(self.init_c(mean)),  # (B, n)
@@ -484,6 +351,17 @@ class ShowAttendTell(nn.Module):
             projected=projected,
             projected_grad=sink,
         )
+
+    def _prepare(self, annotations: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The annotations attended over (B, L, D): standardised, with cell coordinates; their
+        mean over locations (B, D); and ``SoftAttention.project``'s W_a a (B, A, L)."""
+        self._check_annotations(annotations)
+        if self.feature_mean is not None:
+            annotations = (annotations - self.feature_mean) / self.feature_std  # (B, L, D)
+        if self.coords is not None:
+            coords = self.coords.to(annotations.dtype).expand(annotations.size(0), -1, -1)
+            annotations = torch.cat([annotations, coords], dim=2)  # (B, L, D + 2)
+        return annotations, annotations.mean(dim=1), self.attention.project(annotations)
 
     def forward(
         self,
@@ -501,6 +379,8 @@ class ShowAttendTell(nn.Module):
         mode = mode or ("train" if self.training else "expected")
         _check_mode(mode)
         inputs = captions[:, :-1]  # (B, T)
+        if self._fused_soft_pass(annotations, mode, locations):
+            return self._soft_forward(annotations, inputs)
         B, T = inputs.shape
         state = self.init_state(annotations)
         embedded = self.embedding(inputs)  # (B, T, m)
@@ -533,6 +413,48 @@ class ShowAttendTell(nn.Module):
             location_log_probs=_stack_optional([s.attention.location_log_prob for s in steps]),
             entropy=_stack_optional([s.attention.entropy for s in steps]),
             sampled=None if use_expected is None else ~use_expected,
+        )
+
+    def _fused_soft_pass(self, annotations: Tensor, mode: str, locations: Tensor | None) -> bool:
+        """Soft attention's expected context takes the fused recurrence; hard attention, the
+        soft model's sampled modes and autocast (its casts are per op) take the step loop."""
+        return (
+            not isinstance(self.attention, HardAttention)
+            and mode in ("train", "expected")
+            and locations is None
+            and not torch.is_autocast_enabled(annotations.device.type)
+        )
+
+    def _soft_forward(self, annotations: Tensor, inputs: Tensor) -> ForwardOutput:
+        """``forward`` for soft attention through ``fused.soft_recurrence``: the same numbers
+        as the step loop up to float rounding, one autograd node for the T steps."""
+        B, T = inputs.shape
+        annotations, mean, projected = self._prepare(annotations)
+        embedded = self.embedding(inputs)  # (B, T, m)
+        m, lstm = self.config.embed_dim, self.lstm
+        input_gates = torch.addmm(
+            lstm.bias_ih + lstm.bias_hh,
+            embedded.transpose(0, 1).reshape(T * B, m),
+            lstm.weight_ih[:, :m].t(),
+        ).view(T, B, -1)  # (T, B, 4n), the embedding's share of Eq. 1 for all steps at once
+        out = soft_recurrence(
+            projected,
+            annotations,
+            torch.tanh(self.init_h(mean)),  # h_0 (B, n), Sec. 3.1.2
+            torch.tanh(self.init_c(mean)),  # c_0
+            input_gates,
+            hidden_weight=self.attention.hidden_proj.weight,
+            score_weight=self.attention.score.weight,
+            gate_weight=None if self.gate is None else self.gate.weight,
+            gate_bias=None if self.gate is None else self.gate.bias,
+            weight_z=lstm.weight_ih[:, m:],
+            weight_h=lstm.weight_hh,
+        )
+        hidden, context = out.hidden.transpose(0, 1), out.context.transpose(0, 1)  # (B, T, ·)
+        return ForwardOutput(
+            logits=self._deep_output(embedded, hidden, context),  # (B, T, K)
+            alphas=out.alphas.transpose(0, 1),  # (B, T, L)
+            betas=out.betas.transpose(0, 1),  # (B, T)
         )
 
     def step(self, prev_tokens: Tensor, state: DecoderState, mode: str = "expected") -> StepOutput:

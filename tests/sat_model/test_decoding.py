@@ -10,6 +10,7 @@ import torch
 
 from sat_model.data.vocab import END_ID, START_ID
 from sat_model.model import decoder as model_module
+from sat_model.model import fused as fused_module
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
 from sat_model.model.decoding import Caption, beam_search, greedy
 
@@ -181,7 +182,7 @@ def test_batched_and_one_image_decoding_agree_at_the_papers_sizes(
     # weights: the batch of 3 images x 3 beams through torch.lstm (limit lowered to 9), one
     # image (3 rows) through nn.LSTMCell, and where the batch is split into chunks of images
     monkeypatch.setattr(model_module, "ONEDNN_LSTM_MIN_ROWS", 9)
-    monkeypatch.setattr(model_module, "SCORE_CHUNK_ELEMENTS", 2 * 3 * 512 * 196)
+    monkeypatch.setattr(fused_module, "SCORE_CHUNK_ELEMENTS", 2 * 3 * 512 * 196)
     torch.manual_seed(0)
     config = ModelConfig(
         vocab_size=10_000,

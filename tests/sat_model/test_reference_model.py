@@ -16,7 +16,7 @@ import torch
 
 from sat_model.config import HardTrainConfig, SoftTrainConfig
 from sat_model.data.vocab import END_ID, PAD_ID, START_ID
-from sat_model.model import decoder as model_module
+from sat_model.model import fused as fused_module
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
 from sat_model.model.losses import build_criterion
 
@@ -81,7 +81,7 @@ def _loss_and_grads(model: ShowAttendTell, loss: torch.Tensor) -> dict[str, torc
 def test_training_step_gives_the_reference_loss_and_gradients(
     attention: str, chunk_elements: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(model_module, "SCORE_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(fused_module, "SCORE_CHUNK_ELEMENTS", chunk_elements)
     model = _model(attention)
     annotations, captions, locations = _batch()
     forced = locations if attention == "hard" else None
