@@ -28,8 +28,10 @@ from sat_model.data.vocab import END_ID
 from sat_model.model.fused import (
     CollectProjected,
     FusedScores,
+    HardPath,
     ProjectedGradient,
-    soft_recurrence,
+    recurrence,
+    sample_locations,
 )
 
 if TYPE_CHECKING:
@@ -268,11 +270,7 @@ def _pick_location(alpha: Tensor, mode: str) -> Tensor:
     if mode == "argmax":
         return alpha.argmax(-1)
     if mode in ("train", "sample"):
-        # inverse CDF: the first location whose cumulative α exceeds u ~ U[0, Σα). The same
-        # distribution as torch.multinomial, which draws L exponentials per row (~8x slower)
-        cdf = alpha.detach().cumsum(-1)  # (B, L)
-        u = torch.rand_like(cdf[:, :1]) * cdf[:, -1:]  # (B, 1)
-        return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=alpha.size(-1) - 1)
+        return sample_locations(alpha)
     raise ValueError(f"unknown attention mode {mode!r}; expected one of {MODES}")
 
 
@@ -379,8 +377,8 @@ class ShowAttendTell(nn.Module):
         mode = mode or ("train" if self.training else "expected")
         _check_mode(mode)
         inputs = captions[:, :-1]  # (B, T)
-        if self._fused_soft_pass(annotations, mode, locations):
-            return self._soft_forward(annotations, inputs)
+        if self._fused_pass(annotations, mode, locations):
+            return self._fused_forward(annotations, inputs, mode, locations)
         B, T = inputs.shape
         state = self.init_state(annotations)
         embedded = self.embedding(inputs)  # (B, T, m)
@@ -415,20 +413,27 @@ class ShowAttendTell(nn.Module):
             sampled=None if use_expected is None else ~use_expected,
         )
 
-    def _fused_soft_pass(self, annotations: Tensor, mode: str, locations: Tensor | None) -> bool:
-        """Soft attention's expected context takes the fused recurrence; hard attention, the
-        soft model's sampled modes and autocast (its casts are per op) take the step loop."""
-        return (
-            not isinstance(self.attention, HardAttention)
-            and mode in ("train", "expected")
-            and locations is None
-            and not torch.is_autocast_enabled(annotations.device.type)
-        )
+    def _fused_pass(self, annotations: Tensor, mode: str, locations: Tensor | None) -> bool:
+        """Training passes take the fused recurrence: soft attention's expected context, hard
+        attention's sampled (or forced) path. Other modes (the soft model's sampled ones, the
+        hard model's expected one) and autocast (its casts are per op) take the step loop."""
+        if torch.is_autocast_enabled(annotations.device.type):
+            return False
+        if isinstance(self.attention, HardAttention):
+            return mode == "train" or locations is not None
+        return mode in ("train", "expected") and locations is None
 
-    def _soft_forward(self, annotations: Tensor, inputs: Tensor) -> ForwardOutput:
-        """``forward`` for soft attention through ``fused.soft_recurrence``: the same numbers
-        as the step loop up to float rounding, one autograd node for the T steps."""
+    def _fused_forward(
+        self, annotations: Tensor, inputs: Tensor, mode: str, locations: Tensor | None
+    ) -> ForwardOutput:
+        """``forward`` through ``fused.recurrence``: the same numbers as the step loop up to
+        float rounding (and the same draws of s̃), one autograd node for the T steps."""
         B, T = inputs.shape
+        hard = None
+        if isinstance(self.attention, HardAttention):
+            use_expected = self._semi_sampling_mask(B, mode, locations, annotations.device)
+            assert use_expected is not None  # hard attention in training or with forced s̃
+            hard = HardPath(use_expected, None if locations is None else locations.t())
         annotations, mean, projected = self._prepare(annotations)
         embedded = self.embedding(inputs)  # (B, T, m)
         m, lstm = self.config.embed_dim, self.lstm
@@ -437,7 +442,7 @@ class ShowAttendTell(nn.Module):
             embedded.transpose(0, 1).reshape(T * B, m),
             lstm.weight_ih[:, :m].t(),
         ).view(T, B, -1)  # (T, B, 4n), the embedding's share of Eq. 1 for all steps at once
-        out = soft_recurrence(
+        out = recurrence(
             projected,
             annotations,
             torch.tanh(self.init_h(mean)),  # h_0 (B, n), Sec. 3.1.2
@@ -449,12 +454,16 @@ class ShowAttendTell(nn.Module):
             gate_bias=None if self.gate is None else self.gate.bias,
             weight_z=lstm.weight_ih[:, m:],
             weight_h=lstm.weight_hh,
+            hard=hard,
         )
         hidden, context = out.hidden.transpose(0, 1), out.context.transpose(0, 1)  # (B, T, ·)
         return ForwardOutput(
             logits=self._deep_output(embedded, hidden, context),  # (B, T, K)
             alphas=out.alphas.transpose(0, 1),  # (B, T, L)
             betas=out.betas.transpose(0, 1),  # (B, T)
+            location_log_probs=_transposed(out.location_log_probs),  # (B, T)
+            entropy=_transposed(out.entropy),  # (B, T)
+            sampled=None if hard is None else ~hard.use_expected,
         )
 
     def step(self, prev_tokens: Tensor, state: DecoderState, mode: str = "expected") -> StepOutput:
@@ -586,6 +595,10 @@ def _cell_coordinates(config: ModelConfig) -> Tensor:
     xs = (torch.arange(grid_w, dtype=torch.float32) + 0.5) / grid_w * 2 - 1  # (grid_w,)
     y, x = torch.meshgrid(ys, xs, indexing="ij")  # (grid_h, grid_w) each
     return torch.stack([x.reshape(-1), y.reshape(-1)], dim=1)  # (L, 2)
+
+
+def _transposed(steps: Tensor | None) -> Tensor | None:
+    return None if steps is None else steps.transpose(0, 1)  # (T, B) -> (B, T)
 
 
 def _stack_optional(values: list[Tensor | None]) -> Tensor | None:

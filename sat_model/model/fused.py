@@ -29,11 +29,13 @@ __all__ = [
     "SCORE_CHUNK_ELEMENTS",
     "CollectProjected",
     "FusedScores",
+    "HardPath",
     "ProjectedGradient",
     "RecurrenceOutput",
     "fused_scores",
     "fused_scores_backward",
-    "soft_recurrence",
+    "recurrence",
+    "sample_locations",
 ]
 
 # Elements of the (rows, A, L) attention tensor that ``FusedScores`` handles at a time (~4 MiB
@@ -168,15 +170,27 @@ def _sigmoid_of_sum(projected: Tensor, hidden: Tensor, b0: int, b1: int) -> Tens
 
 @dataclass(frozen=True)
 class RecurrenceOutput:
-    """What the T steps of ``soft_recurrence`` hand to the output layer and the loss."""
+    """What the T steps of ``recurrence`` hand to the output layer and the loss."""
 
     hidden: Tensor  # (T, B, n), h_1 .. h_T
-    context: Tensor  # (T, B, D), ẑ_t = β_t Σ_i α_ti a_i, the LSTM's and L_z's input
+    context: Tensor  # (T, B, D), ẑ_t = β_t φ_t, the LSTM's and L_z's input
     alphas: Tensor  # (T, B, L), Eq. 5
     betas: Tensor  # (T, B), β_t (ones without the gate)
+    location_log_probs: Tensor | None = None  # (T, B), log α_{t,s̃_t}, hard attention
+    entropy: Tensor | None = None  # (T, B), H[α_t], hard attention
 
 
-def soft_recurrence(
+@dataclass(frozen=True)
+class HardPath:
+    """Hard attention's share of a training pass (Sec. 4.1): which images use the expected
+    context (semi-sampling) and, optionally, forced locations s̃ (T, B); without them s̃_t is
+    drawn from α_t inside the recurrence, one ``torch.rand`` per step as the step loop draws."""
+
+    use_expected: Tensor  # (B,) bool
+    locations: Tensor | None = None  # (T, B) long
+
+
+def recurrence(
     projected: Tensor,
     annotations: Tensor,
     h0: Tensor,
@@ -189,8 +203,10 @@ def soft_recurrence(
     gate_bias: Tensor | None,
     weight_z: Tensor,
     weight_h: Tensor,
+    hard: HardPath | None = None,
 ) -> RecurrenceOutput:
-    """The teacher-forced soft-attention recurrence (Eq. 1-6, β of Sec. 4.2.1) as one node.
+    """The teacher-forced recurrence (Eq. 1-6, β of Sec. 4.2.1) as one autograd node: soft
+    attention's expected context, or with ``hard`` the sampled one of Eq. 8-9.
 
     ``projected`` (B, A, L) is ``SoftAttention.project``'s 2(W_a a + b); ``annotations``
     (B, L, D); ``h0``, ``c0`` (B, n); ``input_gates`` (T, B, 4n) the embedding's share of the
@@ -199,7 +215,7 @@ def soft_recurrence(
     ``nn.LSTMCell``'s order (i, f, g, o). The same numbers as the per-step ``ShowAttendTell``
     path, up to float rounding.
     """
-    hidden, context, alphas, betas = _SoftRecurrence.apply(
+    outputs = _Recurrence.apply(
         projected,
         annotations,
         h0,
@@ -210,8 +226,10 @@ def soft_recurrence(
         gate_weight,
         gate_bias,
         torch.cat([weight_z, weight_h], dim=1),  # (4n, D + n): one product per step
+        None if hard is None else hard.use_expected,
+        None if hard is None else hard.locations,
     )
-    return RecurrenceOutput(hidden=hidden, context=context, alphas=alphas, betas=betas)
+    return RecurrenceOutput(*outputs[:4], *(outputs[4:] if hard is not None else ()))
 
 
 @dataclass(frozen=True)
@@ -243,9 +261,15 @@ class _Sequence:
     gates: Tensor  # (T, B, 4n), σ(i), σ(f), tanh(g), σ(o)
     queries: Tensor  # (T, B, A), 2 W_h h_{t-1}
     alphas: Tensor  # (T, B, L)
-    contexts: Tensor  # (T, B, D), Σ_i α_ti a_i before the gate
+    contexts: Tensor  # (T, B, D), φ_t: Σ_i α_ti a_i, or a_{s̃_t} (hard), before the gate
     betas: Tensor  # (T, B)
     hidden: Tensor  # (T, B, n), h_1 .. h_T
+    # hard attention only (None for soft)
+    use_expected: Tensor | None = None  # (B,) bool, semi-sampling
+    locations: Tensor | None = None  # (T, B) long, s̃_t
+    log_alphas: Tensor | None = None  # (T, B, L)
+    log_probs: Tensor | None = None  # (T, B), log α_{t,s̃_t}
+    entropy: Tensor | None = None  # (T, B), H[α_t]
 
     @classmethod
     def empty(cls, like: Tensor, T: int, B: int, L: int, D: int, n: int, A: int) -> _Sequence:
@@ -260,9 +284,20 @@ class _Sequence:
             hidden=like.new_empty(T, B, n),
         )
 
+    def with_hard(self, use_expected: Tensor, locations: Tensor) -> _Sequence:
+        T, B, L = self.alphas.shape
+        return dataclasses.replace(
+            self,
+            use_expected=use_expected,
+            locations=locations,
+            log_alphas=self.alphas.new_empty(T, B, L),
+            log_probs=self.alphas.new_empty(T, B),
+            entropy=self.alphas.new_empty(T, B),
+        )
 
-class _SoftRecurrence(torch.autograd.Function):
-    """``soft_recurrence``'s node: forward step by step, backward through time by hand."""
+
+class _Recurrence(torch.autograd.Function):
+    """``recurrence``'s node: forward step by step, backward through time by hand."""
 
     @staticmethod
     def forward(
@@ -277,31 +312,37 @@ class _SoftRecurrence(torch.autograd.Function):
         gate_weight: Tensor | None,
         gate_bias: Tensor | None,
         lstm_weight: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        use_expected: Tensor | None,
+        locations: Tensor | None,
+    ) -> tuple[Tensor, ...]:
         T, B, _ = input_gates.shape
         _, L, D = annotations.shape
         n, A = h0.size(1), projected.size(1)
         weights = (hidden_weight, score_weight, gate_weight, gate_bias, lstm_weight)
         w = _Weights.of(*weights)
         seq = _Sequence.empty(h0, T, B, L, D, n, A)
+        sample = use_expected is not None and locations is None
+        if use_expected is not None:  # hard attention; s̃ drawn step by step unless forced
+            drawn = input_gates.new_empty(T, B, dtype=torch.long) if sample else locations
+            seq = seq.with_hard(use_expected, drawn)
         seq.inputs[0, :, D:] = h0
         seq.cells[0] = c0
         for t in range(T):
-            _forward_step(t, seq, w, projected, annotations, input_gates[t])
+            _forward_step(t, seq, w, projected, annotations, input_gates[t], sample)
         ctx.save_for_backward(projected, annotations, *weights, *_tensors(seq))
-        return seq.hidden, seq.inputs[:, :, :D], seq.alphas, seq.betas
+        outputs = (seq.hidden, seq.inputs[:, :, :D], seq.alphas, seq.betas)
+        if seq.log_probs is None or seq.entropy is None:
+            return outputs
+        return (*outputs, seq.log_probs, seq.entropy)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(
-        ctx: Any, d_hidden: Tensor, d_context: Tensor, d_alphas: Tensor, d_betas: Tensor
-    ) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, *d_outputs: Tensor) -> tuple[Tensor | None, ...]:
         projected, annotations, *saved = ctx.saved_tensors
         w, seq = _Weights.of(*saved[:5]), _Sequence(*saved[5:])
         need = ctx.needs_input_grad
         grads = _Gradients.zeros(seq, w, annotations if need[1] else None)
         sink = ProjectedGradient() if need[0] else None
-        d_outputs = (d_hidden, d_context, d_alphas, d_betas)
         for t in range(seq.gates.size(0) - 1, -1, -1):
             _backward_step(t, seq, w, projected, annotations, d_outputs, grads, sink)
         return (
@@ -311,24 +352,45 @@ class _SoftRecurrence(torch.autograd.Function):
             grads.c,
             grads.gates,  # the embedding's share of the gates: ∂/∂ of each step's gates
             *_weight_gradients(seq, w, grads),
+            None,  # use_expected
+            None,  # locations
         )
 
 
-def _tensors(seq: _Sequence) -> list[Tensor]:
+def _tensors(seq: _Sequence) -> list[Tensor | None]:
     return [getattr(seq, f.name) for f in dataclasses.fields(seq)]
 
 
+def sample_locations(alpha: Tensor) -> Tensor:
+    """s̃ ~ Multinoulli(α) (Eq. 8) as an index (B,), by the inverse CDF: the first location
+    whose cumulative α exceeds u ~ U[0, Σα). The same distribution as ``torch.multinomial``,
+    which draws L exponentials per row (~8x slower)."""
+    cdf = alpha.detach().cumsum(-1)  # (B, L)
+    u = torch.rand_like(cdf[:, :1]) * cdf[:, -1:]  # (B, 1)
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=alpha.size(-1) - 1)
+
+
 def _forward_step(
-    t: int, seq: _Sequence, w: _Weights, projected: Tensor, annotations: Tensor, gates_in: Tensor
+    t: int,
+    seq: _Sequence,
+    w: _Weights,
+    projected: Tensor,
+    annotations: Tensor,
+    gates_in: Tensor,
+    sample: bool,
 ) -> None:
     """Step t of Eq. 1-6 into ``seq``: attention from h_{t-1}, gate, LSTM."""
     D, n = annotations.size(2), seq.cells.size(2)
     h = seq.inputs[t, :, D:]  # (B, n), h_{t-1}
     q = torch.mm(h, w.hidden2.t(), out=seq.queries[t])  # (B, A)
-    alpha = torch.softmax(fused_scores(projected, q, w.score), dim=-1)  # (B, L), Eq. 5
-    seq.alphas[t] = alpha
+    scores = fused_scores(projected, q, w.score)  # (B, L), Eq. 4
     context = seq.contexts[t]  # (B, D)
-    torch.bmm(alpha.unsqueeze(1), annotations, out=context.unsqueeze(1))  # Σ α a
+    if seq.log_alphas is None:
+        alpha = torch.softmax(scores, dim=-1)  # Eq. 5
+        seq.alphas[t] = alpha
+        torch.bmm(alpha.unsqueeze(1), annotations, out=context.unsqueeze(1))  # Σ α a
+    else:
+        _hard_attention(t, seq, scores, annotations, sample)
     z = seq.inputs[t, :, :D]  # (B, D), ẑ_t
     if w.gate is not None:
         beta = torch.sigmoid(torch.addmm(w.gate_bias, h, w.gate.t())).squeeze(1)  # (B,)
@@ -345,6 +407,27 @@ def _forward_step(
     torch.mul(o, torch.tanh(c), out=seq.hidden[t])  # Eq. 3
     if t + 1 < seq.inputs.size(0):
         seq.inputs[t + 1, :, D:] = seq.hidden[t]
+
+
+def _hard_attention(
+    t: int, seq: _Sequence, scores: Tensor, annotations: Tensor, sample: bool
+) -> None:
+    """α_t, H[α_t], s̃_t and φ_t (Eq. 8-9; α where semi-sampling picked it) as
+    ``HardAttention.forward`` computes them in training."""
+    assert seq.log_alphas is not None and seq.locations is not None
+    assert seq.use_expected is not None and seq.log_probs is not None and seq.entropy is not None
+    B, _, D = annotations.shape
+    log_alpha = torch.log_softmax(scores, dim=-1)  # (B, L)
+    alpha = log_alpha.exp()
+    seq.log_alphas[t], seq.alphas[t] = log_alpha, alpha
+    seq.entropy[t] = -(alpha * log_alpha).sum(-1)  # H[α_t], the entropy term of Sec. 4.1
+    if sample:
+        seq.locations[t] = sample_locations(alpha)
+    location = seq.locations[t]  # (B,)
+    gathered = annotations.gather(1, location.view(B, 1, 1).expand(-1, -1, D)).squeeze(1)
+    expected = torch.bmm(alpha.unsqueeze(1), annotations).squeeze(1)  # (B, D)
+    torch.where(seq.use_expected.unsqueeze(1), expected, gathered, out=seq.contexts[t])
+    seq.log_probs[t] = log_alpha.gather(1, location.unsqueeze(1)).squeeze(1)
 
 
 @dataclass
@@ -379,36 +462,66 @@ def _backward_step(
     w: _Weights,
     projected: Tensor,
     annotations: Tensor,
-    d_outputs: tuple[Tensor, Tensor, Tensor, Tensor],
+    d_outputs: tuple[Tensor, ...],
     grads: _Gradients,
     sink: ProjectedGradient | None,
 ) -> None:
     """Step t backwards: from ∂/∂h_t, ∂/∂c_t to ∂/∂h_{t-1}, ∂/∂c_{t-1}, keeping what the
     weight gradients need."""
-    d_hidden, d_context, d_alphas, d_betas = d_outputs
+    d_hidden, d_context, _, d_betas = d_outputs[:4]
     D = annotations.size(2)
     dz = _lstm_backward(t, seq, w, d_hidden[t], grads)  # (B, D + n) -> ẑ_t's share
     dh = dz[:, D:]  # (B, n), ∂/∂h_{t-1} through Eq. 1
     dz = dz[:, :D] + d_context[t]  # (B, D), ∂/∂ẑ_t
-    context, alpha = seq.contexts[t], seq.alphas[t]
     if w.gate is not None:
         beta = seq.betas[t]
-        d_beta = (dz * context).sum(1) + d_betas[t]  # (B,)
+        d_beta = (dz * seq.contexts[t]).sum(1) + d_betas[t]  # (B,)
         d_pre = torch.mul(d_beta, beta * (1.0 - beta), out=grads.gate_pre[t])  # σ'
         dh = dh.addcmul(d_pre.unsqueeze(1), w.gate)  # f_β's share of ∂/∂h_{t-1}
-        dz = dz * beta.unsqueeze(1)  # ∂/∂(Σ α a)
-    # ∂/∂α from the context (a product with a's transpose, MKL's fast layout) and the loss
-    d_alpha = torch.bmm(dz.unsqueeze(1), annotations.transpose(1, 2)).squeeze(1)  # (B, L)
-    d_alpha += d_alphas[t]
-    if grads.annotations is not None:
-        grads.annotations.baddbmm_(alpha.unsqueeze(2), dz.unsqueeze(1))  # (B, L, D)
-    d_scores = alpha * (d_alpha - (alpha * d_alpha).sum(1, keepdim=True))  # softmax, Eq. 5
+        dz = dz * beta.unsqueeze(1)  # ∂/∂φ_t
+    d_scores = _attention_backward(t, seq, annotations, dz, d_outputs, grads)
     _, d_query, d_score = fused_scores_backward(
         d_scores, projected, seq.queries[t], w.score, sink is not None, sink
     )
     grads.queries[t] = d_query
     grads.score += d_score
     grads.h = dh.addmm_(d_query, w.hidden2)  # W_h's share of ∂/∂h_{t-1}
+
+
+def _attention_backward(
+    t: int,
+    seq: _Sequence,
+    annotations: Tensor,
+    d_phi: Tensor,
+    d_outputs: tuple[Tensor, ...],
+    grads: _Gradients,
+) -> Tensor:
+    """From ∂/∂φ_t (B, D) and the loss's ∂/∂α_t (and, hard, ∂/∂log α_{t,s̃}, ∂/∂H[α_t]) to
+    ∂/∂ the scores e_t (B, L); the annotations' share into ``grads.annotations``."""
+    B, _, D = annotations.shape
+    alpha = seq.alphas[t]  # (B, L)
+    if seq.use_expected is not None and seq.locations is not None:
+        # φ = a_{s̃} for the sampled images: no gradient reaches α through it (Eq. 9)
+        expected = seq.use_expected.unsqueeze(1)
+        if grads.annotations is not None:
+            index = seq.locations[t].view(B, 1, 1).expand(-1, -1, D)
+            sampled = torch.where(expected, 0.0, d_phi).unsqueeze(1)  # (B, 1, D)
+            grads.annotations.scatter_add_(1, index, sampled)
+        d_phi = torch.where(expected, d_phi, 0.0)
+    # ∂/∂α from the context (a product with a's transpose, MKL's fast layout) and the loss
+    d_alpha = torch.bmm(d_phi.unsqueeze(1), annotations.transpose(1, 2)).squeeze(1)  # (B, L)
+    d_alpha += d_outputs[2][t]
+    if grads.annotations is not None:
+        grads.annotations.baddbmm_(alpha.unsqueeze(2), d_phi.unsqueeze(1))  # (B, L, D)
+    d_scores = alpha * (d_alpha - (alpha * d_alpha).sum(1, keepdim=True))  # softmax, Eq. 5
+    if seq.log_alphas is not None and seq.entropy is not None and seq.locations is not None:
+        d_log_prob, d_entropy = d_outputs[4][t].unsqueeze(1), d_outputs[5][t].unsqueeze(1)
+        # ∂H/∂e = -α (log α + H); ∂ log α_s̃ / ∂e = onehot(s̃) - α
+        entropy = seq.entropy[t].unsqueeze(1)
+        d_scores -= d_entropy * alpha * (seq.log_alphas[t] + entropy)
+        d_scores -= d_log_prob * alpha
+        d_scores.scatter_add_(1, seq.locations[t].unsqueeze(1), d_log_prob)
+    return d_scores
 
 
 def _lstm_backward(

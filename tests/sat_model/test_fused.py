@@ -1,10 +1,10 @@
-"""The fused soft-attention recurrence (``sat_model.model.fused.soft_recurrence``).
+"""The fused training recurrence (``sat_model.model.fused.recurrence``), soft and hard.
 
 Its backward is back-propagation through time written by hand, so it is checked against finite
 differences of its own forward (``torch.autograd.gradcheck``, float64) for every input, the
-annotations included; its forward against the step-by-step decoder (``ShowAttendTell.step``).
-``test_reference_model.py`` checks the whole training loss and every parameter's gradient
-against the plain reference of the paper's equations.
+annotations included; its forward and gradients against the decoder's step loop, with the same
+draws of s̃. ``test_reference_model.py`` checks the whole training loss and every parameter's
+gradient against the plain reference of the paper's equations.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sat_model.config import HardTrainConfig, SoftTrainConfig
 from sat_model.model import decoder, fused
-from sat_model.model.fused import soft_recurrence
+from sat_model.model.fused import HardPath, recurrence
+from sat_model.model.losses import build_criterion
 from tests.sat_model.test_model import tiny_batch, tiny_model
 
 B, T, L, D, n, A = 3, 4, 5, 3, 4, 3
@@ -42,24 +44,33 @@ def _inputs(gate: bool) -> dict[str, torch.Tensor | None]:
 
 @pytest.mark.parametrize("chunk_elements", [1 << 20, A * L])  # one chunk; one image per chunk
 @pytest.mark.parametrize("gate", [True, False])
-def test_soft_recurrence_gradients_match_finite_differences(
-    gate: bool, chunk_elements: int, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_recurrence_gradients_match_finite_differences(
+    attention: str, gate: bool, chunk_elements: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fused, "SCORE_CHUNK_ELEMENTS", chunk_elements)
     inputs = _inputs(gate)
     names = [k for k, v in inputs.items() if v is not None]
+    hard = None
+    if attention == "hard":  # forced s̃ (a sample is not differentiable), image 1 semi-sampled
+        g = torch.Generator().manual_seed(1)
+        use_expected = torch.tensor([False, True, False])
+        hard = HardPath(use_expected, torch.randint(0, L, (T, B), generator=g))
 
     def run(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args = dict(inputs, **dict(zip(names, tensors, strict=True)))
-        out = soft_recurrence(
+        out = recurrence(
             args.pop("projected"),
             args.pop("annotations"),
             args.pop("h0"),
             args.pop("c0"),
             args.pop("input_gates"),
             **args,
+            hard=hard,
         )
-        return out.hidden, out.context, out.alphas, out.betas
+        if out.location_log_probs is None or out.entropy is None:
+            return out.hidden, out.context, out.alphas, out.betas
+        return out.hidden, out.context, out.alphas, out.betas, out.location_log_probs, out.entropy
 
     assert torch.autograd.gradcheck(run, tuple(inputs[k] for k in names))
 
@@ -78,22 +89,57 @@ def test_soft_forward_gives_the_step_loops_outputs(gate: bool) -> None:
         state = step.state
 
 
-def test_only_soft_attention_without_autocast_takes_the_fused_recurrence(
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_a_training_pass_gives_the_step_loops_loss_and_gradients(
+    attention: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training mode, dropout on, s̃ sampled with semi-sampling: seeded alike, the fused pass
+    and the step loop draw the same s̃ and masks and give the same loss and gradients."""
+    model = tiny_model(attention, dropout=0.3).double().train()
+    annotations, captions = tiny_batch()
+    annotations = annotations.double()
+    cfg = SoftTrainConfig(doubly_stochastic=1.0) if attention == "soft" else HardTrainConfig()
+    results = []
+    for fused_pass in (True, False):
+        monkeypatch.setattr(type(model), "_fused_pass", lambda *a, f=fused_pass: f)
+        torch.manual_seed(2)
+        out = model(annotations, captions)
+        loss = build_criterion(attention, cfg)(out, captions).loss
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        results.append((out, loss, grads))
+    (fused_out, fused_loss, fused_grads), (loop_out, loop_loss, loop_grads) = results
+    torch.testing.assert_close(fused_loss, loop_loss, rtol=1e-10, atol=1e-12)
+    for name, got, want in zip(
+        [n for n, _ in model.named_parameters()], fused_grads, loop_grads, strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=name)
+    torch.testing.assert_close(fused_out.alphas, loop_out.alphas)
+    if attention == "hard":
+        assert fused_out.sampled is not None and loop_out.sampled is not None
+        assert fused_out.sampled.tolist() == loop_out.sampled.tolist()
+        assert 0 < int(fused_out.sampled.sum()) < len(captions)  # both kinds of image present
+        torch.testing.assert_close(fused_out.location_log_probs, loop_out.location_log_probs)
+        torch.testing.assert_close(fused_out.entropy, loop_out.entropy)
+
+
+def test_training_passes_without_autocast_take_the_fused_recurrence(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Autocast casts per op, hard attention samples per step, a forced location is per step:
-    those keep the step loop; everything else of soft attention goes through one node."""
+    """Soft attention (train or expected) and hard attention in training go through one node;
+    the soft model's sampled modes, the hard model's expected mode and autocast (which casts per
+    op) keep the step loop."""
     calls: list[int] = []
     monkeypatch.setattr(
-        decoder, "soft_recurrence", lambda *a, **k: calls.append(1) or soft_recurrence(*a, **k)
+        decoder, "recurrence", lambda *a, **k: calls.append(1) or recurrence(*a, **k)
     )
     annotations, captions = tiny_batch()
     tiny_model("soft").train()(annotations, captions)
     tiny_model("soft").eval()(annotations, captions)
-    assert len(calls) == 2
+    tiny_model("hard").train()(annotations, captions)
+    assert len(calls) == 3
     tiny_model("soft")(annotations, captions, mode="sample")
-    tiny_model("hard")(annotations, captions)
+    tiny_model("hard").eval()(annotations, captions)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = tiny_model("soft")(annotations, captions)
-    assert len(calls) == 2
+    assert len(calls) == 3
     assert torch.isfinite(out.logits).all()
