@@ -323,8 +323,9 @@ class _Recurrence(torch.autograd.Function):
         seq = _Sequence.empty(h0, T, B, L, D, n, A)
         sample = use_expected is not None and locations is None
         if use_expected is not None:  # hard attention; s̃ drawn step by step unless forced
-            drawn = input_gates.new_empty(T, B, dtype=torch.long) if sample else locations
-            seq = seq.with_hard(use_expected, drawn)
+            if locations is None:
+                locations = input_gates.new_empty(T, B, dtype=torch.long)
+            seq = seq.with_hard(use_expected, locations)
         seq.inputs[0, :, D:] = h0
         seq.cells[0] = c0
         for t in range(T):
@@ -392,7 +393,7 @@ def _forward_step(
     else:
         _hard_attention(t, seq, scores, annotations, sample)
     z = seq.inputs[t, :, :D]  # (B, D), ẑ_t
-    if w.gate is not None:
+    if w.gate is not None and w.gate_bias is not None:
         beta = torch.sigmoid(torch.addmm(w.gate_bias, h, w.gate.t())).squeeze(1)  # (B,)
         seq.betas[t] = beta
         torch.mul(context, beta.unsqueeze(1), out=z)
