@@ -7,13 +7,15 @@ locations, ``D`` annotation size, ``n`` LSTM size, ``A`` attention-MLP size; ``k
 - ``FusedScores``: the attention scores 2 w_att^T σ(P + q) of ``SoftAttention.scores`` (Eq. 4
   with tanh(u) = 2σ(2u) - 1), a few images at a time, its backward recomputing σ rather than
   keeping the (B*k, A, L) tensor. Used by every per-step pass (decoding, hard attention).
-- ``soft_recurrence``: the whole teacher-forced recurrence of soft attention (Eq. 1-6 and the
-  gate β, Sec. 4.2.1) over T steps as one autograd node. Its forward runs the steps without
+- ``recurrence``: the whole teacher-forced recurrence of a training pass (Eq. 1-6 and the gate
+  β, Sec. 4.2.1; soft attention's expected context, or hard attention's sampled one with
+  semi-sampling, Sec. 4.1) over T steps as one autograd node. Its forward runs the steps without
   building a graph and keeps what the backward needs; its backward is back-propagation through
   time written out, so that the weight gradients of the LSTM, W_h and f_β are one matrix product
   each over all T·B rows rather than T small ones, and the step's products take their faster
-  layouts. ``tests/sat_model/test_reference_model.py`` checks its loss and gradients against the
-  plain reference of the same equations; ``benchmarks/bench_model.py`` times it.
+  layouts. ``tests/sat_model/test_fused.py`` checks it against finite differences and the step
+  loop, ``test_reference_model.py`` against the plain reference of the same equations;
+  ``benchmarks/bench_model.py`` times it (docs/EXPERIMENTS.md, "Training speed").
 """
 
 from __future__ import annotations
