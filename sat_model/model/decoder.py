@@ -30,6 +30,8 @@ from sat_model.model.fused import (
     FusedScores,
     HardPath,
     ProjectedGradient,
+    expected_context,
+    gather_location,
     recurrence,
     sample_locations,
 )
@@ -222,9 +224,9 @@ class SoftAttention(nn.Module):
     ) -> AttentionOutput:
         alpha = torch.softmax(self.scores(projected, hidden, sink), dim=-1)  # (B, L), Eq. 5
         if mode in ("train", "expected"):
-            return AttentionOutput(alpha=alpha, context=_expected_context(annotations, alpha))
+            return AttentionOutput(alpha=alpha, context=expected_context(annotations, alpha))
         location = _pick_location(alpha, mode)
-        return AttentionOutput(alpha=alpha, context=_gather_location(annotations, location))
+        return AttentionOutput(alpha=alpha, context=gather_location(annotations, location))
 
 
 class HardAttention(SoftAttention):
@@ -246,23 +248,16 @@ class HardAttention(SoftAttention):
         alpha = log_alpha.exp()
         entropy = -(alpha * log_alpha).sum(-1)  # (B,) H[α_t], the entropy term of Sec. 4.1
         if mode == "expected" and location is None:
-            context = _expected_context(annotations, alpha)
+            context = expected_context(annotations, alpha)
             return AttentionOutput(alpha=alpha, context=context, entropy=entropy)
         if location is None:
             location = _pick_location(alpha, mode)
-        context = _gather_location(annotations, location)  # (B, D), Eq. 9
+        context = gather_location(annotations, location)  # (B, D), Eq. 9
         if use_expected is not None:
-            expected = _expected_context(annotations, alpha)
+            expected = expected_context(annotations, alpha)
             context = torch.where(use_expected.unsqueeze(1), expected, context)
         log_prob = log_alpha.gather(1, location.unsqueeze(1)).squeeze(1)  # (B,) log α_{t,s̃}
         return AttentionOutput(alpha, context, location_log_prob=log_prob, entropy=entropy)
-
-
-def _expected_context(annotations: Tensor, alpha: Tensor) -> Tensor:
-    """Σ_i α_i a_i (Sec. 4.2): (B, L, D), (B*k, L) -> (B*k, D); the k rows of an image in one
-    matrix product, so its annotations are read once, not once per beam."""
-    B, L, D = annotations.shape
-    return torch.bmm(alpha.view(B, -1, L), annotations).view(-1, D)
 
 
 def _pick_location(alpha: Tensor, mode: str) -> Tensor:
@@ -272,13 +267,6 @@ def _pick_location(alpha: Tensor, mode: str) -> Tensor:
     if mode in ("train", "sample"):
         return sample_locations(alpha)
     raise ValueError(f"unknown attention mode {mode!r}; expected one of {MODES}")
-
-
-def _gather_location(annotations: Tensor, location: Tensor) -> Tensor:
-    """a_{s̃}: (B, L, D), (B*k,) -> (B*k, D); the one-hot sum of Eq. 9 without the multiply."""
-    B, _, D = annotations.shape
-    index = location.view(B, -1, 1).expand(-1, -1, D)  # (B, k, D)
-    return annotations.gather(1, index).view(-1, D)
 
 
 @dataclass(frozen=True)
@@ -342,13 +330,31 @@ class ShowAttendTell(nn.Module):
         if projected.requires_grad:
             sink = ProjectedGradient()
             projected = CollectProjected.apply(projected, sink)
+        h, c = self._initial_state(mean)
         return DecoderState(
-            h=torch.tanh(self.init_h(mean)),  # (B, n)
-            c=torch.tanh(self.init_c(mean)),  # (B, n)
+            h=h,
+            c=c,
             annotations=annotations,
             projected=projected,
             projected_grad=sink,
         )
+
+    def _initial_state(self, mean: Tensor) -> tuple[Tensor, Tensor]:
+        """h_0, c_0 (B, n) from the mean annotation (B, D): two MLPs, tanh as in the code
+        (Sec. 3.1.2)."""
+        return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))
+
+    def _embedding_gates(self, embedded: Tensor) -> Tensor:
+        """The embedding's share of Eq. 1 with both biases, (B, T, m) -> (T, B, 4n): it does
+        not depend on the recurrence, so one product for all T steps; the shares of ẑ_t and
+        h_{t-1} stay in the steps."""
+        B, T, m = embedded.shape
+        lstm = self.lstm
+        return torch.addmm(
+            lstm.bias_ih + lstm.bias_hh,
+            embedded.transpose(0, 1).reshape(T * B, m),
+            lstm.weight_ih[:, :m].t(),
+        ).view(T, B, -1)
 
     def _prepare(self, annotations: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The annotations attended over (B, L, D): standardised, with cell coordinates; their
@@ -383,17 +389,11 @@ class ShowAttendTell(nn.Module):
         state = self.init_state(annotations)
         embedded = self.embedding(inputs)  # (B, T, m)
         use_expected = self._semi_sampling_mask(B, mode, locations, annotations.device)
-        # the embedding's share of Eq. 1 does not depend on the recurrence: one product for all
-        # T steps; the context's and h_{t-1}'s shares stay in the loop
         m = self.config.embed_dim
-        weight_ih, weight_hh = self.lstm.weight_ih, self.lstm.weight_hh
-        input_gates = torch.addmm(
-            self.lstm.bias_ih + self.lstm.bias_hh, embedded.reshape(B * T, m), weight_ih[:, :m].t()
-        ).view(B, T, -1)  # (B, T, 4n)
-        weights = (weight_ih[:, m:].t(), weight_hh.t())  # (D, 4n), (n, 4n)
-        # unbind, not input_gates[:, t]: the backward of one unbind is one stack, where each
-        # of T selects would zero-fill and add a whole (B, T, 4n) gradient
-        gates_per_step = input_gates.unbind(1)  # T x (B, 4n)
+        weights = (self.lstm.weight_ih[:, m:].t(), self.lstm.weight_hh.t())  # (D, 4n), (n, 4n)
+        # unbind, not input_gates[t]: the backward of one unbind is one stack, where each of T
+        # selects would zero-fill and add a whole (T, B, 4n) gradient
+        gates_per_step = self._embedding_gates(embedded).unbind(0)  # T x (B, 4n)
         steps = []
         for t in range(T):
             location = None if locations is None else locations[:, t]
@@ -428,7 +428,7 @@ class ShowAttendTell(nn.Module):
     ) -> ForwardOutput:
         """``forward`` through ``fused.recurrence``: the same numbers as the step loop up to
         float rounding (and the same draws of s̃), one autograd node for the T steps."""
-        B, T = inputs.shape
+        B = inputs.size(0)
         hard = None
         if isinstance(self.attention, HardAttention):
             use_expected = self._semi_sampling_mask(B, mode, locations, annotations.device)
@@ -437,17 +437,11 @@ class ShowAttendTell(nn.Module):
         annotations, mean, projected = self._prepare(annotations)
         embedded = self.embedding(inputs)  # (B, T, m)
         m, lstm = self.config.embed_dim, self.lstm
-        input_gates = torch.addmm(
-            lstm.bias_ih + lstm.bias_hh,
-            embedded.transpose(0, 1).reshape(T * B, m),
-            lstm.weight_ih[:, :m].t(),
-        ).view(T, B, -1)  # (T, B, 4n), the embedding's share of Eq. 1 for all steps at once
         out = recurrence(
             projected,
             annotations,
-            torch.tanh(self.init_h(mean)),  # h_0 (B, n), Sec. 3.1.2
-            torch.tanh(self.init_c(mean)),  # c_0
-            input_gates,
+            *self._initial_state(mean),
+            self._embedding_gates(embedded),
             hidden_weight=self.attention.hidden_proj.weight,
             score_weight=self.attention.score.weight,
             gate_weight=None if self.gate is None else self.gate.weight,

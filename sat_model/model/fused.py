@@ -34,8 +34,10 @@ __all__ = [
     "HardPath",
     "ProjectedGradient",
     "RecurrenceOutput",
+    "expected_context",
     "fused_scores",
     "fused_scores_backward",
+    "gather_location",
     "recurrence",
     "sample_locations",
 ]
@@ -364,6 +366,20 @@ def _tensors(seq: _Sequence) -> list[Tensor | None]:
     return [getattr(seq, f.name) for f in dataclasses.fields(seq)]
 
 
+def expected_context(annotations: Tensor, alpha: Tensor) -> Tensor:
+    """Σ_i α_i a_i (Sec. 4.2): (B, L, D), (B*k, L) -> (B*k, D); the k rows of an image in one
+    matrix product, so its annotations are read once, not once per beam."""
+    B, L, D = annotations.shape
+    return torch.bmm(alpha.view(B, -1, L), annotations).view(-1, D)
+
+
+def gather_location(annotations: Tensor, location: Tensor) -> Tensor:
+    """a_{s̃}: (B, L, D), (B*k,) -> (B*k, D); the one-hot sum of Eq. 9 without the multiply."""
+    B, _, D = annotations.shape
+    index = location.view(B, -1, 1).expand(-1, -1, D)  # (B, k, D)
+    return annotations.gather(1, index).view(-1, D)
+
+
 def sample_locations(alpha: Tensor) -> Tensor:
     """s̃ ~ Multinoulli(α) (Eq. 8) as an index (B,), by the inverse CDF: the first location
     whose cumulative α exceeds u ~ U[0, Σα). The same distribution as ``torch.multinomial``,
@@ -419,7 +435,6 @@ def _hard_attention(
     ``HardAttention.forward`` computes them in training."""
     assert seq.log_alphas is not None and seq.locations is not None
     assert seq.use_expected is not None and seq.log_probs is not None and seq.entropy is not None
-    B, _, D = annotations.shape
     log_alpha = torch.log_softmax(scores, dim=-1)  # (B, L)
     alpha = log_alpha.exp()
     seq.log_alphas[t], seq.alphas[t] = log_alpha, alpha
@@ -427,9 +442,8 @@ def _hard_attention(
     if sample:
         seq.locations[t] = sample_locations(alpha)
     location = seq.locations[t]  # (B,)
-    gathered = annotations.gather(1, location.view(B, 1, 1).expand(-1, -1, D)).squeeze(1)
-    expected = torch.bmm(alpha.unsqueeze(1), annotations).squeeze(1)  # (B, D)
-    torch.where(seq.use_expected.unsqueeze(1), expected, gathered, out=seq.contexts[t])
+    phi = (expected_context(annotations, alpha), gather_location(annotations, location))
+    torch.where(seq.use_expected.unsqueeze(1), *phi, out=seq.contexts[t])  # (B, D)
     seq.log_probs[t] = log_alpha.gather(1, location.unsqueeze(1)).squeeze(1)
 
 
