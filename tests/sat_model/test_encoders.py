@@ -19,9 +19,11 @@ from sat_model.features.encoders import (
     efficientnet_lite_classifier,
     efficientnet_lite_weights_path,
     file_sha256,
+    fold_batch_norms,
     map_state_dict_by_order,
 )
-from sat_model.features.images import preprocess
+from sat_model.features.images import load_image, preprocess
+from sat_model.paths import shared_data
 
 skimage_data = pytest.importorskip("skimage.data")
 
@@ -106,6 +108,62 @@ def test_encoder_features_are_the_classifier_trunk_features(lite0_classifier) ->
         expected = lite0_classifier.forward_features(x).flatten(2).transpose(1, 2)  # (1, L, D)
         # the encoder runs channels_last, which reorders float sums: ~2e-5 on values up to ~5
         assert torch.allclose(encoder(x), expected, atol=1e-4)
+
+
+SAMPLE_PHOTOS = shared_data("flickr8k-sample") / "Flickr8k_Dataset"
+
+
+@pytest.mark.skipif(not SAMPLE_PHOTOS.is_dir(), reason="Flickr8k sample absent (../shared/data)")
+def test_default_layer_with_folded_batch_norms_matches_the_unfolded_network_on_photos(
+    lite0_classifier,
+) -> None:
+    # blocks.4 at 224 (the default) through timm's own modules, BatchNorms unfolded
+    encoder = build_encoder("efficientnet_lite0")
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in encoder.modules())
+    d = encoder.description
+    photos = sorted(SAMPLE_PHOTOS.glob("*.jpg"))[:4]
+    x = torch.stack([preprocess(load_image(p), 224, 224, d.mean, d.std) for p in photos])
+    unfolded = torch.nn.Sequential(
+        lite0_classifier.conv_stem, lite0_classifier.bn1, *lite0_classifier.blocks[:5]
+    )
+    with torch.inference_mode():
+        expected = unfolded(x).flatten(2).transpose(1, 2)  # (4, 196, 112)
+        got = encoder(x)
+    assert got.shape == expected.shape == (4, 196, 112)
+    scale = expected.abs().max()
+    assert scale > 1.0  # real activations, not a degenerate input
+    assert torch.allclose(got, expected, atol=1e-5 * float(scale), rtol=0)
+
+
+def test_fold_batch_norms_keeps_a_resnet_block_with_real_statistics() -> None:
+    from torchvision.models.resnet import Bottleneck
+
+    gen = torch.Generator().manual_seed(0)
+    downsample = torch.nn.Sequential(
+        torch.nn.Conv2d(16, 32, 1, bias=False), torch.nn.BatchNorm2d(32)
+    )
+    block = Bottleneck(16, 8, downsample=downsample)  # conv-bn pairs, ReLU after the sum
+    for m in block.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):  # statistics far from the identity
+            m.running_mean.copy_(torch.randn(m.num_features, generator=gen))
+            m.running_var.copy_(torch.rand(m.num_features, generator=gen) * 3 + 0.1)
+            m.weight.data.copy_(torch.randn(m.num_features, generator=gen))
+            m.bias.data.copy_(torch.randn(m.num_features, generator=gen))
+    block.eval()
+    x = torch.randn(2, 16, 9, 9, generator=gen)
+    with torch.inference_mode():
+        expected = block(x)
+        folded = fold_batch_norms(block)
+        got = folded(x)
+    assert folded is block
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in block.modules())
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fold_batch_norms_leaves_a_training_batch_norm_alone() -> None:
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).train()
+    fold_batch_norms(net)
+    assert isinstance(net[1], torch.nn.BatchNorm2d)  # batch statistics are not a fixed affine map
 
 
 def test_map_by_order_renames_every_tensor() -> None:
