@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -130,7 +129,7 @@ def make_validator(
         hypotheses: dict[str, str] = {}
         for start in range(0, len(rows), batch_size):
             feats = store.get_batch(rows[start : start + batch_size])  # (B, L, D) float16
-            annotations = torch.from_numpy(feats.astype(np.float32)).to(device)  # (B, L, D)
+            annotations = torch.from_numpy(feats).to(device, torch.float32)  # (B, L, D)
             captions = greedy(model, annotations, max_length, mode=mode)
             for image_id, caption in zip(ids[start : start + batch_size], captions, strict=True):
                 hypotheses[image_id] = " ".join(vocab.decode(caption.tokens))
