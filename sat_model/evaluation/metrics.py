@@ -123,17 +123,46 @@ def _check_inputs(
 def _ptb_tokenize(
     hypotheses: Mapping[str, str], references: Mapping[str, Sequence[str]]
 ) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+    """pycocoevalcap's ``PTBTokenizer.tokenize`` of the references and of the hypotheses: its
+    jar, command line and punctuation filter, one caption per line. Run here rather than
+    through ``PTBTokenizer`` so that one JVM does both sets, the captions go in on stdin (not a
+    temporary file in the installed package's folder) and the tokenizer's "PTBTokenizer
+    tokenized N tokens" line on stderr is kept off the user's terminal; its stderr is part of
+    the error when it fails.
+    """
+    from pycocoevalcap.tokenizer import ptbtokenizer as ptb
 
-    tokenizer = PTBTokenizer()
+    keys = [k for k, v in references.items() for _ in v] + list(hypotheses)
+    captions = [c for v in references.values() for c in v] + list(hypotheses.values())
+    # one caption per line: a line break inside one would shift every later caption
+    text = "\n".join(" ".join(c.splitlines()) for c in captions)
+    command = ["java", "-cp", ptb.STANFORD_CORENLP_3_4_1_JAR]
+    command += ["edu.stanford.nlp.process.PTBTokenizer", "-preserveLines", "-lowerCase"]
     try:
-        gts = tokenizer.tokenize({k: [{"caption": c} for c in v] for k, v in references.items()})
-        res = tokenizer.tokenize({k: [{"caption": h}] for k, h in hypotheses.items()})
+        done = subprocess.run(
+            command,
+            cwd=os.path.dirname(os.path.abspath(ptb.__file__)),
+            input=text.encode(),
+            capture_output=True,
+            check=False,
+        )
     except FileNotFoundError as e:
         raise MetricError(f"the PTB tokenizer needs Java on PATH: {e}") from e
-    # the tokenizer drops images whose output lines are missing (a crashed JVM): say so
-    if gts.keys() != references.keys() or res.keys() != hypotheses.keys():
-        raise MetricError("the PTB tokenizer returned fewer captions than it was given")
+    lines = done.stdout.decode().split("\n")
+    if lines and not lines[-1] and len(lines) == len(captions) + 1:
+        lines.pop()  # a final line break
+    if done.returncode != 0 or len(lines) != len(captions):
+        detail = done.stderr.decode(errors="replace").strip()[-500:]
+        raise MetricError(
+            f"the PTB tokenizer (exit {done.returncode}) returned {len(lines)} lines for "
+            f"{len(captions)} captions: {detail}"
+        )
+    gts: dict[str, list[str]] = {}
+    res: dict[str, list[str]] = {}
+    first_hypothesis = len(keys) - len(hypotheses)
+    for i, (key, line) in enumerate(zip(keys, lines, strict=True)):
+        words = " ".join(w for w in line.rstrip().split(" ") if w not in ptb.PUNCTUATIONS)
+        (res if i >= first_hypothesis else gts).setdefault(key, []).append(words)
     return gts, res
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sat_model.evaluation.metrics import MetricTimeoutError, score_captions
+from sat_model.evaluation.metrics import MetricError, MetricTimeoutError, score_captions
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="no Java runtime on PATH")
 
@@ -61,6 +61,25 @@ def test_bleu_4_is_one_for_a_hypothesis_identical_to_its_only_reference() -> Non
     assert set(got) == {"bleu_1", "bleu_2", "bleu_3", "bleu_4"}
     # pycocoevalcap adds tiny epsilons to its n-gram counts, hence approx
     assert got["bleu_4"] == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.java
+@needs_java
+def test_scoring_prints_nothing_and_keeps_captions_with_line_breaks_in_place(capfd) -> None:
+    # a line break inside a reference would, fed to the line-based tokenizer as it is, shift
+    # every later caption onto the wrong image
+    refs = {"a": ["a black cat\nsits on a red mat"], "b": ["two dogs play\r\nin the snow today"]}
+    hyps = {"a": "a black cat sits on a red mat", "b": "two dogs play in the snow today"}
+    got = score_captions(hyps, refs, metrics=("bleu",))
+    assert got["bleu_4"] == pytest.approx(1.0, abs=1e-6)
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")  # no "PTBTokenizer tokenized N tokens" on the terminal
+
+
+def test_a_tokenizer_without_java_fails_with_a_metric_error(monkeypatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(MetricError, match="needs Java on PATH"):
+        score_captions({"a": "a cat"}, {"a": ["a cat"]}, metrics=("bleu",))
 
 
 @pytest.mark.java
