@@ -132,7 +132,7 @@ def _ptb_tokenize(
     """
     from pycocoevalcap.tokenizer import ptbtokenizer as ptb
 
-    keys = [k for k, v in references.items() for _ in v] + list(hypotheses)
+    reference_keys = [k for k, v in references.items() for _ in v]
     captions = [c for v in references.values() for c in v] + list(hypotheses.values())
     # one caption per line: a line break inside one would shift every later caption
     text = "\n".join(" ".join(c.splitlines()) for c in captions)
@@ -157,12 +157,14 @@ def _ptb_tokenize(
             f"the PTB tokenizer (exit {done.returncode}) returned {len(lines)} lines for "
             f"{len(captions)} captions: {detail}"
         )
+    words = [
+        " ".join(w for w in ln.rstrip().split(" ") if w not in ptb.PUNCTUATIONS) for ln in lines
+    ]
     gts: dict[str, list[str]] = {}
-    res: dict[str, list[str]] = {}
-    first_hypothesis = len(keys) - len(hypotheses)
-    for i, (key, line) in enumerate(zip(keys, lines, strict=True)):
-        words = " ".join(w for w in line.rstrip().split(" ") if w not in ptb.PUNCTUATIONS)
-        (res if i >= first_hypothesis else gts).setdefault(key, []).append(words)
+    for key, caption in zip(reference_keys, words, strict=False):  # the references come first
+        gts.setdefault(key, []).append(caption)
+    hypothesis_words = words[len(reference_keys) :]
+    res = {key: [caption] for key, caption in zip(hypotheses, hypothesis_words, strict=True)}
     return gts, res
 
 
