@@ -94,6 +94,9 @@ class ModelConfig:
     # state dict, set by set_feature_statistics): raw CNN activations have std ~5 and means up to
     # ~±8 per channel, which saturates σ/tanh in f_att and the LSTM at the default init
     normalize_features: bool = False
+    # beyond the paper: dropout on E y_{t-1} where it enters the LSTM (Eq. 1), in training; the
+    # deep output (Eq. 7) still sees the whole embedding. 0 (off) in older checkpoints
+    input_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "annotation_dim", "num_locations", "embed_dim", "hidden_dim"):
@@ -105,8 +108,9 @@ class ModelConfig:
             raise ValueError(f"vocab_size {self.vocab_size} leaves no room for <pad>/<start>/<end>")
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention {self.attention!r}; expected {ATTENTION_KINDS}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        for name in ("dropout", "input_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0.0 <= self.semi_sampling_p <= 1.0:
             raise ValueError(f"semi_sampling_p must be in [0, 1], got {self.semi_sampling_p}")
         if self.coordinates and (self.grid_w < 1 or self.num_locations % self.grid_w):
@@ -309,6 +313,7 @@ class ShowAttendTell(nn.Module):
         self.hidden_out = nn.Linear(n, m, bias=False)  # L_h (Eq. 7)
         self.context_out = nn.Linear(D, m, bias=False)  # L_z (Eq. 7)
         self.dropout = nn.Dropout(config.dropout)
+        self.input_dropout = nn.Dropout(config.input_dropout)
         self.out = nn.Linear(m, K)  # L_o (Eq. 7)
 
     @torch.no_grad()
@@ -356,6 +361,11 @@ class ShowAttendTell(nn.Module):
             lstm.weight_ih[:, :m].t(),
         ).view(T, B, -1)
 
+    def _lstm_embedding(self, embedded: Tensor) -> Tensor:
+        """E y_{t-1} as the LSTM takes it (Eq. 1): through ``input_dropout`` when that is on (no
+        random draw when it is off, so runs without it keep their random streams)."""
+        return self.input_dropout(embedded) if self.config.input_dropout > 0 else embedded
+
     def _prepare(self, annotations: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The annotations attended over (B, L, D): standardised, with cell coordinates; their
         mean over locations (B, D); and ``SoftAttention.project``'s W_a a (B, A, L)."""
@@ -393,7 +403,7 @@ class ShowAttendTell(nn.Module):
         weights = (self.lstm.weight_ih[:, m:].t(), self.lstm.weight_hh.t())  # (D, 4n), (n, 4n)
         # unbind, not input_gates[t]: the backward of one unbind is one stack, where each of T
         # selects would zero-fill and add a whole (T, B, 4n) gradient
-        gates_per_step = self._embedding_gates(embedded).unbind(0)  # T x (B, 4n)
+        gates_per_step = self._embedding_gates(self._lstm_embedding(embedded)).unbind(0)
         steps = []
         for t in range(T):
             location = None if locations is None else locations[:, t]
@@ -441,7 +451,7 @@ class ShowAttendTell(nn.Module):
             projected,
             annotations,
             *self._initial_state(mean),
-            self._embedding_gates(embedded),
+            self._embedding_gates(self._lstm_embedding(embedded)),
             hidden_weight=self.attention.hidden_proj.weight,
             score_weight=self.attention.score.weight,
             gate_weight=None if self.gate is None else self.gate.weight,
@@ -630,6 +640,7 @@ def build_model(
         hidden_dim=model_params.hidden_dim,
         attention_dim=model_params.attention_dim,
         dropout=model_params.dropout,
+        input_dropout=model_params.input_dropout,
         gate=model_params.gate,
         attention=attention,
         semi_sampling_p=semi_sampling_p,

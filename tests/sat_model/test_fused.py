@@ -89,13 +89,15 @@ def test_soft_forward_gives_the_step_loops_outputs(gate: bool) -> None:
         state = step.state
 
 
+@pytest.mark.parametrize("input_dropout", [0.0, 0.4])
 @pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_a_training_pass_gives_the_step_loops_loss_and_gradients(
-    attention: str, monkeypatch: pytest.MonkeyPatch
+    attention: str, input_dropout: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Training mode, dropout on, s̃ sampled with semi-sampling: seeded alike, the fused pass
-    and the step loop draw the same s̃ and masks and give the same loss and gradients."""
-    model = tiny_model(attention, dropout=0.3).double().train()
+    """Training mode, dropout on (before L_o, and on the LSTM's embedding input), s̃ sampled with
+    semi-sampling: seeded alike, the fused pass and the step loop draw the same s̃ and masks and
+    give the same loss and gradients."""
+    model = tiny_model(attention, dropout=0.3, input_dropout=input_dropout).double().train()
     annotations, captions = tiny_batch()
     annotations = annotations.double()
     cfg = SoftTrainConfig(doubly_stochastic=1.0) if attention == "soft" else HardTrainConfig()

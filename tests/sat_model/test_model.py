@@ -367,3 +367,28 @@ def test_feature_standardisation_feeds_the_decoder_standardised_annotations() ->
     state = normalised.state_dict()  # the statistics travel with the checkpoint
     torch.testing.assert_close(state["feature_mean"], mean)
     torch.testing.assert_close(state["feature_std"], std)
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_input_dropout_drops_the_lstms_embedding_input_in_training_only(attention: str) -> None:
+    """``input_dropout`` masks E y_{t-1} on its way into the LSTM while training: the same weights
+    without it give other logits in training mode and the same ones in eval mode."""
+    annotations, captions = tiny_batch()
+    locations = torch.zeros(4, captions.size(1) - 1, dtype=torch.long)  # hard: forced s̃
+    forced = {"locations": locations} if attention == "hard" else {}
+    torch.manual_seed(0)
+    plain = tiny_model(attention)
+    dropped = tiny_model(attention, input_dropout=0.5)
+    dropped.load_state_dict(plain.state_dict())
+    for mode, same in (("train", False), ("eval", True)):
+        plain.train(mode == "train"), dropped.train(mode == "train")
+        torch.manual_seed(1)
+        want = plain(annotations, captions, **forced).logits
+        torch.manual_seed(1)
+        got = dropped(annotations, captions, **forced).logits
+        assert torch.allclose(got, want) is same, mode
+
+
+def test_input_dropout_must_be_a_probability_below_one() -> None:
+    with pytest.raises(ValueError, match="input_dropout"):
+        tiny_model(input_dropout=1.0)
