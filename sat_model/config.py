@@ -175,7 +175,8 @@ class ModelParams(_Section):
     hidden_dim: int = Field(192, ge=1)  # n (paper: 1800)
     attention_dim: int = Field(32, ge=1)  # hidden size of f_att (Eq. 4)
     dropout: float = Field(0.1, ge=0.0, lt=1.0)  # before L_o (authors' code); the paper's 0.5
-    # beyond the paper: dropout on the word embedding where it enters the LSTM (Eq. 1)
+    # beyond the paper: dropout on the word embedding where it enters the LSTM (Eq. 1), in
+    # training; the deep output (Eq. 7) sees it whole. Off here; docs/REALDATA.md for photos
     input_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # gating scalar β_t = σ(f_β(h_{t-1})), Sec. 4.2.1
     gate: bool = True
