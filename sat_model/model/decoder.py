@@ -352,7 +352,11 @@ class ShowAttendTell(nn.Module):
     def _embedding_gates(self, embedded: Tensor) -> Tensor:
         """The embedding's share of Eq. 1 with both biases, (B, T, m) -> (T, B, 4n): it does
         not depend on the recurrence, so one product for all T steps; the shares of ẑ_t and
-        h_{t-1} stay in the steps."""
+        h_{t-1} stay in the steps. ``input_dropout``, when on, masks E y_{t-1} here, on its
+        way into the LSTM only (no random draw when it is off, so runs without it keep their
+        random streams)."""
+        if self.config.input_dropout > 0:
+            embedded = self.input_dropout(embedded)
         B, T, m = embedded.shape
         lstm = self.lstm
         return torch.addmm(
@@ -360,11 +364,6 @@ class ShowAttendTell(nn.Module):
             embedded.transpose(0, 1).reshape(T * B, m),
             lstm.weight_ih[:, :m].t(),
         ).view(T, B, -1)
-
-    def _lstm_embedding(self, embedded: Tensor) -> Tensor:
-        """E y_{t-1} as the LSTM takes it (Eq. 1): through ``input_dropout`` when that is on (no
-        random draw when it is off, so runs without it keep their random streams)."""
-        return self.input_dropout(embedded) if self.config.input_dropout > 0 else embedded
 
     def _prepare(self, annotations: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The annotations attended over (B, L, D): standardised, with cell coordinates; their
@@ -403,7 +402,7 @@ class ShowAttendTell(nn.Module):
         weights = (self.lstm.weight_ih[:, m:].t(), self.lstm.weight_hh.t())  # (D, 4n), (n, 4n)
         # unbind, not input_gates[t]: the backward of one unbind is one stack, where each of T
         # selects would zero-fill and add a whole (T, B, 4n) gradient
-        gates_per_step = self._embedding_gates(self._lstm_embedding(embedded)).unbind(0)
+        gates_per_step = self._embedding_gates(embedded).unbind(0)  # T x (B, 4n)
         steps = []
         for t in range(T):
             location = None if locations is None else locations[:, t]
@@ -451,7 +450,7 @@ class ShowAttendTell(nn.Module):
             projected,
             annotations,
             *self._initial_state(mean),
-            self._embedding_gates(self._lstm_embedding(embedded)),
+            self._embedding_gates(embedded),
             hidden_weight=self.attention.hidden_proj.weight,
             score_weight=self.attention.score.weight,
             gate_weight=None if self.gate is None else self.gate.weight,
