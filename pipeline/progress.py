@@ -6,8 +6,9 @@ flood it). :func:`epoch_progress` therefore gives Ray Train a ``UserCallback`` t
 epoch's reports, all ranks' at once, to a ``ray.util.queue.Queue``; a thread of the driver
 prints them, one line per epoch::
 
-    train soft  epoch 3/10  loss 3.412  val BLEU-4 0.1234  612 captions/s  ETA 2m10s
+    train soft  epoch 3/10  loss 3.412  val BLEU-4 0.1234  CIDEr 0.4567  612 captions/s  ETA 2m10s
 
+Both validation scores are shown, since ``train.monitor`` picks the shipped epoch by either.
 Throughput is the captions every rank trained on, summed, over the slowest rank's training
 seconds (validation excluded); the ETA is the epochs still allowed by ``max_epochs`` times the
 mean epoch time so far (early stopping may end the run sooner). In a Ray Job the driver's
@@ -48,6 +49,7 @@ class EpochReport:
     epoch: int
     loss: float  # mean over ranks of each rank's mean training loss
     val_bleu_4: float | None  # rank 0 validates; None when no rank reported it
+    val_cider: float | None
     captions: int  # trained on, summed over ranks
     train_seconds: float  # the slowest rank's training pass
     seconds: float  # the slowest rank's epoch: training and validation
@@ -60,15 +62,21 @@ class EpochReport:
     def from_ranks(cls, metrics: Sequence[Mapping[str, Any]]) -> EpochReport:
         """From ``metrics[rank]``, each with ``epoch``, ``train_loss``, ``captions``,
         ``train_seconds``, ``epoch_seconds`` (what ``pipeline.ray_train`` reports)."""
-        bleu = [m["val_bleu_4"] for m in metrics if m.get("val_bleu_4") is not None]
         return cls(
             epoch=int(metrics[0]["epoch"]),
             loss=sum(float(m["train_loss"]) for m in metrics) / len(metrics),
-            val_bleu_4=float(bleu[0]) if bleu else None,
+            val_bleu_4=_reported(metrics, "val_bleu_4"),
+            val_cider=_reported(metrics, "val_cider"),
             captions=sum(int(m["captions"]) for m in metrics),
             train_seconds=max(float(m["train_seconds"]) for m in metrics),
             seconds=max(float(m["epoch_seconds"]) for m in metrics),
         )
+
+
+def _reported(metrics: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """The first rank's value of ``key`` (only rank 0 validates), None when no rank has it."""
+    values = [m[key] for m in metrics if m.get(key) is not None]
+    return float(values[0]) if values else None
 
 
 def format_duration(seconds: float) -> str:
@@ -82,10 +90,10 @@ def format_duration(seconds: float) -> str:
 
 
 def format_epoch_line(label: str, report: EpochReport, max_epochs: int, eta_s: float) -> str:
-    bleu = "-" if report.val_bleu_4 is None else f"{report.val_bleu_4:.4f}"
+    bleu, cider = ("-" if v is None else f"{v:.4f}" for v in (report.val_bleu_4, report.val_cider))
     return (
         f"{label}  epoch {report.epoch}/{max_epochs}  loss {report.loss:.3f}  val BLEU-4 {bleu}"
-        f"  {report.captions_per_s:.0f} captions/s  ETA {format_duration(eta_s)}"
+        f"  CIDEr {cider}  {report.captions_per_s:.0f} captions/s  ETA {format_duration(eta_s)}"
     )
 
 

@@ -19,24 +19,25 @@ def _rank(captions: int, train_s: float, epoch_s: float, loss: float, **val: flo
 
 
 def test_throughput_sums_the_ranks_captions_over_the_slowest_ranks_training_time() -> None:
-    # rank 0 validates (longer epoch, the only BLEU); rank 1 trains slower
+    # rank 0 validates (longer epoch, the only scores); rank 1 trains slower
     report = EpochReport.from_ranks(
-        [_rank(600, 2.0, 5.0, 3.0, val_bleu_4=0.25), _rank(600, 3.0, 3.5, 4.0)]
+        [_rank(600, 2.0, 5.0, 3.0, val_bleu_4=0.25, val_cider=0.61), _rank(600, 3.0, 3.5, 4.0)]
     )
     assert report.captions == 1200
     assert report.captions_per_s == pytest.approx(400.0)  # 1200 / 3 s
     assert report.loss == pytest.approx(3.5)
-    assert report.val_bleu_4 == 0.25
+    assert (report.val_bleu_4, report.val_cider) == (0.25, 0.61)
     assert report.seconds == 5.0
     line = format_epoch_line("train soft", report, max_epochs=10, eta_s=130)
-    assert (
-        line == "train soft  epoch 3/10  loss 3.500  val BLEU-4 0.2500  400 captions/s  ETA 2m10s"
+    assert line == (
+        "train soft  epoch 3/10  loss 3.500  val BLEU-4 0.2500  CIDEr 0.6100  400 captions/s"
+        "  ETA 2m10s"
     )
 
 
 def test_an_epoch_without_validation_shows_a_dash() -> None:
     report = EpochReport.from_ranks([_rank(10, 1.0, 1.0, 2.0)])
-    assert "val BLEU-4 -  10 captions/s" in format_epoch_line("train hard", report, 3, 0)
+    assert "val BLEU-4 -  CIDEr -  10 captions/s" in format_epoch_line("train hard", report, 3, 0)
 
 
 @pytest.mark.parametrize(

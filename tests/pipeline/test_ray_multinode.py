@@ -258,7 +258,8 @@ def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoi
     outcome = json.loads(stdout.strip().splitlines()[-1])
     # the driver printed a progress line for every epoch, across the restart
     said = (tmp_path / "driver.log").read_text()
-    pattern = rf"^train soft  epoch (\d)/{EPOCHS}  loss \S+  val BLEU-4 \S+  \d+ captions/s"
+    pattern = rf"^train soft  epoch (\d)/{EPOCHS}  loss \S+  val BLEU-4 \S+  CIDEr \S+"
+    pattern += r"  \d+ captions/s"
     progress = re.findall(pattern, said, re.M)
     assert sorted(set(progress)) == [str(e) for e in range(1, EPOCHS + 1)], said[-3000:]
 

@@ -241,7 +241,8 @@ def test_train_with_ray_writes_the_model_folder_and_logs_each_epoch(
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train ")]
     number = r"\d+\.\d+"
     pattern = (
-        rf"train soft  epoch (\d)/2  loss {number}  val BLEU-4 {number}  \d+ captions/s  ETA (\S+)"
+        rf"train soft  epoch (\d)/2  loss {number}  val BLEU-4 {number}  CIDEr {number}"
+        rf"  \d+ captions/s  ETA (\S+)"
     )
     matches = [re.fullmatch(pattern, line) for line in lines]
     assert all(matches), lines
