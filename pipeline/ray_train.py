@@ -41,6 +41,7 @@ import torch
 from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir
 from sat_model.config import Params, RayConfig
 from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE
+from sat_model.features.store import MIRRORED_SUFFIX
 from sat_model.model.checkpoint import is_checkpoint_dir
 from sat_model.paths import absolute, output_path
 from sat_model.train.trainer import Callback, EpochState
@@ -385,11 +386,12 @@ def sat_train_fn(run: WorkerRun) -> None:
 
 
 def stage_worker_inputs(
-    storage: Storage, share: bool, prepared: Path, features: Path
+    storage: Storage, share: bool, prepared: Path, features: Path, mirrored: bool = False
 ) -> StagedInputs | None:
     """Where workers find their inputs: None when they open the driver's paths (``share``);
-    else the files a training run reads (captions, vocabulary, the train and val feature stores)
-    uploaded to ``storage`` by content, with the manifest each worker downloads."""
+    else the files a training run reads (captions, vocabulary, the train and val feature stores,
+    and with ``mirrored`` the mirrored train store) uploaded to ``storage`` by content, with the
+    manifest each worker downloads."""
     if share:
         return None
     files = {
@@ -398,6 +400,9 @@ def stage_worker_inputs(
         "features/train.arrow": features / "train.arrow",
         "features/val.arrow": features / "val.arrow",
     }
+    if mirrored:  # train.mirror > 0: the extract stage's store of the mirrored train photos
+        name = f"train{MIRRORED_SUFFIX}.arrow"
+        files[f"features/{name}"] = features / name
     return StagedInputs(upload_inputs(files, storage), storage)
 
 
@@ -518,7 +523,9 @@ def train_with_ray(
             resume_from=seed[0] if seed else None,
             identity=identity.digest,
             hooks=hooks,
-            staged_inputs=stage_worker_inputs(storage, share, prepared, features),
+            staged_inputs=stage_worker_inputs(
+                storage, share, prepared, features, mirrored=params.train.mirror > 0
+            ),
         )
         checkpoint, run_id = _fit_run(job, root, name, identity, address)
     assert checkpoint is not None  # _choose_run returns an attempt that has a checkpoint

@@ -256,7 +256,9 @@ def _start_sweep(params: Params, root: Path) -> _Sweep:
         cfg.attention,
         prepared_dir=prepared,
         features_dir=features,
-        staged_inputs=stage_worker_inputs(storage, share, prepared, features),
+        staged_inputs=stage_worker_inputs(
+            storage, share, prepared, features, mirrored=params.train.mirror > 0
+        ),
     )
     return _Sweep(
         name=name,

@@ -166,6 +166,9 @@ class EncoderConfig(_Section):
     # threads of the encoder forward in both engines: CPU float results depend on the thread count,
     # so the local and Ray engines write byte-identical stores only with the same value
     torch_threads: int = Field(1, ge=1)
+    # beyond the paper: also extract the train photos mirrored left to right, into
+    # <features_dir>/train_mirrored.arrow, the features train.mirror draws from
+    mirror_train: bool = False
 
 
 # ---------------------------------------------------------------------------- model
@@ -234,6 +237,10 @@ class TrainConfig(_Section):
     # bf16: the training forward pass and loss under torch.autocast (GPUs with bfloat16: A100,
     # H100); weights, optimiser and validation stay float32. Changes results, so a stage param
     mixed_precision: Literal["none", "bf16"] = "none"
+    # beyond the paper: the chance that a training caption is paired, each epoch, with its photo
+    # mirrored left to right ("left" and "right" swapped in the caption); needs
+    # encoder.mirror_train. 0 = off
+    mirror: float = Field(0.0, ge=0, le=1)
     soft: SoftTrainConfig = SoftTrainConfig()
     hard: HardTrainConfig = HardTrainConfig()
 
@@ -345,6 +352,15 @@ class Params(_Section):
     mlflow: MlflowConfig = MlflowConfig()
     ray: RayConfig = RayConfig()
     serve: ServeConfig = ServeConfig()
+
+    @model_validator(mode="after")
+    def _mirrored_features_exist(self) -> Params:
+        if self.train.mirror > 0 and not self.encoder.mirror_train:
+            raise ValueError(
+                f"train.mirror is {self.train.mirror} but encoder.mirror_train is false: the "
+                "extract stage writes the mirrored train features only with mirror_train: true"
+            )
+        return self
 
 
 class _Yaml12Loader(yaml.SafeLoader):

@@ -1,4 +1,5 @@
-"""DVC stage ``extract``: prepared images → ``data/features/{split}.arrow`` and a report.
+"""DVC stage ``extract``: prepared images → ``data/features/{split}.arrow`` and a report
+(with ``encoder.mirror_train``, also ``train_mirrored.arrow``: the train photos mirrored).
 
     python -m pipeline.stages.extract [--params params.yaml] [-S encoder.engine=ray ...]
 
@@ -63,6 +64,7 @@ def run_extract(params: Params, root: Path, progress: bool = True) -> ExtractRep
         num_workers=cfg.num_workers,
         max_image_pixels=cfg.max_image_pixels,
         progress=progress,
+        mirrored_splits=["train"] if cfg.mirror_train else [],
     )
     if cfg.engine == "local":
         return extract_features(**kwargs)

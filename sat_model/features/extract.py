@@ -9,13 +9,18 @@ A batch is always the same slice of a split's image list (``batch_slices``), wit
 fail to decode removed, so any engine that follows the same slicing (``pipeline.ray_extract``)
 produces byte-identical stores. Undecodable images are skipped with their reason; extraction
 fails only when no image at all could be extracted.
+
+A split named in ``mirrored_splits`` is extracted a second time from its photos mirrored left to
+right, into ``{split}_mirrored.arrow`` (same rows, same order): training augmentation
+(``train.mirror``). The encoder sees the mirrored photo itself; the mirrored grid of the
+original's features is no stand-in for it (docs/REALDATA.md).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +31,7 @@ from tqdm import tqdm
 from sat_model.data.tables import TableError, read_images, split_order
 from sat_model.features.encoders import Encoder, EncoderDescription
 from sat_model.features.images import ImageError, load_image, normalize_pixels, resize_crop
-from sat_model.features.store import FeatureMeta, FeatureWriter
+from sat_model.features.store import MIRRORED_SUFFIX, FeatureMeta, FeatureWriter
 
 __all__ = [
     "DecodedBatch",
@@ -62,11 +67,13 @@ class Preprocessing:
     resize: int
     crop: int
     max_pixels: int
+    mirror: bool = False  # left to right, after the centre crop (the crop of the mirrored photo)
 
     def pixels(self, path: str) -> torch.Tensor:
         """uint8 (3, S, S); :func:`encode_batch` normalises whole batches."""
         image = load_image(path, max_pixels=self.max_pixels, min_side=self.resize)
-        return resize_crop(image, self.resize, self.crop)  # (3, S, S) uint8
+        pixels = resize_crop(image, self.resize, self.crop)  # (3, S, S) uint8
+        return pixels.flip(-1) if self.mirror else pixels
 
 
 @dataclass(frozen=True)
@@ -248,9 +255,11 @@ def extract_features(
     progress: bool = True,
     run_split: Callable[..., SplitResult] | None = None,
     engine: str = "local",
+    mirrored_splits: Sequence[str] = (),
 ) -> ExtractReport:
     """Extract every split of ``images_table`` (names under ``image_root``) into
-    ``out_dir/{split}.arrow``.
+    ``out_dir/{split}.arrow``, and each of ``mirrored_splits`` mirrored into
+    ``out_dir/{split}_mirrored.arrow``.
 
     ``run_split`` replaces :func:`extract_split` (same keyword arguments): the Ray engine plugs
     in here so both engines share table reading, preprocessing and reporting.
@@ -265,6 +274,12 @@ def extract_features(
         raise ExtractError(f"{images_table} holds no image with status 'ok' in a split")
     d = encoder.description
     prep = Preprocessing(resize, crop, max_image_pixels)
+    jobs = [(split, items, prep) for split, items in splits.items()]
+    jobs += [
+        (split + MIRRORED_SUFFIX, splits[split], replace(prep, mirror=True))
+        for split in mirrored_splits
+        if split in splits
+    ]
     run = run_split or extract_split
     start = time.perf_counter()
     results = [
@@ -272,13 +287,13 @@ def extract_features(
             encoder=encoder,
             items=items,
             out_path=Path(out_dir) / f"{split}.arrow",
-            prep=prep,
+            prep=split_prep,
             batch_size=batch_size,
             num_workers=num_workers,
             split=split,
             progress=progress,
         )
-        for split, items in splits.items()
+        for split, items, split_prep in jobs
     ]
     report = ExtractReport(engine, d, results, time.perf_counter() - start)
     if not any(r.extracted for r in results):

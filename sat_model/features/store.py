@@ -28,6 +28,7 @@ from sat_model.atomic import fsync_dir, fsync_file, remove_dead_temps
 
 __all__ = [
     "FEATURES_FORMAT_VERSION",
+    "MIRRORED_SUFFIX",
     "EncoderIdentity",
     "FeatureMeta",
     "FeatureStore",
@@ -37,6 +38,7 @@ __all__ = [
 ]
 
 FEATURES_FORMAT_VERSION = 1
+MIRRORED_SUFFIX = "_mirrored"  # a split's photos mirrored left to right: train_mirrored.arrow
 
 
 class FeatureStoreError(RuntimeError):

@@ -14,6 +14,12 @@ disjoint, complete and equal in count (DDP needs the same number of steps on eve
 
 Annotations are read from the memory-mapped store one batch at a time; nothing copies the
 whole store into RAM.
+
+Mirroring (``train.mirror``, beyond the paper): a dataset built with the store of its photos
+mirrored left to right (the extract stage's ``train_mirrored.arrow``) can pair any caption with
+its photo's mirror image, the caption's "left" and "right" swapped. Which captions are mirrored
+in an epoch is drawn from ``(seed, epoch)`` (:func:`mirror_draws`), so every rank and a resumed
+run draw the same.
 """
 
 from __future__ import annotations
@@ -35,9 +41,15 @@ __all__ = [
     "CaptionDataset",
     "FeatureSource",
     "LengthGroupedBatchSampler",
+    "MirroredView",
     "SkippedCaption",
     "load_caption_dataset",
+    "mirror_draws",
+    "mirror_tokens",
 ]
+
+# the words a mirror image turns into each other (a caption's other words describe both)
+MIRROR_SWAPS = {"left": "right", "right": "left"}
 
 
 class BatchingError(ValueError):
@@ -80,6 +92,15 @@ class Batch:
         )
 
 
+@dataclass(frozen=True)
+class MirroredView:
+    """A dataset's photos mirrored left to right: their store (the same rows as the dataset's
+    store) and each caption's ids with "left" and "right" swapped (the same lengths)."""
+
+    store: FeatureSource
+    captions: list[tuple[int, ...]]
+
+
 class CaptionDataset:
     """(feature-store row, caption ids) pairs of one split; ``collate`` builds a :class:`Batch`."""
 
@@ -89,45 +110,85 @@ class CaptionDataset:
         image_indices: Sequence[int],
         captions: Sequence[Sequence[int]],
         pad_id: int = 0,
+        mirrored: MirroredView | None = None,
     ) -> None:
         if len(image_indices) != len(captions):
             raise BatchingError(f"{len(image_indices)} image indices but {len(captions)} captions")
         if not captions:
             raise BatchingError("a caption dataset needs at least one caption")
+        if mirrored is not None and len(mirrored.captions) != len(captions):
+            raise BatchingError(f"{len(mirrored.captions)} mirrored captions for {len(captions)}")
         self.store = store
         self.image_indices = np.asarray(image_indices, dtype=np.int64)  # (N,)
         self.captions = [tuple(int(t) for t in c) for c in captions]
         self.lengths = np.array([len(c) for c in self.captions], dtype=np.int64)  # (N,)
         self.pad_id = pad_id
+        self.mirrored = mirrored
 
     def __len__(self) -> int:
         return len(self.captions)
 
-    def collate(self, indices: Sequence[int]) -> Batch:
-        """Annotations and padded captions of dataset items ``indices``."""
-        rows = self.image_indices[np.asarray(indices, dtype=np.int64)]  # (B,)
-        feats = self.store.get_batch(rows.tolist())  # (B, L, D) float16 from the mapping
+    def collate(
+        self, indices: Sequence[int], mirror: Sequence[bool] | np.ndarray | None = None
+    ) -> Batch:
+        """Annotations and padded captions of dataset items ``indices``; where ``mirror[j]`` is
+        true, item ``indices[j]`` comes mirrored (needs the dataset's :class:`MirroredView`)."""
+        items = np.asarray(indices, dtype=np.int64)  # (B,)
+        rows = self.image_indices[items]  # (B,)
+        flip = np.zeros(len(items), dtype=bool) if mirror is None else np.asarray(mirror, bool)
+        if flip.any() and self.mirrored is None:
+            raise BatchingError("mirrored items asked of a dataset built without mirrored photos")
+        # (B, L, D) float16 from the mappings; each row read from one store only
+        feats = self.store.get_batch(rows[~flip].tolist())
+        if flip.any():
+            assert self.mirrored is not None
+            both = np.empty((len(items), *feats.shape[1:]), dtype=feats.dtype)
+            both[~flip] = feats
+            both[flip] = self.mirrored.store.get_batch(rows[flip].tolist())
+            feats = both
         # torch's float16 conversion is vectorised: ~10x numpy's astype at (64, 196, 112)
         annotations = torch.from_numpy(feats).to(torch.float32)  # (B, L, D)
-        lengths = torch.as_tensor(self.lengths[np.asarray(indices, dtype=np.int64)])  # (B,)
-        captions = torch.full((len(indices), int(lengths.max())), self.pad_id, dtype=torch.long)
-        for row, i in enumerate(indices):
-            tokens = self.captions[i]
+        lengths = torch.as_tensor(self.lengths[items])  # (B,)
+        captions = torch.full((len(items), int(lengths.max())), self.pad_id, dtype=torch.long)
+        for row, (i, flipped) in enumerate(zip(items.tolist(), flip.tolist(), strict=True)):
+            tokens = self.mirrored.captions[i] if flipped and self.mirrored else self.captions[i]
             captions[row, : len(tokens)] = torch.as_tensor(tokens)  # (B, T+1)
         return Batch(annotations, captions, lengths, torch.from_numpy(rows))
 
 
+def mirror_tokens(tokens: Sequence[str]) -> list[str]:
+    """A caption of the photo mirrored left to right: "left" and "right" swapped."""
+    return [MIRROR_SWAPS.get(t, t) for t in tokens]
+
+
+def mirror_draws(count: int, p: float, seed: int, epoch: int) -> np.ndarray:
+    """Which of ``count`` items an epoch mirrors, each with chance ``p``: (count,) bool, from
+    ``(seed, epoch)`` alone (a stream apart from the batch order's)."""
+    return np.random.default_rng([seed, epoch, 1]).random(count) < p
+
+
 def load_caption_dataset(
-    captions_path: str | Path, split: str, store: FeatureSource, vocab: Vocab
+    captions_path: str | Path,
+    split: str,
+    store: FeatureSource,
+    vocab: Vocab,
+    mirrored_store: FeatureSource | None = None,
 ) -> tuple[CaptionDataset, list[SkippedCaption]]:
-    """The ``split`` captions of ``captions.parquet`` whose image is in ``store``.
+    """The ``split`` captions of ``captions.parquet`` whose image is in ``store``, with their
+    mirrored view when ``mirrored_store`` (the same photos mirrored, row for row) is given.
 
     Captions whose image has no features (the extract stage skipped it) are returned as
-    :class:`SkippedCaption`; :class:`BatchingError` only when none is left.
+    :class:`SkippedCaption`; :class:`BatchingError` only when none is left, or when
+    ``mirrored_store`` does not hold ``store``'s images in its order.
     """
+    if mirrored_store is not None and list(mirrored_store.ids) != list(store.ids):
+        raise BatchingError(
+            "the mirrored feature store does not hold the same images in the same order as the "
+            "train store: re-run the extract stage"
+        )
     rows = read_caption_rows(captions_path, split, ["image_id", "caption_index", "tokens"])
     row_of = {image_id: i for i, image_id in enumerate(store.ids)}
-    indices, captions, skipped = [], [], []
+    indices, captions, mirrored, skipped = [], [], [], []
     for image_id, cap_idx, tokens in zip(
         rows["image_id"], rows["caption_index"], rows["tokens"], strict=True
     ):
@@ -136,12 +197,15 @@ def load_caption_dataset(
             continue
         indices.append(row_of[image_id])
         captions.append(vocab.encode_caption(tokens))
+        if mirrored_store is not None:
+            mirrored.append(tuple(vocab.encode_caption(mirror_tokens(tokens))))
     if not captions:
         raise BatchingError(
             f"no usable {split!r} caption in {captions_path}: "
             f"{len(skipped)} skipped (e.g. {[s.image_id for s in skipped[:3]]})"
         )
-    return CaptionDataset(store, indices, captions, vocab.pad_id), skipped
+    view = None if mirrored_store is None else MirroredView(mirrored_store, mirrored)
+    return CaptionDataset(store, indices, captions, vocab.pad_id, view), skipped
 
 
 class LengthGroupedBatchSampler:

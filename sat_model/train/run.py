@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -33,7 +34,12 @@ from sat_model.config import ATTENTION_KINDS, Params
 from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE, load_references
 from sat_model.data.vocab import Vocab, load_vocab
 from sat_model.evaluation.metrics import score_captions
-from sat_model.features.store import FeatureStore, channel_statistics
+from sat_model.features.store import (
+    MIRRORED_SUFFIX,
+    FeatureStore,
+    FeatureStoreError,
+    channel_statistics,
+)
 from sat_model.model.checkpoint import (
     MODEL_FILE,
     CheckpointError,
@@ -48,6 +54,7 @@ from sat_model.train.batching import (
     CaptionDataset,
     LengthGroupedBatchSampler,
     load_caption_dataset,
+    mirror_draws,
 )
 from sat_model.train.trainer import (
     Callback,
@@ -89,16 +96,22 @@ class TrainResult:
 
 
 class _EpochBatches:
-    """This rank's batches of one epoch, collated lazily from the memory-mapped store."""
+    """This rank's batches of one epoch, collated lazily from the memory-mapped store; items
+    where ``mirror`` (N,) is true come mirrored."""
 
-    def __init__(self, dataset: CaptionDataset, batches: list[list[int]]) -> None:
-        self.dataset, self.batches = dataset, batches
+    def __init__(
+        self, dataset: CaptionDataset, batches: list[list[int]], mirror: np.ndarray | None
+    ) -> None:
+        self.dataset, self.batches, self.mirror = dataset, batches, mirror
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[Batch]:
-        return (self.dataset.collate(b) for b in self.batches)
+        if self.mirror is None:
+            return (self.dataset.collate(b) for b in self.batches)
+        mirror = self.mirror
+        return (self.dataset.collate(b, mirror[b]) for b in self.batches)
 
 
 def make_validator(
@@ -286,13 +299,17 @@ class _Setup:
     dataset: CaptionDataset
     skipped: int  # captions left out of the dataset
     sampler: LengthGroupedBatchSampler
+    mirror: float  # train.mirror: each caption's chance, per epoch, of its mirrored photo
     model: ShowAttendTell
     criterion: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
     def batches(self, epoch: int) -> _EpochBatches:
-        return _EpochBatches(self.dataset, self.sampler.batches(epoch))
+        mirror = None
+        if self.mirror > 0:
+            mirror = mirror_draws(len(self.dataset), self.mirror, self.sampler.seed, epoch)
+        return _EpochBatches(self.dataset, self.sampler.batches(epoch), mirror)
 
 
 def train_model(
@@ -363,7 +380,14 @@ def _set_up(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     vocab = load_vocab(prepared_dir / VOCAB_FILE)
     store = FeatureStore(features_dir / "train.arrow")
-    dataset, skipped = load_caption_dataset(prepared_dir / CAPTIONS_FILE, "train", store, vocab)
+    mirrored = None
+    if params.train.mirror > 0:  # the extract stage's, with encoder.mirror_train
+        mirrored = FeatureStore(features_dir / f"train{MIRRORED_SUFFIX}.arrow")
+        if mirrored.meta != store.meta:
+            raise FeatureStoreError(f"{mirrored.path}: not train.arrow's encoder; re-extract")
+    dataset, skipped = load_caption_dataset(
+        prepared_dir / CAPTIONS_FILE, "train", store, vocab, mirrored
+    )
     sampler = LengthGroupedBatchSampler(
         dataset.lengths, cfg.batch_size, seed=params.train.seed, num_replicas=world_size, rank=rank
     )
@@ -393,6 +417,7 @@ def _set_up(
         dataset=dataset,
         skipped=len(skipped),
         sampler=sampler,
+        mirror=params.train.mirror,
         model=model,
         criterion=criterion,
         optimizer=optimizer,

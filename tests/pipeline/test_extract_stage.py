@@ -83,6 +83,20 @@ def test_local_stage_writes_stores_and_report(tmp_path: Path, monkeypatch) -> No
     assert report["encoder"]["weights_sha256"] == "random-seed-0"
 
 
+def test_mirror_train_also_writes_the_mirrored_train_store(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(_project(tmp_path, "random", 32, 40))
+    assert main(["-S", "encoder.mirror_train=true"]) == 0
+    features = tmp_path / "data" / "features"
+    assert FeatureStore(features / "train_mirrored.arrow").ids == ["t0", "t1", "t2", "t3"]
+    assert not (features / "val_mirrored.arrow").exists()
+    report = json.loads((features / "extract_report.json").read_text())
+    assert (report["extracted_train_mirrored"], report["images_extracted"]) == (4, 10)
+    train = FeatureStore(features / "train.arrow").get_batch([0, 1, 2, 3])
+    assert not np.array_equal(
+        FeatureStore(features / "train_mirrored.arrow").get_batch([0, 1, 2, 3]), train
+    )
+
+
 def test_stage_rejects_an_unknown_param_before_any_work(
     tmp_path: Path, monkeypatch, capsys
 ) -> None:
@@ -98,9 +112,10 @@ def test_stage_rejects_an_unknown_param_before_any_work(
 @pytest.mark.slow
 def test_ray_engine_writes_byte_identical_stores(tmp_path: Path, monkeypatch, ray_local) -> None:
     monkeypatch.chdir(_project(tmp_path, "efficientnet_lite0", 64, 72))
-    assert main(["-S", "encoder.features_dir=local"]) == 0
-    assert main(["-S", "encoder.features_dir=viaray", "-S", "encoder.engine=ray"]) == 0
-    for split in ("train", "val"):
+    mirror = ["-S", "encoder.mirror_train=true"]  # the mirrored train photos go through Ray too
+    assert main(["-S", "encoder.features_dir=local", *mirror]) == 0
+    assert main(["-S", "encoder.features_dir=viaray", "-S", "encoder.engine=ray", *mirror]) == 0
+    for split in ("train", "val", "train_mirrored"):
         local = (tmp_path / "local" / f"{split}.arrow").read_bytes()
         assert local == (tmp_path / "viaray" / f"{split}.arrow").read_bytes()
     local_report = json.loads((tmp_path / "local" / "extract_report.json").read_text())

@@ -381,3 +381,31 @@ def test_an_unfinished_run_is_resumed_only_when_asked(
     steps = [m.step for m in client.get_metric_history(outcome.mlflow_run_id, "train_loss")]
     assert sorted(steps) == [1, 2]  # the resumed run's curve, each epoch once
     assert client.get_run(outcome.mlflow_run_id).info.status == "FINISHED"
+
+
+@pytest.mark.parametrize("mirrored", [False, True])
+def test_uploaded_worker_inputs_carry_the_mirrored_store_when_training_mirrors(
+    tmp_path: Path, mirrored: bool
+) -> None:
+    """With `ray.worker_inputs: upload` the workers read only what is staged: a run with
+    `train.mirror` > 0 needs `train_mirrored.arrow` among its inputs, and a run without it
+    should not ship a second train store."""
+    from pipeline.ray_train import stage_worker_inputs
+    from pipeline.storage import fetch_inputs, resolve_storage
+
+    prepared, features = tmp_path / "prepared", tmp_path / "features"
+    for folder, names in (
+        (prepared, ["captions.parquet", "vocab.json"]),
+        (features, ["train.arrow", "val.arrow", "train_mirrored.arrow"]),
+    ):
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_text(name)  # distinct contents: distinct blobs
+    storage = resolve_storage(str(tmp_path / "store"), tmp_path)
+    staged = stage_worker_inputs(storage, False, prepared, features, mirrored=mirrored)
+    assert staged is not None
+    fetched = fetch_inputs(staged.manifest, storage, tmp_path / "worker")
+    names = sorted(p.name for p in (fetched / "features").iterdir())
+    assert names == sorted(["train.arrow", "val.arrow"] + ["train_mirrored.arrow"] * mirrored)
+    if mirrored:
+        assert (fetched / "features" / "train_mirrored.arrow").read_text() == "train_mirrored.arrow"

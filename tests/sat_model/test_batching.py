@@ -17,6 +17,8 @@ from sat_model.train.batching import (
     CaptionDataset,
     LengthGroupedBatchSampler,
     load_caption_dataset,
+    mirror_draws,
+    mirror_tokens,
 )
 from tests.factories import write_captions
 
@@ -170,3 +172,79 @@ def test_references_are_grouped_per_image_in_caption_order(tmp_path: Path) -> No
     )
     refs = load_references(tmp_path / "captions.parquet", "val")
     assert refs == {"a": ["only a"], "b": ["first of b", "second of b"]}
+
+
+def _mirrored_dataset(tmp_path: Path, mirrored_ids: list[str] | None = None):
+    """Two photos, their stores (the mirrored one holds other values) and three captions."""
+    rng = np.random.default_rng(4)
+    feats, mirrored = rng.standard_normal((2, 2, L, D)).astype(np.float16)
+    write_feature_store(tmp_path / "train.arrow", ["a", "b"], feats)
+    write_feature_store(tmp_path / "train_mirrored.arrow", mirrored_ids or ["a", "b"], mirrored)
+    write_captions(
+        tmp_path / "captions.parquet",
+        [
+            ("a", "train", 0, "a dog left of a tree"),
+            ("b", "train", 0, "a man turns right"),
+            ("a", "train", 1, "a dog on the left and a cat on the right"),
+        ],
+    )
+    words = ["a", "dog", "left", "of", "tree", "man", "turns", "right", "on", "the", "and", "cat"]
+    vocab = build_vocab([words], 1, 100, 20)
+    ds, _ = load_caption_dataset(
+        tmp_path / "captions.parquet",
+        "train",
+        _open_store(tmp_path / "train.arrow"),
+        vocab,
+        _open_store(tmp_path / "train_mirrored.arrow"),
+    )
+    return ds, vocab, feats, mirrored
+
+
+def test_mirrored_items_take_the_mirrored_photo_and_swap_left_and_right(tmp_path: Path) -> None:
+    ds, vocab, feats, mirrored = _mirrored_dataset(tmp_path)
+    batch = ds.collate([0, 1, 2], mirror=[True, False, True])
+    # rows 0 and 2 are photo a mirrored, row 1 photo b as it is
+    expected = np.stack([mirrored[0], feats[1], mirrored[0]]).astype(np.float32)
+    np.testing.assert_array_equal(batch.annotations.numpy(), expected)
+    words = [
+        vocab.decode(row[1 : int(n) - 1])
+        for row, n in zip(batch.captions.tolist(), batch.lengths, strict=True)
+    ]
+    assert words == [
+        ["a", "dog", "right", "of", "a", "tree"],
+        ["a", "man", "turns", "right"],
+        ["a", "dog", "on", "the", "right", "and", "a", "cat", "on", "the", "left"],
+    ]
+    assert batch.image_indices.tolist() == [0, 1, 0]  # the same photo, either way
+    plain = ds.collate([0, 1, 2])  # no mirror asked: every item as it is
+    np.testing.assert_array_equal(plain.annotations.numpy(), feats[[0, 1, 0]].astype(np.float32))
+    assert vocab.decode(plain.captions[0, 1:7].tolist()) == ["a", "dog", "left", "of", "a", "tree"]
+
+
+def test_a_mirrored_store_of_other_photos_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(BatchingError, match="re-run the extract stage"):
+        _mirrored_dataset(tmp_path, mirrored_ids=["b", "a"])
+
+
+def test_mirroring_without_a_mirrored_store_is_refused(tmp_path: Path) -> None:
+    write_feature_store(tmp_path / "train.arrow", ["a"], np.zeros((1, L, D), np.float16))
+    ds = CaptionDataset(_open_store(tmp_path / "train.arrow"), [0], [[1, 5, 2]])
+    with pytest.raises(BatchingError, match="without mirrored photos"):
+        ds.collate([0], mirror=[True])
+
+
+def test_mirror_tokens_swaps_only_left_and_right() -> None:
+    assert mirror_tokens(["the", "left", "hand", "is", "right", "of", "a", "leftover"]) == (
+        ["the", "right", "hand", "is", "left", "of", "a", "leftover"]
+    )
+
+
+def test_mirror_draws_depend_on_seed_and_epoch_only_and_hit_the_chance() -> None:
+    draws = mirror_draws(20_000, 0.3, seed=2, epoch=5)
+    assert draws.dtype == bool and draws.shape == (20_000,)
+    np.testing.assert_array_equal(draws, mirror_draws(20_000, 0.3, seed=2, epoch=5))
+    assert (draws != mirror_draws(20_000, 0.3, seed=2, epoch=6)).any()
+    assert (draws != mirror_draws(20_000, 0.3, seed=3, epoch=5)).any()
+    assert abs(draws.mean() - 0.3) < 0.02  # binomial sd ~0.003
+    assert not mirror_draws(100, 0.0, seed=0, epoch=1).any()
+    assert mirror_draws(100, 1.0, seed=0, epoch=1).all()

@@ -65,7 +65,7 @@ def encoder():
     return build_encoder("random", input_size=CROP)
 
 
-def _extract(table: Path, out: Path, encoder, num_workers: int = 0, batch_size: int = 2):
+def _extract(table: Path, out: Path, encoder, num_workers: int = 0, batch_size: int = 2, **kwargs):
     return extract_features(
         table,
         table.parent,
@@ -77,6 +77,7 @@ def _extract(table: Path, out: Path, encoder, num_workers: int = 0, batch_size: 
         num_workers=num_workers,
         max_image_pixels=10_000,
         progress=False,
+        **kwargs,
     )
 
 
@@ -108,6 +109,23 @@ def test_stored_features_equal_encoding_each_image_alone(tmp_path, encoder) -> N
     with torch.inference_mode():
         expected = encoder(x)[0].numpy()  # (L, D)
     np.testing.assert_allclose(store[store.index_of("c")], expected, rtol=2e-3, atol=2e-3)
+
+
+def test_a_mirrored_split_holds_the_features_of_its_photos_mirrored(tmp_path, encoder) -> None:
+    report = _extract(
+        write_image_table(tmp_path), tmp_path / "features", encoder, mirrored_splits=["train"]
+    ).to_dict()
+    train = FeatureStore(tmp_path / "features" / "train.arrow")
+    mirrored = FeatureStore(tmp_path / "features" / "train_mirrored.arrow")
+    assert mirrored.ids == train.ids == ["a", "c", "g"]  # b is corrupt in both
+    assert not (tmp_path / "features" / "val_mirrored.arrow").exists()
+    assert (report["extracted_train_mirrored"], report["skipped_train_mirrored"]) == (3, 1)
+    d = encoder.description
+    x = preprocess(load_image(tmp_path / "images" / "c.png"), RESIZE, CROP, d.mean, d.std)
+    with torch.inference_mode():
+        expected = encoder(x.flip(-1)[None])[0].numpy()  # (L, D) of the mirrored crop
+    np.testing.assert_allclose(mirrored[mirrored.index_of("c")], expected, rtol=2e-3, atol=2e-3)
+    assert np.abs(mirrored[1] - train[1]).max() > 0.1  # not the photo as it is
 
 
 def test_worker_processes_write_byte_identical_stores(tmp_path, encoder) -> None:

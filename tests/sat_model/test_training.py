@@ -460,3 +460,45 @@ def test_train_monitor_picks_the_shipped_epoch_by_its_validation_score(
     assert (metrics["best_val_bleu_4"], metrics["best_val_cider"]) == (
         (0.2, 0.5) if monitor == "cider" else (0.3, 0.1)
     )
+
+
+def test_train_mirror_trains_on_the_mirrored_store_and_nothing_else_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`train.mirror: 1` pairs every caption with its photo's mirrored features. A mirrored
+    store that holds the train features again trains exactly as `train.mirror: 0` (no caption
+    here says left or right); one that holds other features trains otherwise."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    from sat_model.config import ParamsError, load_params
+    from sat_model.features.store import FeatureStore, FeatureWriter
+    from sat_model.train import run
+
+    monkeypatch.setattr(run, "score_captions", lambda *a, **k: {"bleu_4": 0.1, "cider": 0.2})
+    prepared, features = write_tiny_run(tmp_path)
+    (tmp_path / "params.yaml").write_text("{}\n")
+    overrides = [*TINY, "train.soft.max_epochs=2", "train.soft.batch_size=8"]
+
+    def final_loss(mirror: float, name: str) -> float:
+        params = load_params(
+            tmp_path / "params.yaml",
+            [*overrides, "encoder.mirror_train=true", f"train.mirror={mirror}"],
+        )
+        run.train_model(params, "soft", prepared, features, tmp_path / name, device="cpu")
+        metrics = json.loads((tmp_path / name / "soft" / "train_metrics.json").read_text())
+        return float(metrics["final_train_loss"])
+
+    train = FeatureStore(features / "train.arrow")
+    mirrored = features / "train_mirrored.arrow"
+    shutil.copy(features / "train.arrow", mirrored)
+    plain = final_loss(0.0, "plain")
+    assert final_loss(1.0, "copy") == plain
+    rows = np.arange(len(train))
+    with FeatureWriter(mirrored, train.meta) as writer:  # each photo's features reversed
+        writer.write(train.ids, train.get_batch(rows)[:, :, ::-1].copy())
+    assert final_loss(1.0, "reversed") != plain
+    with pytest.raises(ParamsError, match=r"encoder\.mirror_train is false"):
+        load_params(tmp_path / "params.yaml", ["train.mirror=0.5"])
