@@ -389,8 +389,10 @@ def read_yaml(text: str) -> Any:
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        lines.append(f"{key}: {e['msg']}")
+        # a validator's own message names its keys; pydantic's "Value error, " adds nothing
+        msg = e["msg"].removeprefix("Value error, ")
+        key = ".".join(str(p) for p in e["loc"])
+        lines.append(f"{key}: {msg}" if key else msg)
     return "invalid params:\n  " + "\n  ".join(lines)
 
 

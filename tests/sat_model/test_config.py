@@ -94,3 +94,16 @@ def test_project_params_file_writes_out_every_key() -> None:
 
     written = _yaml_leaf_keys(yaml.safe_load((ROOT / "params.yaml").read_text()))
     assert written == _leaf_keys(Params)
+
+
+def test_a_cross_section_rule_is_one_plain_line_naming_its_keys(tmp_path: Path) -> None:
+    """A rule over two sections (train.mirror needs encoder.mirror_train) has no single key:
+    its message stands alone, without pydantic's "<root>" or "Value error, " prefixes."""
+    with pytest.raises(ParamsError) as err:
+        load_params(write(tmp_path, "train:\n  mirror: 0.5\n"))
+    assert str(err.value) == (
+        "invalid params:\n  train.mirror is 0.5 but encoder.mirror_train is false: the extract "
+        "stage writes the mirrored train features only with mirror_train: true"
+    )
+    params = load_params(write(tmp_path, "encoder:\n  mirror_train: true\ntrain:\n  mirror: 0.5\n"))
+    assert params.train.mirror == 0.5
