@@ -33,6 +33,7 @@ from sat_model.config import (
     load_params,
 )
 from sat_model.data.vocab import END_ID, PAD_ID, START_ID
+from sat_model.model import native
 from sat_model.model.decoder import (
     ModelConfig,
     ShowAttendTell,
@@ -205,10 +206,12 @@ def bench_against_reference(
         gate=True,
         attention="soft",
     )
-    ours, theirs = ShowAttendTell(config), ShowAttendTell(config)
+    ours, eager, theirs = ShowAttendTell(config), ShowAttendTell(config), ShowAttendTell(config)
+    eager.load_state_dict(ours.state_dict())
     theirs.load_state_dict(ours.state_dict())
     criterion = build_criterion("soft", SoftTrainConfig(doubly_stochastic=doubly_stochastic))
     opt_ours = torch.optim.Adam(ours.parameters(), lr=1e-4)
+    opt_eager = torch.optim.Adam(eager.parameters(), lr=1e-4)
     opt_theirs = torch.optim.Adam(theirs.parameters(), lr=1e-4)
     annotations = torch.randn(batch, d.L, d.D, generator=gen)
     captions = _captions(batch, 20, d.K, gen)  # lengths 10-20 tokens after <start>
@@ -218,23 +221,33 @@ def bench_against_reference(
         criterion(ours(annotations, captions), captions).loss.backward()
         opt_ours.step()
 
+    def eager_step() -> None:  # the project's step with the compiled score kernels off
+        with native.turned_off():
+            opt_eager.zero_grad(set_to_none=True)
+            criterion(eager(annotations, captions), captions).loss.backward()
+            opt_eager.step()
+
     def reference_step() -> None:
         opt_theirs.zero_grad(set_to_none=True)
         out = reference_forward(theirs, annotations, captions)
         reference_soft_loss(out, captions, doubly_stochastic).backward()
         opt_theirs.step()
 
-    our_step(), reference_step()  # warm-up
-    ours_s = theirs_s = float("inf")
+    our_step(), eager_step(), reference_step()  # warm-up
+    ours_s = eager_s = theirs_s = float("inf")
     for _ in range(rounds):
         ours_s = min(ours_s, _best_time(our_step, 1))
+        eager_s = min(eager_s, _best_time(eager_step, 1))
         theirs_s = min(theirs_s, _best_time(reference_step, 1))
     return {
         "dims": d.name,
         "batch": batch,
+        "native_kernels": native.load() is not None,
         "captions_per_s": batch / ours_s,
+        "without_native_kernels_captions_per_s": batch / eager_s,
         "reference_captions_per_s": batch / theirs_s,
         "speedup_over_reference": theirs_s / ours_s,
+        "speedup_over_reference_without_native_kernels": theirs_s / eager_s,
         "matmul_flops_per_s": train_step_flops(d, batch, 20) / ours_s,
     }
 
@@ -278,14 +291,19 @@ def bench_beam(
     def batched_run() -> object:
         return beam_search(model, annotations, beam, max_length)
 
+    def batched_eager_run() -> object:
+        with native.turned_off():
+            return beam_search(model, annotations, beam, max_length)
+
     def single_run() -> object:
         return [beam_search(model, a.unsqueeze(0), beam, max_length) for a in annotations]
 
     # interleaved rounds, best of each: this machine's speed drifts by tens of percent over
     # seconds, and timing one way after the other would hand the drift to one side only
-    batched_s = single_s = float("inf")
+    batched_s = eager_s = single_s = float("inf")
     for _ in range(rounds):
         batched_s = min(batched_s, _best_time(batched_run, 1))
+        eager_s = min(eager_s, _best_time(batched_eager_run, 1))
         single_s = min(single_s, _best_time(single_run, 1))
     same = all(x.tokens == y.tokens for x, y in zip(batched, single, strict=True))
     # one row per image at the first step, then all B*k rows (<end> is unreachable here)
@@ -297,9 +315,12 @@ def bench_beam(
         "beam_size": beam,
         "max_length": max_length,
         "rounds": rounds,
+        "native_kernels": native.load() is not None,
         "batched_captions_per_s": images / batched_s,
+        "batched_without_native_kernels_captions_per_s": images / eager_s,
         "one_at_a_time_captions_per_s": images / single_s,
         "speedup": single_s / batched_s,
+        "speedup_without_native_kernels": single_s / eager_s,
         "batched_matmul_flops_per_s": row_steps * _step_flops(d) / batched_s,
         "same_captions": same,
     }

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sat_model.model import native
+
 __all__ = [
     "SCORE_CHUNK_ELEMENTS",
     "CollectProjected",
@@ -100,7 +102,11 @@ class FusedScores(torch.autograd.Function):
 
 
 def fused_scores(projected: Tensor, hidden: Tensor, weight: Tensor) -> Tensor:
-    """The forward of ``FusedScores``: (B*k, L)."""
+    """The forward of ``FusedScores``: (B*k, L). Through the compiled kernel where it runs
+    (``native.py``), else a few images at a time in PyTorch's ops."""
+    native_scores = native.scores_forward(projected, hidden, weight)
+    if native_scores is not None:
+        return native_scores
     B, A, L = projected.shape
     k = hidden.size(0) // B  # rows per image (beams)
     scores = projected.new_empty(B * k, L)
@@ -121,13 +127,23 @@ def fused_scores_backward(
     sink: ProjectedGradient | None,
 ) -> tuple[Tensor | None, Tensor, Tensor]:
     """The backward of ``FusedScores`` for ``grad`` (B*k, L): the gradients for ``projected``
-    (None when not needed, or when it went into ``sink``), ``hidden`` and ``weight``."""
+    (None when not needed, or when it went into ``sink``), ``hidden`` and ``weight``; through
+    the compiled kernel where it runs (``native.py``)."""
+    held = sink.grad if needs_projected and sink is not None else None
+    native_grads = native.scores_backward(grad, projected, hidden, weight, held)
+    if native_grads is not None:
+        native_projected, native_hidden, native_weight = native_grads
+        if not needs_projected:
+            return None, native_hidden, native_weight
+        if sink is not None:
+            sink.grad = native_projected
+            return None, native_hidden, native_weight
+        return native_projected, native_hidden, native_weight
     B, A, L = projected.shape
     k = hidden.size(0) // B
-    out = None  # (B, A, L), ∂/∂P: this step's own or the sink's running sum
+    out: Tensor | None = None  # (B, A, L), ∂/∂P: this step's own or the sink's running sum
     accumulate = False
     if needs_projected:
-        held = sink.grad if sink is not None else None
         accumulate = held is not None
         # the sink sums over all steps: in float32 at least, whatever autocast's dtype
         dtype = (

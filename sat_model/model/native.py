@@ -1,0 +1,225 @@
+"""Compiled kernels for the attention scores (``native_kernels.cpp``), built on first use.
+
+The attention scores are the step's largest tensor, (B*k, A, L), and in PyTorch's eager ops
+every pass over it (add, σ, product, sums, gradient) streams it through memory; the kernels in
+``native_kernels.cpp`` make one pass per direction (docs/EXPERIMENTS.md, "Training speed").
+
+The first call compiles the source with the machine's C++ compiler (``$CXX``, else ``c++``) for
+this CPU (``-march=native``) into ``$XDG_CACHE_HOME/sat/kernels`` (default ``~/.cache``), named
+by a hash of the source, the flags, the compiler's version and the CPU's features, so another
+machine or compiler builds its own; later processes load the cached library (~1 ms). Where
+there is no compiler, the build fails or ``SAT_NATIVE_KERNELS=0`` is set, ``load`` returns
+None, a warning says why (once per process), and ``fused.py`` runs its PyTorch code instead:
+the same numbers up to float rounding. float32 on CPU only; other dtypes and devices always
+take the PyTorch code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ENV_SWITCH",
+    "NativeKernels",
+    "cache_dir",
+    "load",
+    "scores_backward",
+    "scores_forward",
+    "turned_off",
+]
+
+ENV_SWITCH = "SAT_NATIVE_KERNELS"  # "0" turns the kernels off
+SOURCE = Path(__file__).with_name("native_kernels.cpp")
+# compiled with -ffast-math for glibc's vectorised expf, linked without it (see the source)
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
+LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
+
+_log = logging.getLogger(__name__)
+_c_tensor = ctypes.c_void_p
+_c_int = ctypes.c_int64
+
+
+class NativeKernels:
+    """The loaded library's functions with their C signatures."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.forward = library.sat_scores_forward
+        self.forward.argtypes = [_c_tensor] * 4 + [_c_int] * 5
+        self.forward.restype = None
+        self.backward = library.sat_scores_backward
+        self.backward.argtypes = [_c_tensor] * 7 + [_c_int] * 6
+        self.backward.restype = None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "sat" / "kernels"
+
+
+@functools.cache
+def load() -> NativeKernels | None:
+    """The kernels, built or taken from the cache; None (with one warning) where they cannot
+    be had, or when ``SAT_NATIVE_KERNELS=0``."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CXX") or "c++")
+    if compiler is None:
+        _log.warning(
+            "no C++ compiler (CXX or c++) on PATH: the attention scores run in PyTorch's "
+            "eager ops, slower (set %s=0 to silence this)",
+            ENV_SWITCH,
+        )
+        return None
+    try:
+        return NativeKernels(ctypes.CDLL(str(_build(compiler))))
+    except (OSError, subprocess.SubprocessError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        _log.warning(
+            "the native attention kernels could not be built (%s); running PyTorch's eager "
+            "ops instead (set %s=0 to silence this)",
+            first_line,
+            ENV_SWITCH,
+        )
+        return None
+
+
+def _build(compiler: str) -> Path:
+    """The library for this source, compiler and CPU: compiled into the cache unless there.
+    Concurrent builders (Ray workers, test processes) each write a private file and rename it
+    into place, so a reader never sees half a library."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    key = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
+        version.encode(),
+        _cpu_features().encode(),
+    ):
+        key.update(part)
+        key.update(b"\0")
+    target = cache_dir() / f"sat_kernels_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        obj, lib = Path(work) / "kernels.o", Path(work) / target.name
+        _run([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)])
+        _run([compiler, str(obj), *LINK_FLAGS, "-o", str(lib)])
+        os.replace(lib, target)
+    return target
+
+
+def _run(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise OSError(f"{Path(command[0]).name} exited {done.returncode}: {done.stderr.strip()}")
+
+
+def _cpu_features() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.startswith(wanted)}))
+
+
+_off_depth = 0  # > 0 inside ``turned_off``
+
+
+@contextlib.contextmanager
+def turned_off() -> Iterator[None]:
+    """PyTorch's eager code for the scores inside the block, kernels or not: the benchmark's
+    side-by-side rows (``benchmarks/bench_model.py``)."""
+    global _off_depth
+    _off_depth += 1
+    try:
+        yield
+    finally:
+        _off_depth -= 1
+
+
+def _usable(*tensors: Tensor) -> bool:
+    return _off_depth == 0 and all(
+        t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors
+    )
+
+
+def scores_forward(projected: Tensor, query: Tensor, weight: Tensor) -> Tensor | None:
+    """Σ_a 2 w_a σ(P + q) (``fused.fused_scores``): (B, A, L), (B*k, A), (1, A) -> (B*k, L);
+    None where the kernels are off or the tensors are not float32 on CPU."""
+    if not _usable(projected, query, weight) or (kernels := load()) is None:
+        return None
+    projected, query = projected.contiguous(), query.contiguous()
+    B, A, L = projected.shape
+    k = query.size(0) // B
+    weight2 = 2.0 * weight.reshape(A)
+    scores = projected.new_empty(B * k, L)
+    kernels.forward(
+        projected.data_ptr(),
+        query.data_ptr(),
+        weight2.data_ptr(),
+        scores.data_ptr(),
+        B,
+        k,
+        A,
+        L,
+        torch.get_num_threads(),
+    )
+    return scores
+
+
+def scores_backward(
+    grad: Tensor, projected: Tensor, query: Tensor, weight: Tensor, grad_projected: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``fused.fused_scores_backward`` in one pass: the gradients for ``projected`` (written
+    into a new tensor, or added to ``grad_projected`` when given), ``query`` and ``weight``;
+    None where the kernels cannot run on these tensors."""
+    tensors = [grad, projected, query, weight]
+    if grad_projected is not None:
+        if not grad_projected.is_contiguous():
+            return None
+        tensors.append(grad_projected)
+    if not _usable(*tensors) or (kernels := load()) is None:
+        return None
+    grad, projected, query = grad.contiguous(), projected.contiguous(), query.contiguous()
+    B, A, L = projected.shape
+    k = query.size(0) // B
+    weight2 = 2.0 * weight.reshape(A)
+    accumulate = grad_projected is not None
+    out = grad_projected if grad_projected is not None else projected.new_empty(B, A, L)
+    grad_query = query.new_empty(B * k, A)
+    weight_rows = query.new_empty(B * k, A)
+    kernels.backward(
+        grad.data_ptr(),
+        projected.data_ptr(),
+        query.data_ptr(),
+        weight2.data_ptr(),
+        out.data_ptr(),
+        grad_query.data_ptr(),
+        weight_rows.data_ptr(),
+        B,
+        k,
+        A,
+        L,
+        torch.get_num_threads(),
+        int(accumulate),
+    )
+    return out, grad_query, (2.0 * weight_rows.sum(0)).view(1, A)

@@ -1,0 +1,90 @@
+// The attention scores of Eq. 4 in one pass over (B, A, L), forward and backward (issue #20).
+//
+// ``sat_model/model/native.py`` compiles this file with the machine's C++ compiler the first time
+// it is needed and calls it through ctypes on float32 CPU tensors; ``fused.py`` falls back to its
+// PyTorch code where there is no compiler. Dimensions as in docs/METHOD.md: B images, k rows per
+// image (beams; 1 in training), A attention size, L locations. All arrays are contiguous.
+//
+// projected (B, A, L) holds 2(W_a a_i + b), query (B*k, A) 2 W_h h, weight2 (A) 2 w_att, so
+// that 2 w_att^T tanh(u) = 2 w_att^T (2σ(2u) - 1) is Σ_a weight2_a σ(projected + query) up to a
+// constant that the softmax removes (SoftAttention.scores). Where PyTorch's eager path streams
+// the (B*k, A, L) tensor through memory five to seven times per step (add, σ, product, sums,
+// gradient), this reads it once per direction and never stores it.
+//
+// Compiled with -ffast-math (vectorised expf from glibc's libmvec) and linked without it, so
+// that loading the library does not switch the process to flush-to-zero.
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+}  // namespace
+
+extern "C" {
+
+// scores (B*k, L) = Σ_a weight2_a σ(projected[b, a, :] + query[r, a]), b = r / k.
+void sat_scores_forward(const float* projected, const float* query, const float* weight2,
+                        float* scores, int64_t B, int64_t k, int64_t A, int64_t L,
+                        int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t r = 0; r < B * k; ++r) {
+    const float* p_image = projected + (r / k) * A * L;
+    float* out = scores + r * L;
+    for (int64_t l = 0; l < L; ++l) out[l] = 0.0f;
+    for (int64_t a = 0; a < A; ++a) {
+      const float q = query[r * A + a], w = weight2[a];
+      const float* p = p_image + a * L;
+#pragma omp simd
+      for (int64_t l = 0; l < L; ++l) out[l] += w * sigmoid(p[l] + q);
+    }
+  }
+}
+
+// From ∂/∂scores (B*k, L): with s = σ(projected + query), u = s (1 - s) ∂scores,
+//   grad_projected (B, A, L) = weight2 Σ_{k rows} u    (written, or added to when accumulate),
+//   grad_query (B*k, A)      = weight2 Σ_l u,
+//   weight_rows (B*k, A)     = Σ_l s ∂scores           (the caller sums the rows: ∂/∂weight2).
+// One image per thread at a time, so its k rows add into grad_projected without a race.
+void sat_scores_backward(const float* grad, const float* projected, const float* query,
+                         const float* weight2, float* grad_projected, float* grad_query,
+                         float* weight_rows, int64_t B, int64_t k, int64_t A, int64_t L,
+                         int64_t threads, int64_t accumulate) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t a = 0; a < A; ++a) {
+      const float* p = projected + (b * A + a) * L;
+      float* gp = grad_projected + (b * A + a) * L;
+      const float w = weight2[a];
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = b * k + j;
+        const float q = query[r * A + a];
+        const float* g = grad + r * L;
+        float sum_sg = 0.0f, sum_u = 0.0f;
+        if (j == 0 && !accumulate) {
+#pragma omp simd reduction(+ : sum_sg, sum_u)
+          for (int64_t l = 0; l < L; ++l) {
+            const float s = sigmoid(p[l] + q), sg = s * g[l], u = sg - sg * s;
+            sum_sg += sg;
+            sum_u += u;
+            gp[l] = w * u;
+          }
+        } else {
+#pragma omp simd reduction(+ : sum_sg, sum_u)
+          for (int64_t l = 0; l < L; ++l) {
+            const float s = sigmoid(p[l] + q), sg = s * g[l], u = sg - sg * s;
+            sum_sg += sg;
+            sum_u += u;
+            gp[l] += w * u;
+          }
+        }
+        grad_query[r * A + a] = w * sum_u;
+        weight_rows[r * A + a] = sum_sg;
+      }
+    }
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,160 @@
+"""The compiled attention-score kernels (``sat_model.model.native``) and their fallback.
+
+The kernels are checked against the PyTorch code of ``fused.py`` in float64 (which never takes
+them), a whole training step against the same step with the kernels off, and the build: where
+there is a compiler it builds, a broken or missing one leaves one warning and the PyTorch code,
+the cache is reused, and loading the library leaves the process's float mode alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from sat_model.config import HardTrainConfig, SoftTrainConfig
+from sat_model.model import fused, native
+from sat_model.model.losses import build_criterion
+from tests.sat_model.test_model import tiny_batch, tiny_model
+
+HAS_COMPILER = shutil.which(os.environ.get("CXX") or "c++") is not None
+needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on PATH")
+
+
+@pytest.fixture(autouse=True)
+def fresh_load(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test loads (or refuses) the kernels under its own environment."""
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    native.load.cache_clear()
+    yield
+    native.load.cache_clear()
+
+
+def _scores_inputs(B: int, k: int, A: int, L: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(B * 100 + k * 10 + L)
+    projected = 2.0 * torch.randn(B, A, L, generator=g)
+    query = torch.randn(B * k, A, generator=g)
+    weight = torch.randn(1, A, generator=g)
+    grad = torch.randn(B * k, L, generator=g)
+    return projected, query, weight, grad
+
+
+@needs_compiler
+def test_the_kernels_build_where_there_is_a_compiler(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert native.load() is not None
+    built = list(native.cache_dir().glob("sat_kernels_*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    native.load.cache_clear()  # another process: the cached library, not a second build
+    assert native.load() is not None
+    assert [p.stat().st_mtime_ns for p in native.cache_dir().glob("*.so")] == [stamp]
+    assert not [p for p in native.cache_dir().iterdir() if not p.name.endswith(".so")]
+
+
+@needs_compiler
+@pytest.mark.parametrize(("k", "L"), [(1, 196), (3, 196), (2, 37)])  # beams; a ragged length
+def test_native_scores_match_pytorch_in_float64(k: int, L: int) -> None:
+    B, A = 5, 32
+    projected, query, weight, grad = _scores_inputs(B, k, A, L)
+    assert native.load() is not None
+    want = fused.fused_scores(projected.double(), query.double(), weight.double())
+    got = native.scores_forward(projected, query, weight)
+    assert got is not None and got.shape == (B * k, L)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+    double = [t.double() for t in (grad, projected, query, weight)]
+    want_p, want_q, want_w = fused.fused_scores_backward(*double, True, None)
+    assert want_p is not None
+    result = native.scores_backward(grad, projected, query, weight, None)
+    assert result is not None
+    got_p, got_q, got_w = result
+    torch.testing.assert_close(got_p.double(), want_p, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_q.double(), want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_w.double(), want_w, rtol=1e-5, atol=1e-4)
+
+    # a second step's gradient adds into the first's, as the recurrence's sink sums them
+    held = got_p.clone()
+    result = native.scores_backward(grad, projected, query, weight, held)
+    assert result is not None and result[0] is held
+    torch.testing.assert_close(held.double(), 2 * want_p, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_a_training_step_with_the_kernels_matches_one_without(
+    attention: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32, the recurrence through the kernels against the same step in PyTorch's ops:
+    the same loss and gradients to float32 rounding (the hard model samples the same s̃)."""
+    model = tiny_model(attention, attention_dim=16).train()
+    annotations, captions = tiny_batch()
+    cfg = SoftTrainConfig(doubly_stochastic=1.0) if attention == "soft" else HardTrainConfig()
+    calls: list[str] = []
+    forward = native.scores_forward
+    monkeypatch.setattr(native, "scores_forward", lambda *a: calls.append("forward") or forward(*a))
+    results = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv(native.ENV_SWITCH, switch)
+        native.load.cache_clear()
+        torch.manual_seed(3)
+        out = model(annotations, captions)
+        loss = build_criterion(attention, cfg)(out, captions).loss
+        results.append((loss, torch.autograd.grad(loss, list(model.parameters()))))
+        assert (native.load() is not None) == (switch == "1")
+    assert calls  # the recurrence asked for the kernels
+    (loss_on, grads_on), (loss_off, grads_off) = results
+    torch.testing.assert_close(loss_on, loss_off, rtol=1e-5, atol=1e-6)
+    for (name, _), got, want in zip(model.named_parameters(), grads_on, grads_off, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("compiler", ["no-such-compiler-here", "false"])
+def test_no_usable_compiler_leaves_one_warning_and_the_pytorch_code(
+    compiler: str,
+    tmp_path: object,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Missing (not on PATH) or broken (``false`` exits 1): one warning line, and the scores
+    come from PyTorch's ops, the same numbers."""
+    if compiler == "false" and shutil.which("false") is None:
+        pytest.skip("no `false` command on PATH")
+    monkeypatch.setenv("CXX", compiler)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    projected, query, weight, _ = _scores_inputs(4, 1, 8, 20)
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.load() is None
+        assert native.load() is None  # once per process
+        scores = fused.fused_scores(projected, query, weight)
+    [record] = caplog.records
+    assert "PyTorch" in record.getMessage() and "\n" not in record.getMessage()
+    want = fused.fused_scores(projected.double(), query.double(), weight.double())
+    torch.testing.assert_close(scores.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_switch_turns_the_kernels_off_silently(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    projected, query, weight, _ = _scores_inputs(2, 1, 4, 9)
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.load() is None
+        assert native.scores_forward(projected, query, weight) is None
+    assert not caplog.records
+
+
+@needs_compiler
+def test_loading_the_library_keeps_subnormal_floats() -> None:
+    """-ffast-math at link time would add crtfastmath, which turns on flush-to-zero for the
+    whole process when the library loads; the kernels are compiled with it and linked
+    without it."""
+    assert native.load() is not None
+    tiny = torch.tensor([1e-39], dtype=torch.float32)  # subnormal in float32
+    assert float(tiny * 0.5) > 0.0
