@@ -434,14 +434,18 @@ def _forward_step(
     else:
         seq.betas[t] = 1.0
         z.copy_(context)
-    pre = torch.addmm(gates_in, seq.inputs[t], w.lstm.t())  # (B, 4n), Eq. 1
-    gates = torch.sigmoid(pre, out=seq.gates[t])
-    torch.tanh(pre[:, 2 * n : 3 * n], out=gates[:, 2 * n : 3 * n])
+    gates = torch.addmm(gates_in, seq.inputs[t], w.lstm.t(), out=seq.gates[t])  # (B, 4n), Eq. 1
+    next_input = seq.inputs[t + 1, :, D:] if t + 1 < seq.inputs.size(0) else None
+    if native.lstm_forward(gates, seq.cells[t], seq.cells[t + 1], seq.hidden[t], next_input):
+        return
+    torch.tanh_(gates[:, 2 * n : 3 * n])
+    gates[:, : 2 * n].sigmoid_()
+    gates[:, 3 * n :].sigmoid_()
     i, f, g, o = gates.chunk(4, dim=1)
     c = torch.addcmul(f * seq.cells[t], i, g, out=seq.cells[t + 1])  # Eq. 2
     torch.mul(o, torch.tanh(c), out=seq.hidden[t])  # Eq. 3
-    if t + 1 < seq.inputs.size(0):
-        seq.inputs[t + 1, :, D:] = seq.hidden[t]
+    if next_input is not None:
+        next_input.copy_(seq.hidden[t])
 
 
 def _hard_attention(
@@ -562,6 +566,9 @@ def _lstm_backward(
 ) -> Tensor:
     """Eq. 1-3 backwards at step t: the gates' gradient into ``grads.gates[t]``, ∂/∂c_{t-1}
     into ``grads.c``; returns ∂/∂[ẑ_t; h_{t-1}] (B, D + n)."""
+    cells = (seq.cells[t], seq.cells[t + 1])
+    if native.lstm_backward(seq.gates[t], *cells, grads.h, d_hidden, grads.c, grads.gates[t]):
+        return torch.mm(grads.gates[t], w.lstm)
     i, f, g, o = seq.gates[t].chunk(4, dim=1)
     tanh_c = torch.tanh(seq.cells[t + 1])
     dh = grads.h + d_hidden  # (B, n)

@@ -37,6 +37,8 @@ __all__ = [
     "NativeKernels",
     "cache_dir",
     "load",
+    "lstm_backward",
+    "lstm_forward",
     "scores_backward",
     "scores_forward",
     "turned_off",
@@ -63,6 +65,12 @@ class NativeKernels:
         self.backward = library.sat_scores_backward
         self.backward.argtypes = [_c_tensor] * 7 + [_c_int] * 6
         self.backward.restype = None
+        self.lstm_forward = library.sat_lstm_forward
+        self.lstm_forward.argtypes = [_c_tensor] * 5 + [_c_int] * 4
+        self.lstm_forward.restype = None
+        self.lstm_backward = library.sat_lstm_backward
+        self.lstm_backward.argtypes = [_c_tensor] * 7 + [_c_int] * 3
+        self.lstm_backward.restype = None
 
 
 def cache_dir() -> Path:
@@ -223,3 +231,64 @@ def scores_backward(
         int(accumulate),
     )
     return out, grad_query, (2.0 * weight_rows.sum(0)).view(1, A)
+
+
+def lstm_forward(
+    gates: Tensor, cell_prev: Tensor, cell: Tensor, hidden: Tensor, next_input: Tensor | None
+) -> bool:
+    """Eq. 1-3 after the gates' product (``fused._forward_step``): activates ``gates`` (B, 4n)
+    in place, writes c_t into ``cell`` and h_t into ``hidden`` and ``next_input`` (a (B, n)
+    view with rows of any stride). False, with nothing written, where the kernels cannot run."""
+    written = [gates, cell, hidden] + ([] if next_input is None else [next_input])
+    if not _usable(cell_prev, *written) or not all(
+        t.is_contiguous() for t in (gates, cell, hidden)
+    ):
+        return False
+    if next_input is not None and next_input.stride(1) != 1:
+        return False
+    if (kernels := load()) is None:
+        return False
+    B, n = cell.shape
+    cell_prev = cell_prev.contiguous()
+    kernels.lstm_forward(
+        gates.data_ptr(),
+        cell_prev.data_ptr(),
+        cell.data_ptr(),
+        hidden.data_ptr(),
+        None if next_input is None else next_input.data_ptr(),
+        0 if next_input is None else next_input.stride(0),
+        B,
+        n,
+        torch.get_num_threads(),
+    )
+    return True
+
+
+def lstm_backward(
+    gates: Tensor,
+    cell_prev: Tensor,
+    cell: Tensor,
+    grad_hidden: Tensor,
+    grad_output: Tensor,
+    grad_cell: Tensor,
+    grad_gates: Tensor,
+) -> bool:
+    """Eq. 1-3 backwards (``fused._lstm_backward``): ∂/∂ the gates' pre-activations into
+    ``grad_gates`` (B, 4n), ``grad_cell`` from ∂/∂c_t to ∂/∂c_{t-1} in place. False, with
+    nothing written, where the kernels cannot run."""
+    tensors = (gates, cell_prev, cell, grad_hidden, grad_output, grad_cell, grad_gates)
+    if not _usable(*tensors) or not (grad_cell.is_contiguous() and grad_gates.is_contiguous()):
+        return False
+    if (kernels := load()) is None:
+        return False
+    B, n = cell.shape
+    inputs = [t.contiguous() for t in (gates, cell_prev, cell, grad_hidden, grad_output)]
+    kernels.lstm_backward(
+        *(t.data_ptr() for t in inputs),
+        grad_cell.data_ptr(),
+        grad_gates.data_ptr(),
+        B,
+        n,
+        torch.get_num_threads(),
+    )
+    return True

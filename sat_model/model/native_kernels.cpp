@@ -87,4 +87,64 @@ void sat_scores_backward(const float* grad, const float* projected, const float*
   }
 }
 
+// Eq. 1-3 after the gates' product, step t of the training recurrence: ``gates`` (B, 4n) holds
+// the pre-activations in nn.LSTMCell's order (i, f, g, o) and is activated in place (σ, σ,
+// tanh, σ); c (B, n) = f c_prev + i g; h (B, n) = o tanh(c), written to ``hidden`` and, when
+// ``next_input`` is given, also to its rows of stride ``next_stride`` (the next step's h_{t-1}).
+void sat_lstm_forward(float* gates, const float* cell_prev, float* cell, float* hidden,
+                      float* next_input, int64_t next_stride, int64_t B, int64_t n,
+                      int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < B; ++b) {
+    float* gi = gates + b * 4 * n;
+    float *gf = gi + n, *gg = gi + 2 * n, *go = gi + 3 * n;
+    const float* cp = cell_prev + b * n;
+    float* c = cell + b * n;
+    float* h = hidden + b * n;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      const float i = sigmoid(gi[j]), f = sigmoid(gf[j]), g = std::tanh(gg[j]);
+      const float o = sigmoid(go[j]);
+      gi[j] = i, gf[j] = f, gg[j] = g, go[j] = o;
+      c[j] = f * cp[j] + i * g;
+      h[j] = o * std::tanh(c[j]);
+    }
+    if (next_input != nullptr) {
+      float* dst = next_input + b * next_stride;
+      for (int64_t j = 0; j < n; ++j) dst[j] = h[j];
+    }
+  }
+}
+
+// Eq. 1-3 backwards at step t: from ∂/∂h_t (``grad_hidden``, from the later steps, plus
+// ``grad_output``, from the output layer) and ∂/∂c_t (``grad_cell``, updated in place to
+// ∂/∂c_{t-1}), the gradient of the gates' pre-activations into ``grad_gates`` (B, 4n).
+// ``gates`` are the activated ones that sat_lstm_forward left.
+void sat_lstm_backward(const float* gates, const float* cell_prev, const float* cell,
+                       const float* grad_hidden, const float* grad_output, float* grad_cell,
+                       float* grad_gates, int64_t B, int64_t n, int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < B; ++b) {
+    const float* gi = gates + b * 4 * n;
+    const float *gf = gi + n, *gg = gi + 2 * n, *go = gi + 3 * n;
+    const float *cp = cell_prev + b * n, *c = cell + b * n;
+    const float *dh_in = grad_hidden + b * n, *dh_out = grad_output + b * n;
+    float* dc_io = grad_cell + b * n;
+    float* di = grad_gates + b * 4 * n;
+    float *df = di + n, *dg = di + 2 * n, *do_ = di + 3 * n;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      const float i = gi[j], f = gf[j], g = gg[j], o = go[j];
+      const float tanh_c = std::tanh(c[j]);
+      const float dh = dh_in[j] + dh_out[j];
+      const float dc = dc_io[j] + dh * o * (1.0f - tanh_c * tanh_c);
+      do_[j] = dh * tanh_c * o * (1.0f - o);
+      di[j] = dc * g * i * (1.0f - i);
+      df[j] = dc * cp[j] * f * (1.0f - f);
+      dg[j] = dc * i * (1.0f - g * g);
+      dc_io[j] = dc * f;
+    }
+  }
+}
+
 }  // extern "C"

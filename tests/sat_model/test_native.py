@@ -158,3 +158,35 @@ def test_loading_the_library_keeps_subnormal_floats() -> None:
     assert native.load() is not None
     tiny = torch.tensor([1e-39], dtype=torch.float32)  # subnormal in float32
     assert float(tiny * 0.5) > 0.0
+
+
+@needs_compiler
+def test_native_lstm_cell_matches_autograd_in_float64() -> None:
+    """Eq. 1-3 after the gates' product, forward and backward, against PyTorch's autograd of
+    the same equations in float64; h_t also lands in the next step's strided input rows."""
+    B, n, D = 5, 24, 7
+    g = torch.Generator().manual_seed(0)
+    pre, cell_prev = torch.randn(B, 4 * n, generator=g), torch.randn(B, n, generator=g)
+    grad_later, grad_output, grad_cell = (torch.randn(B, n, generator=g) for _ in range(3))
+
+    pre64 = pre.double().requires_grad_()
+    cell_prev64 = cell_prev.double().requires_grad_()
+    i, f, gg, o = pre64.chunk(4, dim=1)
+    c64 = i.sigmoid() * gg.tanh() + f.sigmoid() * cell_prev64
+    h64 = o.sigmoid() * c64.tanh()
+    loss = (h64 * (grad_later + grad_output).double()).sum() + (c64 * grad_cell.double()).sum()
+    want_pre, want_cell_prev = torch.autograd.grad(loss, [pre64, cell_prev64])
+
+    gates, cell, hidden = pre.clone(), torch.empty(B, n), torch.empty(B, n)
+    next_rows = torch.zeros(B, D + n)
+    assert native.lstm_forward(gates, cell_prev, cell, hidden, next_rows[:, D:])
+    torch.testing.assert_close(cell.double(), c64.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden.double(), h64.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(next_rows[:, D:], hidden) and not next_rows[:, :D].any()
+
+    grad_gates, grad_cell_io = torch.empty(B, 4 * n), grad_cell.clone()
+    assert native.lstm_backward(
+        gates, cell_prev, cell, grad_later, grad_output, grad_cell_io, grad_gates
+    )
+    torch.testing.assert_close(grad_gates.double(), want_pre, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_cell_io.double(), want_cell_prev, rtol=1e-5, atol=1e-6)
