@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from sat_model.config import ATTENTION_KINDS
 from sat_model.data.vocab import END_ID
+from sat_model.model import native
 from sat_model.model.fused import (
     CollectProjected,
     FusedScores,
@@ -226,11 +227,31 @@ class SoftAttention(nn.Module):
         mode: str = "expected",
         sink: ProjectedGradient | None = None,
     ) -> AttentionOutput:
+        if mode == "expected" and not torch.is_grad_enabled():  # decoding: one kernel a step
+            attended = self._attend_natively(annotations, projected, hidden)
+            if attended is not None:
+                return attended
         alpha = torch.softmax(self.scores(projected, hidden, sink), dim=-1)  # (B, L), Eq. 5
         if mode in ("train", "expected"):
             return AttentionOutput(alpha=alpha, context=expected_context(annotations, alpha))
         location = _pick_location(alpha, mode)
         return AttentionOutput(alpha=alpha, context=gather_location(annotations, location))
+
+    def _attend_natively(
+        self, annotations: Tensor, projected: Tensor, hidden: Tensor
+    ) -> AttentionOutput | None:
+        """α and Σ_i α_i a_i through ``native.attend_forward``: the scores, the softmax and
+        the expected context of the k rows of each image in one pass; None where the kernels
+        cannot run (then ``forward`` computes the same in PyTorch's ops)."""
+        query = 2.0 * self.hidden_proj(hidden)  # (B*k, A)
+        rows, D = query.size(0), annotations.size(2)
+        alpha = query.new_empty(rows, projected.size(2))
+        context = query.new_empty(rows, D)
+        if not native.attend_forward(
+            projected, query, self.score.weight, annotations, alpha, context
+        ):
+            return None
+        return AttentionOutput(alpha=alpha, context=context)
 
 
 class HardAttention(SoftAttention):

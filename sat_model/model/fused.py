@@ -418,14 +418,14 @@ def _forward_step(
     D, n = annotations.size(2), seq.cells.size(2)
     h = seq.inputs[t, :, D:]  # (B, n), h_{t-1}
     q = torch.mm(h, w.hidden2.t(), out=seq.queries[t])  # (B, A)
-    scores = fused_scores(projected, q, w.score)  # (B, L), Eq. 4
     context = seq.contexts[t]  # (B, D)
-    if seq.log_alphas is None:
-        alpha = torch.softmax(scores, dim=-1)  # Eq. 5
-        seq.alphas[t] = alpha
-        torch.bmm(alpha.unsqueeze(1), annotations, out=context.unsqueeze(1))  # Σ α a
+    if seq.log_alphas is None:  # soft: Eq. 4-5 and Σ α a, in one kernel where it runs
+        alpha = seq.alphas[t]
+        if not native.attend_forward(projected, q, w.score, annotations, alpha, context):
+            torch.softmax(fused_scores(projected, q, w.score), dim=-1, out=alpha)
+            torch.bmm(alpha.unsqueeze(1), annotations, out=context.unsqueeze(1))
     else:
-        _hard_attention(t, seq, scores, annotations, sample)
+        _hard_attention(t, seq, fused_scores(projected, q, w.score), annotations, sample)
     z = seq.inputs[t, :, :D]  # (B, D), ẑ_t
     if w.gate is not None and w.gate_bias is not None:
         beta = torch.sigmoid(torch.addmm(w.gate_bias, h, w.gate.t())).squeeze(1)  # (B,)
@@ -516,11 +516,29 @@ def _backward_step(
         d_pre = torch.mul(d_beta, beta * (1.0 - beta), out=grads.gate_pre[t])  # σ'
         dh = dh.addcmul(d_pre.unsqueeze(1), w.gate)  # f_β's share of ∂/∂h_{t-1}
         dz = dz * beta.unsqueeze(1)  # ∂/∂φ_t
-    d_scores = _attention_backward(t, seq, annotations, dz, d_outputs, grads)
-    _, d_query, d_score = fused_scores_backward(
-        d_scores, projected, seq.queries[t], w.score, sink is not None, sink
-    )
-    grads.queries[t] = d_query
+    d_query = grads.queries[t]
+    native_grads = None
+    if sink is not None and seq.log_alphas is None and grads.annotations is None:
+        # soft attention's backward from ∂/∂φ in one kernel where it runs
+        native_grads = native.attend_backward(
+            dz,
+            d_outputs[2][t],
+            seq.alphas[t],
+            annotations,
+            projected,
+            seq.queries[t],
+            w.score,
+            sink.grad,
+            d_query,
+        )
+        if native_grads is not None:
+            sink.grad, d_score = native_grads
+    if native_grads is None:
+        d_scores = _attention_backward(t, seq, annotations, dz, d_outputs, grads)
+        _, d_step_query, d_score = fused_scores_backward(
+            d_scores, projected, seq.queries[t], w.score, sink is not None, sink
+        )
+        d_query.copy_(d_step_query)
     grads.score += d_score
     grads.h = dh.addmm_(d_query, w.hidden2)  # W_h's share of ∂/∂h_{t-1}
 

@@ -35,6 +35,8 @@ from torch import Tensor
 __all__ = [
     "ENV_SWITCH",
     "NativeKernels",
+    "attend_backward",
+    "attend_forward",
     "cache_dir",
     "load",
     "lstm_backward",
@@ -65,6 +67,12 @@ class NativeKernels:
         self.backward = library.sat_scores_backward
         self.backward.argtypes = [_c_tensor] * 7 + [_c_int] * 6
         self.backward.restype = None
+        self.attend_forward = library.sat_attend_forward
+        self.attend_forward.argtypes = [_c_tensor] * 6 + [_c_int] * 7
+        self.attend_forward.restype = None
+        self.attend_backward = library.sat_attend_backward
+        self.attend_backward.argtypes = [_c_tensor] * 10 + [_c_int] * 6
+        self.attend_backward.restype = None
         self.lstm_forward = library.sat_lstm_forward
         self.lstm_forward.argtypes = [_c_tensor] * 5 + [_c_int] * 4
         self.lstm_forward.restype = None
@@ -292,3 +300,94 @@ def lstm_backward(
         torch.get_num_threads(),
     )
     return True
+
+
+def attend_forward(
+    projected: Tensor,
+    query: Tensor,
+    weight: Tensor,
+    annotations: Tensor,
+    alpha: Tensor,
+    context: Tensor,
+) -> bool:
+    """Soft attention's step for k rows per image: the scores (``scores_forward``), α =
+    softmax into ``alpha`` (B*k, L) and Σ_i α_i a_i into ``context`` (B*k, D; rows of any
+    stride). False, with nothing written, where the kernels cannot run."""
+    if not _usable(projected, query, weight, annotations, alpha, context):
+        return False
+    if not alpha.is_contiguous() or context.stride(1) != 1 or (kernels := load()) is None:
+        return False
+    B, A, L = projected.shape
+    k, D = query.size(0) // B, annotations.size(2)
+    projected, query, annotations = (t.contiguous() for t in (projected, query, annotations))
+    weight2 = 2.0 * weight.reshape(A)
+    kernels.attend_forward(
+        projected.data_ptr(),
+        query.data_ptr(),
+        weight2.data_ptr(),
+        annotations.data_ptr(),
+        alpha.data_ptr(),
+        context.data_ptr(),
+        context.stride(0),
+        B,
+        k,
+        A,
+        L,
+        D,
+        torch.get_num_threads(),
+    )
+    return True
+
+
+def attend_backward(
+    grad_context: Tensor,
+    grad_alpha: Tensor | None,
+    alpha: Tensor,
+    annotations: Tensor,
+    projected: Tensor,
+    query: Tensor,
+    weight: Tensor,
+    grad_projected: Tensor | None,
+    grad_query: Tensor,
+) -> tuple[Tensor, Tensor] | None:
+    """``attend_forward`` backwards for one row per image, the annotations held fixed: from
+    ∂/∂φ (B, D) and the loss's ∂/∂α (B, L), the gradient for ``projected`` (a new tensor, or
+    added to ``grad_projected``) and for ``weight`` (1, A); ∂/∂query into ``grad_query``.
+    None, with nothing written, where the kernels cannot run."""
+    tensors = [grad_context, alpha, annotations, projected, query, weight, grad_query]
+    tensors += [t for t in (grad_alpha, grad_projected) if t is not None]
+    if not _usable(*tensors) or not grad_query.is_contiguous():
+        return None
+    if grad_projected is not None and not grad_projected.is_contiguous():
+        return None
+    if (kernels := load()) is None:
+        return None
+    B, A, L = projected.shape
+    D = annotations.size(2)
+    grad_context, alpha, annotations, projected, query = (
+        t.contiguous() for t in (grad_context, alpha, annotations, projected, query)
+    )
+    grad_alpha = None if grad_alpha is None else grad_alpha.contiguous()
+    weight2 = 2.0 * weight.reshape(A)
+    accumulate = grad_projected is not None
+    out = grad_projected if grad_projected is not None else projected.new_empty(B, A, L)
+    weight_rows = query.new_empty(B, A)
+    kernels.attend_backward(
+        grad_context.data_ptr(),
+        None if grad_alpha is None else grad_alpha.data_ptr(),
+        alpha.data_ptr(),
+        annotations.data_ptr(),
+        projected.data_ptr(),
+        query.data_ptr(),
+        weight2.data_ptr(),
+        out.data_ptr(),
+        grad_query.data_ptr(),
+        weight_rows.data_ptr(),
+        B,
+        A,
+        L,
+        D,
+        torch.get_num_threads(),
+        int(accumulate),
+    )
+    return out, (2.0 * weight_rows.sum(0)).view(1, A)

@@ -16,10 +16,56 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// Σ_a weight2_a σ(p_image[a, :] + q_row[a]) into out (L): one row's scores.
+void row_scores(const float* p_image, const float* q_row, const float* weight2, float* out,
+                int64_t A, int64_t L) {
+  for (int64_t l = 0; l < L; ++l) out[l] = 0.0f;
+  for (int64_t a = 0; a < A; ++a) {
+    const float q = q_row[a], w = weight2[a];
+    const float* p = p_image + a * L;
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) out[l] += w * sigmoid(p[l] + q);
+  }
+}
+
+// One row's share of the scores' backward for its ∂/∂scores g (L): with s = σ(p + q) and
+// u = s (1 - s) g, adds (or, when ``write``, writes) weight2 u into gp_image (A, L), and writes
+// grad_q (A) = weight2 Σ_l u and weight_row (A) = Σ_l s g.
+void row_scores_backward(const float* g, const float* p_image, const float* q_row,
+                         const float* weight2, float* gp_image, float* grad_q, float* weight_row,
+                         int64_t A, int64_t L, bool write) {
+  for (int64_t a = 0; a < A; ++a) {
+    const float* p = p_image + a * L;
+    float* gp = gp_image + a * L;
+    const float q = q_row[a], w = weight2[a];
+    float sum_sg = 0.0f, sum_u = 0.0f;
+    if (write) {
+#pragma omp simd reduction(+ : sum_sg, sum_u)
+      for (int64_t l = 0; l < L; ++l) {
+        const float s = sigmoid(p[l] + q), sg = s * g[l], u = sg - sg * s;
+        sum_sg += sg;
+        sum_u += u;
+        gp[l] = w * u;
+      }
+    } else {
+#pragma omp simd reduction(+ : sum_sg, sum_u)
+      for (int64_t l = 0; l < L; ++l) {
+        const float s = sigmoid(p[l] + q), sg = s * g[l], u = sg - sg * s;
+        sum_sg += sg;
+        sum_u += u;
+        gp[l] += w * u;
+      }
+    }
+    grad_q[a] = w * sum_u;
+    weight_row[a] = sum_sg;
+  }
+}
 
 }  // namespace
 
@@ -30,17 +76,8 @@ void sat_scores_forward(const float* projected, const float* query, const float*
                         float* scores, int64_t B, int64_t k, int64_t A, int64_t L,
                         int64_t threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t r = 0; r < B * k; ++r) {
-    const float* p_image = projected + (r / k) * A * L;
-    float* out = scores + r * L;
-    for (int64_t l = 0; l < L; ++l) out[l] = 0.0f;
-    for (int64_t a = 0; a < A; ++a) {
-      const float q = query[r * A + a], w = weight2[a];
-      const float* p = p_image + a * L;
-#pragma omp simd
-      for (int64_t l = 0; l < L; ++l) out[l] += w * sigmoid(p[l] + q);
-    }
-  }
+  for (int64_t r = 0; r < B * k; ++r)
+    row_scores(projected + (r / k) * A * L, query + r * A, weight2, scores + r * L, A, L);
 }
 
 // From ∂/∂scores (B*k, L): with s = σ(projected + query), u = s (1 - s) ∂scores,
@@ -53,36 +90,87 @@ void sat_scores_backward(const float* grad, const float* projected, const float*
                          float* weight_rows, int64_t B, int64_t k, int64_t A, int64_t L,
                          int64_t threads, int64_t accumulate) {
 #pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t r = b * k + j;
+      row_scores_backward(grad + r * L, projected + b * A * L, query + r * A, weight2,
+                          grad_projected + b * A * L, grad_query + r * A, weight_rows + r * A, A,
+                          L, j == 0 && !accumulate);
+    }
+}
+
+// Soft attention's step (Eq. 4-5 and the expected context of Sec. 4.2): the scores of the k
+// rows of each image, α = softmax over the L locations into ``alpha`` (B*k, L), and
+// φ = Σ_l α_l a_l into ``context`` (B*k, D) with rows ``context_stride`` apart. The k rows
+// of an image read its annotations (B, L, D) together, once.
+void sat_attend_forward(const float* projected, const float* query, const float* weight2,
+                        const float* annotations, float* alpha, float* context,
+                        int64_t context_stride, int64_t B, int64_t k, int64_t A, int64_t L,
+                        int64_t D, int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t a = 0; a < A; ++a) {
-      const float* p = projected + (b * A + a) * L;
-      float* gp = grad_projected + (b * A + a) * L;
-      const float w = weight2[a];
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t r = b * k + j;
+      float* al = alpha + r * L;
+      row_scores(projected + b * A * L, query + r * A, weight2, al, A, L);
+      float top = al[0];
+      for (int64_t l = 1; l < L; ++l) top = al[l] > top ? al[l] : top;
+      float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t l = 0; l < L; ++l) {
+        al[l] = std::exp(al[l] - top);
+        total += al[l];
+      }
+      const float scale = 1.0f / total;
+#pragma omp simd
+      for (int64_t l = 0; l < L; ++l) al[l] *= scale;
+      float* ctx = context + r * context_stride;
+      for (int64_t d = 0; d < D; ++d) ctx[d] = 0.0f;
+    }
+    for (int64_t l = 0; l < L; ++l) {
+      const float* a = annotations + (b * L + l) * D;
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = b * k + j;
-        const float q = query[r * A + a];
-        const float* g = grad + r * L;
-        float sum_sg = 0.0f, sum_u = 0.0f;
-        if (j == 0 && !accumulate) {
-#pragma omp simd reduction(+ : sum_sg, sum_u)
-          for (int64_t l = 0; l < L; ++l) {
-            const float s = sigmoid(p[l] + q), sg = s * g[l], u = sg - sg * s;
-            sum_sg += sg;
-            sum_u += u;
-            gp[l] = w * u;
-          }
-        } else {
-#pragma omp simd reduction(+ : sum_sg, sum_u)
-          for (int64_t l = 0; l < L; ++l) {
-            const float s = sigmoid(p[l] + q), sg = s * g[l], u = sg - sg * s;
-            sum_sg += sg;
-            sum_u += u;
-            gp[l] += w * u;
-          }
-        }
-        grad_query[r * A + a] = w * sum_u;
-        weight_rows[r * A + a] = sum_sg;
+        const float weight = alpha[r * L + l];
+        float* ctx = context + r * context_stride;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ctx[d] += weight * a[d];
       }
+    }
+  }
+}
+
+// sat_attend_forward backwards for one row per image (training), the annotations held fixed:
+// from ∂/∂φ (B, D) and the loss's own ∂/∂α (B, L; null when none), ∂/∂α = ∂φ · a + ∂α, the
+// softmax's backward to ∂/∂scores, then the scores' backward as in sat_scores_backward
+// (grad_projected written or, with accumulate, added to; grad_query and weight_rows written).
+void sat_attend_backward(const float* grad_context, const float* grad_alpha, const float* alpha,
+                         const float* annotations, const float* projected, const float* query,
+                         const float* weight2, float* grad_projected, float* grad_query,
+                         float* weight_rows, int64_t B, int64_t A, int64_t L, int64_t D,
+                         int64_t threads, int64_t accumulate) {
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> grad_scores(L);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      const float* gphi = grad_context + b * D;
+      const float* al = alpha + b * L;
+      float* gs = grad_scores.data();
+      float weighted = 0.0f;  // Σ_l α_l ∂α_l
+      for (int64_t l = 0; l < L; ++l) {
+        const float* a = annotations + (b * L + l) * D;
+        float dot = grad_alpha != nullptr ? grad_alpha[b * L + l] : 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += gphi[d] * a[d];
+        gs[l] = dot;
+        weighted += al[l] * dot;
+      }
+#pragma omp simd
+      for (int64_t l = 0; l < L; ++l) gs[l] = al[l] * (gs[l] - weighted);
+      row_scores_backward(gs, projected + b * A * L, query + b * A, weight2,
+                          grad_projected + b * A * L, grad_query + b * A, weight_rows + b * A, A,
+                          L, !accumulate);
     }
   }
 }

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,27 @@ from tests.sat_model.test_model import tiny_batch, tiny_model
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX") or "c++") is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on PATH")
+
+
+KERNEL_ENTRIES = (
+    "scores_forward",
+    "scores_backward",
+    "attend_forward",
+    "attend_backward",
+    "lstm_forward",
+    "lstm_backward",
+)
+SCORE_ENTRIES = {"scores_forward", "scores_backward"}
+
+
+def _recording(function: Callable[..., Any], name: str, calls: set[str]) -> Callable[..., Any]:
+    def record(*args: Any) -> Any:
+        result = function(*args)
+        if result is not None and result is not False:
+            calls.add(name)
+        return result
+
+    return record
 
 
 @pytest.fixture(autouse=True)
@@ -96,9 +118,9 @@ def test_a_training_step_with_the_kernels_matches_one_without(
     model = tiny_model(attention, attention_dim=16).train()
     annotations, captions = tiny_batch()
     cfg = SoftTrainConfig(doubly_stochastic=1.0) if attention == "soft" else HardTrainConfig()
-    calls: list[str] = []
-    forward = native.scores_forward
-    monkeypatch.setattr(native, "scores_forward", lambda *a: calls.append("forward") or forward(*a))
+    calls: set[str] = set()
+    for name in KERNEL_ENTRIES:
+        monkeypatch.setattr(native, name, _recording(getattr(native, name), name, calls))
     results = []
     for switch in ("1", "0"):
         monkeypatch.setenv(native.ENV_SWITCH, switch)
@@ -108,7 +130,8 @@ def test_a_training_step_with_the_kernels_matches_one_without(
         loss = build_criterion(attention, cfg)(out, captions).loss
         results.append((loss, torch.autograd.grad(loss, list(model.parameters()))))
         assert (native.load() is not None) == (switch == "1")
-    assert calls  # the recurrence asked for the kernels
+    soft = {"attend_forward", "attend_backward"}
+    assert calls == set(KERNEL_ENTRIES) - (soft if attention == "hard" else SCORE_ENTRIES)
     (loss_on, grads_on), (loss_off, grads_off) = results
     torch.testing.assert_close(loss_on, loss_off, rtol=1e-5, atol=1e-6)
     for (name, _), got, want in zip(model.named_parameters(), grads_on, grads_off, strict=True):
@@ -190,3 +213,58 @@ def test_native_lstm_cell_matches_autograd_in_float64() -> None:
     )
     torch.testing.assert_close(grad_gates.double(), want_pre, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad_cell_io.double(), want_cell_prev, rtol=1e-5, atol=1e-6)
+
+
+@needs_compiler
+@pytest.mark.parametrize("k", [1, 3])
+def test_native_attention_step_matches_pytorch_in_float64(k: int) -> None:
+    """Scores, softmax and Σ α a of the k rows of each image in one kernel, against PyTorch's
+    ops in float64; the context lands in rows of a wider buffer (the LSTM's input)."""
+    B, A, L, D = 4, 16, 49, 9
+    projected, query, weight, _ = _scores_inputs(B, k, A, L)
+    annotations = torch.randn(B, L, D, generator=torch.Generator().manual_seed(5))
+    scores64 = fused.fused_scores(projected.double(), query.double(), weight.double())
+    alpha64 = torch.softmax(scores64, dim=-1)
+    context64 = fused.expected_context(annotations.double(), alpha64)
+
+    alpha, wide = torch.empty(B * k, L), torch.zeros(B * k, D + 5)
+    assert native.attend_forward(projected, query, weight, annotations, alpha, wide[:, :D])
+    torch.testing.assert_close(alpha.double(), alpha64, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(wide[:, :D].double(), context64, rtol=1e-5, atol=1e-6)
+    assert not wide[:, D:].any()
+
+
+@needs_compiler
+@pytest.mark.parametrize("with_grad_alpha", [True, False])
+def test_native_attention_backward_matches_autograd_in_float64(with_grad_alpha: bool) -> None:
+    """From ∂/∂φ and the loss's ∂/∂α to the gradients for P, q and w_att, against autograd
+    through the same step in float64; a second call adds into the first's ∂/∂P."""
+    B, A, L, D = 4, 16, 49, 9
+    projected, query, weight, _ = _scores_inputs(B, 1, A, L)
+    g = torch.Generator().manual_seed(6)
+    annotations = torch.randn(B, L, D, generator=g)
+    grad_context, grad_alpha = torch.randn(B, D, generator=g), torch.randn(B, L, generator=g)
+
+    leaves = [t.double().requires_grad_() for t in (projected, query, weight)]
+    projected64, query64, weight64 = leaves
+    sig = torch.sigmoid(projected64 + query64.unsqueeze(2))  # (B, A, L)
+    alpha64 = torch.softmax(2.0 * (weight64.view(1, A, 1) * sig).sum(1), dim=-1)
+    context64 = fused.expected_context(annotations.double(), alpha64)
+    loss = (context64 * grad_context.double()).sum()
+    if with_grad_alpha:
+        loss = loss + (alpha64 * grad_alpha.double()).sum()
+    want_p, want_q, want_w = torch.autograd.grad(loss, leaves)
+
+    alpha, context = torch.empty(B, L), torch.empty(B, D)
+    assert native.attend_forward(projected, query, weight, annotations, alpha, context)
+    grad_query = torch.empty(B, A)
+    args = (grad_context, grad_alpha if with_grad_alpha else None, alpha, annotations)
+    result = native.attend_backward(*args, projected, query, weight, None, grad_query)
+    assert result is not None
+    got_p, got_w = result
+    torch.testing.assert_close(got_p.double(), want_p, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grad_query.double(), want_q, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got_w.double(), want_w, rtol=1e-4, atol=1e-5)
+    again = native.attend_backward(*args, projected, query, weight, got_p, grad_query)
+    assert again is not None and again[0] is got_p
+    torch.testing.assert_close(got_p.double(), 2 * want_p, rtol=1e-4, atol=1e-6)
