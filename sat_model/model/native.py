@@ -1,17 +1,25 @@
-"""Compiled kernels for the attention scores (``native_kernels.cpp``), built on first use.
+"""Compiled kernels for the decoder's attention and LSTM steps (``native_kernels.cpp``), built
+on first use and called through ctypes.
 
-The attention scores are the step's largest tensor, (B*k, A, L), and in PyTorch's eager ops
-every pass over it (add, σ, product, sums, gradient) streams it through memory; the kernels in
-``native_kernels.cpp`` make one pass per direction (docs/EXPERIMENTS.md, "Training speed").
+At the default sizes a training step is ~20 small steps of a few dozen elementwise ops each, and
+the largest tensor, the attention's (B*k, A, L), goes through memory five to seven times per
+step in PyTorch's eager ops (add, σ, product, sums, gradient). The kernels do each of these
+pieces in one pass (docs/EXPERIMENTS.md, "Training speed"):
 
-The first call compiles the source with the machine's C++ compiler (``$CXX``, else ``c++``) for
-this CPU (``-march=native``) into ``$XDG_CACHE_HOME/sat/kernels`` (default ``~/.cache``), named
-by a hash of the source, the flags, the compiler's version and the CPU's features, so another
-machine or compiler builds its own; later processes load the cached library (~1 ms). Where
-there is no compiler, the build fails or ``SAT_NATIVE_KERNELS=0`` is set, ``load`` returns
-None, a warning says why (once per process), and ``fused.py`` runs its PyTorch code instead:
-the same numbers up to float rounding. float32 on CPU only; other dtypes and devices always
-take the PyTorch code.
+- ``scores_forward`` / ``scores_backward``: Eq. 4's scores (the hard model's step);
+- ``attend_forward`` / ``attend_backward``: soft attention's step, scores, softmax (Eq. 5) and
+  the expected context, in training and decoding;
+- ``lstm_forward`` / ``lstm_backward``: Eq. 1-3 after the gates' matrix product.
+
+The matrix products stay with PyTorch (MKL, oneDNN). The first call compiles the source with the
+machine's C++ compiler (``$CXX``, else ``c++``) for this CPU (``-march=native``) into
+``$XDG_CACHE_HOME/sat/kernels`` (default ``~/.cache``), named by a hash of the source, the flags,
+the compiler's version and the CPU's features, so another machine or compiler builds its own;
+later processes load the cached library. Where there is no compiler, the build fails or
+``SAT_NATIVE_KERNELS=0`` is set, ``load`` returns None, a warning says why (once per process),
+every function here returns None or False, and the callers (``fused.py``, ``decoder.py``) run
+their PyTorch code instead: the same numbers up to float rounding. float32 on CPU only; other
+dtypes and devices always take the PyTorch code.
 """
 
 from __future__ import annotations
@@ -95,8 +103,8 @@ def load() -> NativeKernels | None:
     compiler = shutil.which(os.environ.get("CXX") or "c++")
     if compiler is None:
         _log.warning(
-            "no C++ compiler (CXX or c++) on PATH: the attention scores run in PyTorch's "
-            "eager ops, slower (set %s=0 to silence this)",
+            "no C++ compiler (CXX or c++) on PATH: the attention and LSTM steps run in "
+            "PyTorch's eager ops, slower (set %s=0 to silence this)",
             ENV_SWITCH,
         )
         return None

@@ -1,9 +1,10 @@
-// The attention scores of Eq. 4 in one pass over (B, A, L), forward and backward (issue #20).
+// The decoder's attention and LSTM steps, each in one pass over its tensors (issue #20).
 //
 // ``sat_model/model/native.py`` compiles this file with the machine's C++ compiler the first time
-// it is needed and calls it through ctypes on float32 CPU tensors; ``fused.py`` falls back to its
-// PyTorch code where there is no compiler. Dimensions as in docs/METHOD.md: B images, k rows per
-// image (beams; 1 in training), A attention size, L locations. All arrays are contiguous.
+// it is needed and calls it through ctypes on float32 CPU tensors; ``fused.py`` and
+// ``decoder.py`` fall back to their PyTorch code where there is no compiler. Dimensions as in
+// docs/METHOD.md: B images, k rows per image (beams; 1 in training), A attention size, L
+// locations, D annotation size, n LSTM size. Arrays are contiguous unless a stride is passed.
 //
 // projected (B, A, L) holds 2(W_a a_i + b), query (B*k, A) 2 W_h h, weight2 (A) 2 w_att, so
 // that 2 w_att^T tanh(u) = 2 w_att^T (2σ(2u) - 1) is Σ_a weight2_a σ(projected + query) up to a
@@ -20,7 +21,10 @@
 
 namespace {
 
-inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+// σ(x) for any finite x. Under -ffast-math the compiler may assume exp never overflows, and
+// 1 / (1 + inf) then comes out NaN rather than 0; below -80, σ is under 2e-35 and 1 / (1 + e^80)
+// is as good a zero as any.
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-std::fmax(x, -80.0f))); }
 
 // Σ_a weight2_a σ(p_image[a, :] + q_row[a]) into out (L): one row's scores.
 void row_scores(const float* p_image, const float* q_row, const float* weight2, float* out,

@@ -268,3 +268,37 @@ def test_native_attention_backward_matches_autograd_in_float64(with_grad_alpha: 
     again = native.attend_backward(*args, projected, query, weight, got_p, grad_query)
     assert again is not None and again[0] is got_p
     torch.testing.assert_close(got_p.double(), 2 * want_p, rtol=1e-4, atol=1e-6)
+
+
+@needs_compiler
+@pytest.mark.parametrize("value", [-1e4, -100.0, 100.0])
+def test_saturated_inputs_give_finite_values(value: float) -> None:
+    """σ and tanh far out on either side (a hard-attention run reached pre-activations below
+    -88, where e^{-x} overflows float32, and under -ffast-math 1 / (1 + inf) came out NaN):
+    every kernel stays finite and equal to float64's saturated values."""
+    B, A, L, D, n = 2, 8, 49, 5, 6
+    projected = torch.full((B, A, L), value)
+    projected[:, :, 0] = 0.0  # one location not saturated
+    query, weight = torch.zeros(B, A), torch.ones(1, A)
+    grad, annotations = torch.ones(B, L), torch.randn(B, L, D)
+    want_scores = fused.fused_scores(projected.double(), query.double(), weight.double())
+    want_grads = fused.fused_scores_backward(
+        grad.double(), projected.double(), query.double(), weight.double(), True, None
+    )
+    scores = native.scores_forward(projected, query, weight)
+    grads = native.scores_backward(grad, projected, query, weight, None)
+    assert scores is not None and grads is not None
+    torch.testing.assert_close(scores.double(), want_scores, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert want is not None
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    alpha, context = torch.empty(B, L), torch.empty(B, D)
+    assert native.attend_forward(projected, query, weight, annotations, alpha, context)
+    assert torch.isfinite(alpha).all() and torch.isfinite(context).all()
+
+    gates, cell_prev = torch.full((B, 4 * n), value), torch.ones(B, n)
+    cell, hidden = torch.empty(B, n), torch.empty(B, n)
+    want_gates = torch.cat([torch.full((B, n), value).double().sigmoid()] * 2, dim=1)
+    assert native.lstm_forward(gates, cell_prev, cell, hidden, None)
+    torch.testing.assert_close(gates[:, : 2 * n].double(), want_gates, rtol=0.0, atol=1e-6)
+    assert torch.isfinite(cell).all() and torch.isfinite(hidden).all()
