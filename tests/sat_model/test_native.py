@@ -11,7 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -302,3 +305,27 @@ def test_saturated_inputs_give_finite_values(value: float) -> None:
     assert native.lstm_forward(gates, cell_prev, cell, hidden, None)
     torch.testing.assert_close(gates[:, : 2 * n].double(), want_gates, rtol=0.0, atol=1e-6)
     assert torch.isfinite(cell).all() and torch.isfinite(hidden).all()
+
+
+@needs_compiler
+def test_processes_building_at_once_share_one_library(tmp_path: Path) -> None:
+    """Three processes with an empty cache load the kernels at the same moment (Ray workers
+    starting together): each gets a working library, and the cache holds one file."""
+    script = (
+        "import torch; from sat_model.model import native\n"
+        "assert native.load() is not None\n"
+        "p, q, w = torch.randn(2, 4, 9), torch.randn(2, 4), torch.randn(1, 4)\n"
+        "assert native.scores_forward(p, q, w) is not None\n"
+    )
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    env.pop(native.ENV_SWITCH, None)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE)
+        for _ in range(3)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.decode()
+    files = list((tmp_path / "sat" / "kernels").iterdir())  # no half-written or temporary ones
+    assert len(files) == 1 and files[0].name.startswith("sat_kernels_"), files
+    assert files[0].suffix == ".so"
