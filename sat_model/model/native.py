@@ -34,7 +34,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -61,32 +61,38 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-s
 LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 
 _log = logging.getLogger(__name__)
-_c_tensor = ctypes.c_void_p
-_c_int = ctypes.c_int64
+# the C functions (``sat_<name>``): how many pointer arguments, then how many int64 ones
+_SIGNATURES = {
+    "scores_forward": (4, 5),
+    "scores_backward": (7, 6),
+    "attend_forward": (6, 7),
+    "attend_backward": (10, 6),
+    "lstm_forward": (5, 4),
+    "lstm_backward": (7, 3),
+}
 
 
 class NativeKernels:
     """The loaded library's functions with their C signatures."""
 
+    scores_forward: Callable[..., None]
+    scores_backward: Callable[..., None]
+    attend_forward: Callable[..., None]
+    attend_backward: Callable[..., None]
+    lstm_forward: Callable[..., None]
+    lstm_backward: Callable[..., None]
+
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.forward = library.sat_scores_forward
-        self.forward.argtypes = [_c_tensor] * 4 + [_c_int] * 5
-        self.forward.restype = None
-        self.backward = library.sat_scores_backward
-        self.backward.argtypes = [_c_tensor] * 7 + [_c_int] * 6
-        self.backward.restype = None
-        self.attend_forward = library.sat_attend_forward
-        self.attend_forward.argtypes = [_c_tensor] * 6 + [_c_int] * 7
-        self.attend_forward.restype = None
-        self.attend_backward = library.sat_attend_backward
-        self.attend_backward.argtypes = [_c_tensor] * 10 + [_c_int] * 6
-        self.attend_backward.restype = None
-        self.lstm_forward = library.sat_lstm_forward
-        self.lstm_forward.argtypes = [_c_tensor] * 5 + [_c_int] * 4
-        self.lstm_forward.restype = None
-        self.lstm_backward = library.sat_lstm_backward
-        self.lstm_backward.argtypes = [_c_tensor] * 7 + [_c_int] * 3
-        self.lstm_backward.restype = None
+        for name, (pointers, integers) in _SIGNATURES.items():
+            function = getattr(library, f"sat_{name}")
+            function.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * integers
+            function.restype = None
+            setattr(self, name, function)
+
+
+def _call(function: Callable[..., None], tensors: list[Tensor | None], *sizes: int) -> None:
+    """``function`` on the tensors' data (a null pointer for None), then the sizes."""
+    function(*(None if t is None else t.data_ptr() for t in tensors), *sizes)
 
 
 def cache_dir() -> Path:
@@ -113,8 +119,8 @@ def load() -> NativeKernels | None:
     except (OSError, subprocess.SubprocessError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         _log.warning(
-            "the native attention kernels could not be built (%s); running PyTorch's eager "
-            "ops instead (set %s=0 to silence this)",
+            "the native attention and LSTM kernels could not be built (%s); running PyTorch's "
+            "eager ops instead (set %s=0 to silence this)",
             first_line,
             ENV_SWITCH,
         )
@@ -196,11 +202,9 @@ def scores_forward(projected: Tensor, query: Tensor, weight: Tensor) -> Tensor |
     k = query.size(0) // B
     weight2 = 2.0 * weight.reshape(A)
     scores = projected.new_empty(B * k, L)
-    kernels.forward(
-        projected.data_ptr(),
-        query.data_ptr(),
-        weight2.data_ptr(),
-        scores.data_ptr(),
+    _call(
+        kernels.scores_forward,
+        [projected, query, weight2, scores],
         B,
         k,
         A,
@@ -231,14 +235,9 @@ def scores_backward(
     out = grad_projected if grad_projected is not None else projected.new_empty(B, A, L)
     grad_query = query.new_empty(B * k, A)
     weight_rows = query.new_empty(B * k, A)
-    kernels.backward(
-        grad.data_ptr(),
-        projected.data_ptr(),
-        query.data_ptr(),
-        weight2.data_ptr(),
-        out.data_ptr(),
-        grad_query.data_ptr(),
-        weight_rows.data_ptr(),
+    _call(
+        kernels.scores_backward,
+        [grad, projected, query, weight2, out, grad_query, weight_rows],
         B,
         k,
         A,
@@ -266,12 +265,9 @@ def lstm_forward(
         return False
     B, n = cell.shape
     cell_prev = cell_prev.contiguous()
-    kernels.lstm_forward(
-        gates.data_ptr(),
-        cell_prev.data_ptr(),
-        cell.data_ptr(),
-        hidden.data_ptr(),
-        None if next_input is None else next_input.data_ptr(),
+    _call(
+        kernels.lstm_forward,
+        [gates, cell_prev, cell, hidden, next_input],
         0 if next_input is None else next_input.stride(0),
         B,
         n,
@@ -299,14 +295,7 @@ def lstm_backward(
         return False
     B, n = cell.shape
     inputs = [t.contiguous() for t in (gates, cell_prev, cell, grad_hidden, grad_output)]
-    kernels.lstm_backward(
-        *(t.data_ptr() for t in inputs),
-        grad_cell.data_ptr(),
-        grad_gates.data_ptr(),
-        B,
-        n,
-        torch.get_num_threads(),
-    )
+    _call(kernels.lstm_backward, [*inputs, grad_cell, grad_gates], B, n, torch.get_num_threads())
     return True
 
 
@@ -329,13 +318,9 @@ def attend_forward(
     k, D = query.size(0) // B, annotations.size(2)
     projected, query, annotations = (t.contiguous() for t in (projected, query, annotations))
     weight2 = 2.0 * weight.reshape(A)
-    kernels.attend_forward(
-        projected.data_ptr(),
-        query.data_ptr(),
-        weight2.data_ptr(),
-        annotations.data_ptr(),
-        alpha.data_ptr(),
-        context.data_ptr(),
+    _call(
+        kernels.attend_forward,
+        [projected, query, weight2, annotations, alpha, context],
         context.stride(0),
         B,
         k,
@@ -380,17 +365,20 @@ def attend_backward(
     accumulate = grad_projected is not None
     out = grad_projected if grad_projected is not None else projected.new_empty(B, A, L)
     weight_rows = query.new_empty(B, A)
-    kernels.attend_backward(
-        grad_context.data_ptr(),
-        None if grad_alpha is None else grad_alpha.data_ptr(),
-        alpha.data_ptr(),
-        annotations.data_ptr(),
-        projected.data_ptr(),
-        query.data_ptr(),
-        weight2.data_ptr(),
-        out.data_ptr(),
-        grad_query.data_ptr(),
-        weight_rows.data_ptr(),
+    _call(
+        kernels.attend_backward,
+        [
+            grad_context,
+            grad_alpha,
+            alpha,
+            annotations,
+            projected,
+            query,
+            weight2,
+            out,
+            grad_query,
+            weight_rows,
+        ],
         B,
         A,
         L,
