@@ -16,6 +16,10 @@ locations, ``D`` annotation size, ``n`` LSTM size, ``A`` attention-MLP size; ``k
   layouts. ``tests/sat_model/test_fused.py`` checks it against finite differences and the step
   loop, ``test_reference_model.py`` against the plain reference of the same equations;
   ``benchmarks/bench_model.py`` times it (docs/EXPERIMENTS.md, "Training speed").
+
+On float32 CPU tensors the scores, soft attention's step and the LSTM cell go through the
+compiled kernels of ``native.py`` where they could be built; the PyTorch code here is what runs
+without them, and always in float64 (the gradient checks) and under other dtypes or devices.
 """
 
 from __future__ import annotations
