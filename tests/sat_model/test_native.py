@@ -70,7 +70,7 @@ def _scores_inputs(B: int, k: int, A: int, L: int) -> tuple[torch.Tensor, ...]:
 
 @needs_compiler
 def test_the_kernels_build_where_there_is_a_compiler(
-    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert native.load() is not None
@@ -144,7 +144,7 @@ def test_a_training_step_with_the_kernels_matches_one_without(
 @pytest.mark.parametrize("compiler", ["no-such-compiler-here", "false"])
 def test_no_usable_compiler_leaves_one_warning_and_the_pytorch_code(
     compiler: str,
-    tmp_path: object,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
