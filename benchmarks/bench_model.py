@@ -221,7 +221,7 @@ def bench_against_reference(
         criterion(ours(annotations, captions), captions).loss.backward()
         opt_ours.step()
 
-    def eager_step() -> None:  # the project's step with the compiled score kernels off
+    def eager_step() -> None:  # the project's step with the compiled kernels off
         with native.turned_off():
             opt_eager.zero_grad(set_to_none=True)
             criterion(eager(annotations, captions), captions).loss.backward()

@@ -227,7 +227,8 @@ class SoftAttention(nn.Module):
         mode: str = "expected",
         sink: ProjectedGradient | None = None,
     ) -> AttentionOutput:
-        if mode == "expected" and not torch.is_grad_enabled():  # decoding: one kernel a step
+        decoding = mode == "expected" and not torch.is_grad_enabled()
+        if decoding and native.available(annotations, projected, hidden):  # one kernel a step
             attended = self._attend_natively(annotations, projected, hidden)
             if attended is not None:
                 return attended

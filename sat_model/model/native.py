@@ -45,6 +45,7 @@ __all__ = [
     "NativeKernels",
     "attend_backward",
     "attend_forward",
+    "available",
     "cache_dir",
     "load",
     "lstm_backward",
@@ -176,8 +177,8 @@ _off_depth = 0  # > 0 inside ``turned_off``
 
 @contextlib.contextmanager
 def turned_off() -> Iterator[None]:
-    """PyTorch's eager code for the scores inside the block, kernels or not: the benchmark's
-    side-by-side rows (``benchmarks/bench_model.py``)."""
+    """PyTorch's eager code for everything the kernels do inside the block, kernels or not: the
+    benchmark's side-by-side rows (``benchmarks/bench_model.py``)."""
     global _off_depth
     _off_depth += 1
     try:
@@ -190,6 +191,12 @@ def _usable(*tensors: Tensor) -> bool:
     return _off_depth == 0 and all(
         t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors
     )
+
+
+def available(*tensors: Tensor) -> bool:
+    """Whether the kernels can run on these tensors: a caller's check before it prepares
+    their inputs, so that the fallback does not pay for them."""
+    return _usable(*tensors) and load() is not None
 
 
 def scores_forward(projected: Tensor, query: Tensor, weight: Tensor) -> Tensor | None:
