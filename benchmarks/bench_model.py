@@ -42,6 +42,7 @@ from sat_model.model.decoder import (
 )
 from sat_model.model.decoding import beam_search
 from sat_model.model.losses import build_criterion
+from sat_model.train.trainer import build_optimizer
 
 __all__ = ["Dims", "main", "matmul_flops", "train_step_flops"]
 
@@ -165,7 +166,7 @@ def bench_training(d: Dims, attention: str, batch: int, steps: int, iters: int) 
     )
     cfg = SoftTrainConfig() if attention == "soft" else HardTrainConfig()
     criterion = build_criterion(attention, cfg)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    optimizer = build_optimizer(model.parameters(), "adam", lr=1e-4)
     annotations = torch.randn(batch, d.L, d.D, generator=gen)
     captions = _captions(batch, steps, d.K, gen)
 
@@ -210,8 +211,10 @@ def bench_against_reference(
     eager.load_state_dict(ours.state_dict())
     theirs.load_state_dict(ours.state_dict())
     criterion = build_criterion("soft", SoftTrainConfig(doubly_stochastic=doubly_stochastic))
-    opt_ours = torch.optim.Adam(ours.parameters(), lr=1e-4)
-    opt_eager = torch.optim.Adam(eager.parameters(), lr=1e-4)
+    # the project's optimizer (Adam, fused where torch has it) for its step, torch's default
+    # Adam for the reference, as a plain implementation would write it
+    opt_ours = build_optimizer(ours.parameters(), "adam", lr=1e-4)
+    opt_eager = build_optimizer(eager.parameters(), "adam", lr=1e-4)
     opt_theirs = torch.optim.Adam(theirs.parameters(), lr=1e-4)
     annotations = torch.randn(batch, d.L, d.D, generator=gen)
     captions = _captions(batch, 20, d.K, gen)  # lengths 10-20 tokens after <start>

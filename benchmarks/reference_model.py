@@ -52,7 +52,8 @@ def reference_forward(
         z = beta.unsqueeze(1) * z
         h, c = model.lstm(torch.cat([embedded, z], dim=1), (h, c))  # Eq. 1-3
         pre = embedded + model.hidden_out(h) + model.context_out(z)  # Eq. 7
-        logits.append(model.out(model.dropout(torch.tanh(pre))))  # (B, K)
+        dropped = F.dropout(torch.tanh(pre), model.dropout.p, model.training)  # torch's own
+        logits.append(model.out(dropped))  # (B, K)
         alphas.append(alpha)
         betas.append(beta)
     return ForwardOutput(

@@ -295,6 +295,19 @@ def _pick_location(alpha: Tensor, mode: str) -> Tensor:
     raise ValueError(f"unknown attention mode {mode!r}; expected one of {MODES}")
 
 
+class Dropout(nn.Dropout):
+    """``nn.Dropout``'s distribution, each value kept with probability 1 - p and scaled by
+    1 / (1 - p), drawn on CPU as a uniform compared with p: the pinned torch's CPU
+    ``bernoulli_`` took 1.6 ms for the deep output's (64, 20, 96) against 0.5 ms this way.
+    Other devices keep torch's own fused kernel."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0 or x.device.type != "cpu":
+            return super().forward(x)
+        keep = (torch.rand_like(x) >= self.p).to(x.dtype)
+        return x * keep.mul_(1.0 / (1.0 - self.p))
+
+
 @dataclass(frozen=True)
 class _Advance:
     """One recurrence step before the output layer."""
@@ -334,8 +347,8 @@ class ShowAttendTell(nn.Module):
         self.lstm = nn.LSTMCell(m + D, n)
         self.hidden_out = nn.Linear(n, m, bias=False)  # L_h (Eq. 7)
         self.context_out = nn.Linear(D, m, bias=False)  # L_z (Eq. 7)
-        self.dropout = nn.Dropout(config.dropout)
-        self.input_dropout = nn.Dropout(config.input_dropout)
+        self.dropout = Dropout(config.dropout)
+        self.input_dropout = Dropout(config.input_dropout)
         self.out = nn.Linear(m, K)  # L_o (Eq. 7)
 
     @torch.no_grad()

@@ -352,8 +352,19 @@ class _Recurrence(torch.autograd.Function):
             seq = seq.with_hard(use_expected, locations)
         seq.inputs[0, :, D:] = h0
         seq.cells[0] = c0
-        for t in range(T):
-            _forward_step(t, seq, w, projected, annotations, input_gates[t], sample)
+        if use_expected is not None or not native.soft_recurrence_forward(
+            projected,
+            annotations,
+            input_gates,
+            w.hidden2,
+            w.score,
+            w.gate,
+            w.gate_bias,
+            w.lstm,
+            _tensors(seq)[:8],
+        ):
+            for t in range(T):
+                _forward_step(t, seq, w, projected, annotations, input_gates[t], sample)
         ctx.save_for_backward(projected, annotations, *weights, *_tensors(seq))
         outputs = (seq.hidden, seq.inputs[:, :, :D], seq.alphas, seq.betas)
         if seq.log_probs is None or seq.entropy is None:
@@ -368,8 +379,24 @@ class _Recurrence(torch.autograd.Function):
         need = ctx.needs_input_grad
         grads = _Gradients.zeros(seq, w, annotations if need[1] else None)
         sink = ProjectedGradient() if need[0] else None
-        for t in range(seq.gates.size(0) - 1, -1, -1):
-            _backward_step(t, seq, w, projected, annotations, d_outputs, grads, sink)
+        whole = None  # soft attention's T steps in one compiled call, where it runs
+        if sink is not None and seq.log_alphas is None and grads.annotations is None:
+            whole = native.soft_recurrence_backward(
+                projected,
+                annotations,
+                w.hidden2,
+                w.score,
+                w.gate,
+                w.lstm,
+                _tensors(seq)[:7],
+                list(d_outputs[:4]),
+                [grads.h, grads.c, grads.gates, grads.queries, grads.gate_pre],
+            )
+        if whole is not None and sink is not None:
+            sink.grad, grads.score = whole
+        else:
+            for t in range(seq.gates.size(0) - 1, -1, -1):
+                _backward_step(t, seq, w, projected, annotations, d_outputs, grads, sink)
         return (
             sink.grad if sink is not None else None,
             grads.annotations,

@@ -52,13 +52,15 @@ __all__ = [
     "lstm_forward",
     "scores_backward",
     "scores_forward",
+    "soft_recurrence_backward",
+    "soft_recurrence_forward",
     "turned_off",
 ]
 
 ENV_SWITCH = "SAT_NATIVE_KERNELS"  # "0" turns the kernels off
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 # compiled with -ffast-math for glibc's vectorised expf, linked without it (see the source)
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-mrecip", "-fopenmp", "-fPIC", "-std=c++17")
 LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 
 _log = logging.getLogger(__name__)
@@ -70,6 +72,8 @@ _SIGNATURES = {
     "attend_backward": (10, 6),
     "lstm_forward": (5, 4),
     "lstm_backward": (7, 3),
+    "soft_recurrence_forward": (17, 7),
+    "soft_recurrence_backward": (27, 7),
 }
 
 
@@ -78,6 +82,8 @@ class NativeKernels:
 
     scores_forward: Callable[..., None]
     scores_backward: Callable[..., None]
+    soft_recurrence_forward: Callable[..., None]
+    soft_recurrence_backward: Callable[..., None]
     attend_forward: Callable[..., None]
     attend_backward: Callable[..., None]
     lstm_forward: Callable[..., None]
@@ -94,6 +100,18 @@ class NativeKernels:
 def _call(function: Callable[..., None], tensors: list[Tensor | None], *sizes: int) -> None:
     """``function`` on the tensors' data (a null pointer for None), then the sizes."""
     function(*(None if t is None else t.data_ptr() for t in tensors), *sizes)
+
+
+@functools.cache
+def _sgemm() -> int | None:
+    """The address of BLAS's ``sgemm_`` in the MKL that torch links (``libtorch_cpu``), for the
+    recurrence kernels' matrix products; None where this torch build exports none."""
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        function = ctypes.CDLL(str(library)).sgemm_
+    except (OSError, AttributeError):
+        return None
+    return ctypes.cast(function, ctypes.c_void_p).value
 
 
 def cache_dir() -> Path:
@@ -394,3 +412,91 @@ def attend_backward(
         int(accumulate),
     )
     return out, (2.0 * weight_rows.sum(0)).view(1, A)
+
+
+def soft_recurrence_forward(
+    projected: Tensor,
+    annotations: Tensor,
+    input_gates: Tensor,
+    hidden2: Tensor,
+    weight: Tensor,
+    gate: Tensor | None,
+    gate_bias: Tensor | None,
+    lstm: Tensor,
+    sequence: list[Tensor],
+) -> bool:
+    """All T steps of the soft training recurrence (``fused._Recurrence``) in one call: the
+    attention and LSTM kernels above and the matrix products through torch's own BLAS. Fills
+    ``sequence`` (``fused._Sequence``'s inputs, cells, gates, queries, alphas, contexts, betas
+    and hidden, contiguous, with h_0 and c_0 in place); ``hidden2`` is 2 W_h (A, n), ``weight``
+    w_att (1, A). False, with nothing written, where the kernels or the BLAS cannot run."""
+    tensors = [projected, annotations, input_gates, hidden2, weight, lstm, *sequence]
+    tensors += [t for t in (gate, gate_bias) if t is not None]
+    if not _usable(*tensors) or not all(t.is_contiguous() for t in tensors):
+        return False
+    if (kernels := load()) is None or (sgemm := _sgemm()) is None:
+        return False
+    T, B, _ = input_gates.shape
+    _, A, L = projected.shape
+    D, n = annotations.size(2), hidden2.size(1)
+    weight2 = 2.0 * weight.reshape(A)
+    pointers = [projected, annotations, input_gates, hidden2, weight2, gate, gate_bias, lstm]
+    kernels.soft_recurrence_forward(
+        sgemm,
+        *(None if t is None else t.data_ptr() for t in pointers + sequence),
+        T,
+        B,
+        A,
+        L,
+        D,
+        n,
+        torch.get_num_threads(),
+    )
+    return True
+
+
+def soft_recurrence_backward(
+    projected: Tensor,
+    annotations: Tensor,
+    hidden2: Tensor,
+    weight: Tensor,
+    gate: Tensor | None,
+    lstm: Tensor,
+    sequence: list[Tensor],
+    d_outputs: list[Tensor],
+    grads: list[Tensor],
+) -> tuple[Tensor, Tensor] | None:
+    """``soft_recurrence_forward`` backwards through time, the annotations held fixed.
+    ``sequence`` as the forward filled it (the first seven of its eight), ``d_outputs`` the
+    gradients of its hidden states, gated contexts, α and β, ``grads`` ∂/∂h and ∂/∂c (zeros,
+    left holding ∂/∂h_0 and ∂/∂c_0), then the gates', queries' and f_β's pre-activation's
+    gradients (T, B, ·) to fill. Returns ∂/∂projected and ∂/∂w_att; None, with nothing
+    written, where the kernels or the BLAS cannot run."""
+    d_outputs = [t.contiguous() for t in d_outputs]
+    tensors = [projected, annotations, hidden2, weight, lstm, *sequence, *d_outputs, *grads]
+    tensors += [] if gate is None else [gate]
+    if not _usable(*tensors) or not all(t.is_contiguous() for t in tensors):
+        return None
+    if (kernels := load()) is None or (sgemm := _sgemm()) is None:
+        return None
+    T, B, _ = d_outputs[0].shape
+    _, A, L = projected.shape
+    D, n = annotations.size(2), hidden2.size(1)
+    weight2 = 2.0 * weight.reshape(A)
+    weight_rows = projected.new_empty(T, B, A)
+    grad_projected = torch.empty_like(projected)
+    scratch = [projected.new_empty(B, D + n), projected.new_empty(B, D)]
+    pointers = [projected, annotations, hidden2, weight2, gate, lstm, *sequence]
+    pointers += [*d_outputs, *grads, weight_rows, grad_projected, *scratch]
+    kernels.soft_recurrence_backward(
+        sgemm,
+        *(None if t is None else t.data_ptr() for t in pointers),
+        T,
+        B,
+        A,
+        L,
+        D,
+        n,
+        torch.get_num_threads(),
+    )
+    return grad_projected, (2.0 * weight_rows.sum((0, 1))).view(1, A)

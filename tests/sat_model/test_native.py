@@ -36,8 +36,16 @@ KERNEL_ENTRIES = (
     "attend_backward",
     "lstm_forward",
     "lstm_backward",
+    "soft_recurrence_forward",
+    "soft_recurrence_backward",
 )
-SCORE_ENTRIES = {"scores_forward", "scores_backward"}
+# which kernels a training step runs: the soft model's T steps in one call each way (or, where
+# torch exports no BLAS, step by step), the hard model's scores and LSTM step by step
+EXPECTED_CALLS = {
+    "soft": {"soft_recurrence_forward", "soft_recurrence_backward"},
+    "soft-step-by-step": {"attend_forward", "attend_backward", "lstm_forward", "lstm_backward"},
+    "hard": {"scores_forward", "scores_backward", "lstm_forward", "lstm_backward"},
+}
 
 
 def _recording(function: Callable[..., Any], name: str, calls: set[str]) -> Callable[..., Any]:
@@ -112,15 +120,21 @@ def test_native_scores_match_pytorch_in_float64(k: int, L: int) -> None:
 
 
 @needs_compiler
-@pytest.mark.parametrize("attention", ["soft", "hard"])
+@pytest.mark.parametrize(
+    ("path", "gate"),
+    [("soft", True), ("soft", False), ("soft-step-by-step", True), ("hard", True)],
+)
 def test_a_training_step_with_the_kernels_matches_one_without(
-    attention: str, monkeypatch: pytest.MonkeyPatch
+    path: str, gate: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """float32, the recurrence through the kernels against the same step in PyTorch's ops:
     the same loss and gradients to float32 rounding (the hard model samples the same s̃)."""
-    model = tiny_model(attention, attention_dim=16).train()
+    attention = "hard" if path == "hard" else "soft"
+    model = tiny_model(attention, attention_dim=16, gate=gate).train()
     annotations, captions = tiny_batch()
     cfg = SoftTrainConfig(doubly_stochastic=1.0) if attention == "soft" else HardTrainConfig()
+    if path == "soft-step-by-step":  # a torch build that exports no sgemm_
+        monkeypatch.setattr(native, "_sgemm", lambda: None)
     calls: set[str] = set()
     for name in KERNEL_ENTRIES:
         monkeypatch.setattr(native, name, _recording(getattr(native, name), name, calls))
@@ -133,8 +147,7 @@ def test_a_training_step_with_the_kernels_matches_one_without(
         loss = build_criterion(attention, cfg)(out, captions).loss
         results.append((loss, torch.autograd.grad(loss, list(model.parameters()))))
         assert (native.load() is not None) == (switch == "1")
-    soft = {"attend_forward", "attend_backward"}
-    assert calls == set(KERNEL_ENTRIES) - (soft if attention == "hard" else SCORE_ENTRIES)
+    assert calls == EXPECTED_CALLS[path]
     (loss_on, grads_on), (loss_off, grads_off) = results
     torch.testing.assert_close(loss_on, loss_off, rtol=1e-5, atol=1e-6)
     for (name, _), got, want in zip(model.named_parameters(), grads_on, grads_off, strict=True):
