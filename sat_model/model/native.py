@@ -59,8 +59,8 @@ __all__ = [
 
 ENV_SWITCH = "SAT_NATIVE_KERNELS"  # "0" turns the kernels off
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
-# compiled with -ffast-math for glibc's vectorised expf, linked without it (see the source)
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-mrecip", "-fopenmp", "-fPIC", "-std=c++17")
+# compiled with -ffast-math, so that the loops vectorise, and linked without it (see the source)
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
 LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 
 _log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@
 // the (B*k, A, L) tensor through memory five to seven times per step (add, σ, product, sums,
 // gradient), this reads it once per direction and never stores it.
 //
-// Compiled with -ffast-math (vectorised expf from glibc's libmvec) and linked without it, so
-// that loading the library does not switch the process to flush-to-zero.
+// Compiled with -ffast-math, so that the loops below vectorise, and linked without it, so that
+// loading the library does not switch the process to flush-to-zero.
 
 #include <cmath>
 #include <cstdint>
@@ -22,11 +22,11 @@
 
 namespace {
 
-// e^x in float32 for x in [-87, 88] (clamped there), to within 2 ulp: x = n ln2 + r with
-// |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial and 2^n built in the exponent bits. Written
-// so that the compiler vectorises it inside the ``omp simd`` loops below; glibc's vector expf
-// (libmvec) measured ~3x slower per element here, and the scalar calls it leaves in loop tails
-// slower still.
+// e^x in float32 for x in [-87, 88] (clamped there): x = n ln2 + r with |r| <= ln2 / 2, e^r by
+// Cephes' degree-6 polynomial and 2^n built in the exponent bits; within 0.95 ulp of the exact
+// value over that range in steps of 3e-4. Written so that the compiler vectorises it inside the
+// ``omp simd`` loops below: the attention kernels ran ~8% faster than with glibc's vector expf
+// (libmvec), which also leaves scalar calls in the loops' tails.
 inline float fast_exp(float x) {
   x = std::fmin(std::fmax(x, -87.0f), 88.0f);
   const float n = std::nearbyint(x * 1.44269504088896341f);
@@ -47,7 +47,7 @@ inline float fast_exp(float x) {
 // σ(x) for any finite x (0 below -87, 1 above 88 up to rounding).
 inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
 
-// tanh(x) = 2 σ(2x) - 1; its absolute error, a few 1e-8, is what float32 training sees.
+// tanh(x) = 2 σ(2x) - 1, within 2e-7 of the exact value.
 inline float fast_tanh(float x) { return 2.0f * sigmoid(2.0f * x) - 1.0f; }
 
 // Σ_a weight2_a σ(p_image[a, :] + q_row[a]) into out (L): one row's scores.

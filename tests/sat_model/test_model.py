@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch
 from sat_model.config import HardTrainConfig, ModelParams, SoftTrainConfig
 from sat_model.data.vocab import END_ID, PAD_ID, START_ID
 from sat_model.model import decoder as model_module
+from sat_model.model import native
 from sat_model.model.decoder import (
     HardAttention,
     ModelConfig,
@@ -156,29 +159,40 @@ def test_forward_equals_a_loop_of_step(attention: str) -> None:
 
 
 @pytest.mark.parametrize("attention", ["soft", "hard"])
-def test_a_decoding_step_is_the_same_through_torch_lstm_and_lstm_cell(
+def test_a_decoding_step_is_the_same_through_each_lstm_kernel(
     attention: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # m + D = n here, so passing W_hh where W_ih belongs would run and give other numbers
     model = tiny_model(attention).eval()
     assert model.lstm.input_size == model.lstm.hidden_size
     annotations, captions = tiny_batch()
-    calls: list[int] = []
-    lstm = torch.lstm
-    monkeypatch.setattr(torch, "lstm", lambda *args: calls.append(1) or lstm(*args))
+    calls: dict[str, int] = {"torch.lstm": 0, "blas": 0}
+    lstm, blas = torch.lstm, model_module._blas_lstm_step
+
+    def count(name: str, function: Any) -> Any:
+        return lambda *args: calls.__setitem__(name, calls[name] + 1) or function(*args)
+
+    monkeypatch.setattr(torch, "lstm", count("torch.lstm", lstm))
+    monkeypatch.setattr(model_module, "_blas_lstm_step", count("blas", blas))
+    monkeypatch.setattr(model_module, "_fast_blas", lambda: False)
     outputs = []
-    for min_rows in (1, 10**9):  # every step through torch.lstm, then through nn.LSTMCell
+    # every step through torch.lstm, then nn.LSTMCell (kernels off), then the BLAS + kernel
+    for min_rows, kernels in ((1, True), (10**9, False), (10**9, True)):
         monkeypatch.setattr(model_module, "ONEDNN_LSTM_MIN_ROWS", min_rows)
-        with torch.inference_mode():
+        with torch.inference_mode(), contextlib.ExitStack() as stack:
+            if not kernels:
+                stack.enter_context(native.turned_off())
             state = model.init_state(annotations)
             for t in range(3):
                 out = model.step(captions[:, t], state)
                 state = out.state
         outputs.append(out)
-    assert len(calls) == 3  # the first three steps, and only those
-    torch.testing.assert_close(outputs[0].state.h, outputs[1].state.h)
-    torch.testing.assert_close(outputs[0].state.c, outputs[1].state.c)
-    torch.testing.assert_close(outputs[0].logits, outputs[1].logits)
+    # the first three steps, and only those; the last three where the kernels build
+    assert calls == {"torch.lstm": 3, "blas": 3 if native.load() is not None else 0}
+    for other in outputs[1:]:
+        torch.testing.assert_close(outputs[0].state.h, other.state.h)
+        torch.testing.assert_close(outputs[0].state.c, other.state.c)
+        torch.testing.assert_close(outputs[0].logits, other.logits)
 
 
 def test_annotation_projection_is_computed_once_per_forward() -> None:
