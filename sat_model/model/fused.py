@@ -352,17 +352,7 @@ class _Recurrence(torch.autograd.Function):
             seq = seq.with_hard(use_expected, locations)
         seq.inputs[0, :, D:] = h0
         seq.cells[0] = c0
-        if use_expected is not None or not native.soft_recurrence_forward(
-            projected,
-            annotations,
-            input_gates,
-            w.hidden2,
-            w.score,
-            w.gate,
-            w.gate_bias,
-            w.lstm,
-            _tensors(seq)[:8],
-        ):
+        if not _compiled_forward(seq, w, projected, annotations, input_gates, sample):
             for t in range(T):
                 _forward_step(t, seq, w, projected, annotations, input_gates[t], sample)
         ctx.save_for_backward(projected, annotations, *weights, *_tensors(seq))
@@ -379,19 +369,9 @@ class _Recurrence(torch.autograd.Function):
         need = ctx.needs_input_grad
         grads = _Gradients.zeros(seq, w, annotations if need[1] else None)
         sink = ProjectedGradient() if need[0] else None
-        whole = None  # soft attention's T steps in one compiled call, where it runs
-        if sink is not None and seq.log_alphas is None and grads.annotations is None:
-            whole = native.soft_recurrence_backward(
-                projected,
-                annotations,
-                w.hidden2,
-                w.score,
-                w.gate,
-                w.lstm,
-                _tensors(seq)[:7],
-                list(d_outputs[:4]),
-                [grads.h, grads.c, grads.gates, grads.queries, grads.gate_pre],
-            )
+        whole = None  # the T steps in one compiled call, where it runs
+        if sink is not None and grads.annotations is None:
+            whole = _compiled_backward(seq, w, projected, annotations, d_outputs, grads)
         if whole is not None and sink is not None:
             sink.grad, grads.score = whole
         else:
@@ -411,6 +391,61 @@ class _Recurrence(torch.autograd.Function):
 
 def _tensors(seq: _Sequence) -> list[Tensor | None]:
     return [getattr(seq, f.name) for f in dataclasses.fields(seq)]
+
+
+def _compiled_forward(
+    seq: _Sequence,
+    w: _Weights,
+    projected: Tensor,
+    annotations: Tensor,
+    input_gates: Tensor,
+    sample: bool,
+) -> bool:
+    """The T steps of ``_forward_step`` in one compiled call (``native``), soft or hard; False,
+    with nothing written or drawn, where it cannot run."""
+    weights = (w.hidden2, w.score, w.gate, w.gate_bias, w.lstm)
+    steps = [seq.inputs, seq.cells, seq.gates, seq.queries, seq.alphas, seq.contexts, seq.betas]
+    steps.append(seq.hidden)
+    if seq.use_expected is None:
+        return native.soft_recurrence_forward(projected, annotations, input_gates, *weights, steps)
+    assert seq.locations is not None and seq.log_alphas is not None
+    assert seq.log_probs is not None and seq.entropy is not None
+    hard = [seq.locations, seq.log_alphas, seq.log_probs, seq.entropy]
+    return native.hard_recurrence_forward(
+        projected, annotations, input_gates, *weights, seq.use_expected, sample, steps + hard
+    )
+
+
+def _compiled_backward(
+    seq: _Sequence,
+    w: _Weights,
+    projected: Tensor,
+    annotations: Tensor,
+    d_outputs: tuple[Tensor, ...],
+    grads: _Gradients,
+) -> tuple[Tensor, Tensor] | None:
+    """``_compiled_forward`` backwards: ∂/∂projected and ∂/∂w_att, ``grads`` filled as the
+    step-by-step backward fills them; None, with nothing written, where it cannot run."""
+    steps = [seq.inputs, seq.cells, seq.gates, seq.queries, seq.alphas, seq.contexts, seq.betas]
+    sums = [grads.h, grads.c, grads.gates, grads.queries, grads.gate_pre]
+    if seq.use_expected is None:
+        return native.soft_recurrence_backward(
+            projected, annotations, w.hidden2, w.score, w.gate, w.lstm, steps, list(d_outputs), sums
+        )
+    assert seq.locations is not None and seq.log_alphas is not None and seq.entropy is not None
+    return native.hard_recurrence_backward(
+        projected,
+        annotations,
+        w.hidden2,
+        w.score,
+        w.gate,
+        w.lstm,
+        seq.use_expected,
+        seq.locations,
+        [*steps, seq.log_alphas, seq.entropy],
+        list(d_outputs),
+        sums,
+    )
 
 
 def expected_context(annotations: Tensor, alpha: Tensor) -> Tensor:

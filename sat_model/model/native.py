@@ -47,6 +47,8 @@ __all__ = [
     "attend_forward",
     "available",
     "cache_dir",
+    "hard_recurrence_backward",
+    "hard_recurrence_forward",
     "load",
     "lstm_backward",
     "lstm_forward",
@@ -74,6 +76,8 @@ _SIGNATURES = {
     "lstm_backward": (7, 3),
     "soft_recurrence_forward": (17, 7),
     "soft_recurrence_backward": (27, 7),
+    "hard_recurrence_forward": (23, 7),
+    "hard_recurrence_backward": (34, 7),
 }
 
 
@@ -84,6 +88,8 @@ class NativeKernels:
     scores_backward: Callable[..., None]
     soft_recurrence_forward: Callable[..., None]
     soft_recurrence_backward: Callable[..., None]
+    hard_recurrence_forward: Callable[..., None]
+    hard_recurrence_backward: Callable[..., None]
     attend_forward: Callable[..., None]
     attend_backward: Callable[..., None]
     lstm_forward: Callable[..., None]
@@ -489,6 +495,107 @@ def soft_recurrence_backward(
     pointers = [projected, annotations, hidden2, weight2, gate, lstm, *sequence]
     pointers += [*d_outputs, *grads, weight_rows, grad_projected, *scratch]
     kernels.soft_recurrence_backward(
+        sgemm,
+        *(None if t is None else t.data_ptr() for t in pointers),
+        T,
+        B,
+        A,
+        L,
+        D,
+        n,
+        torch.get_num_threads(),
+    )
+    return grad_projected, (2.0 * weight_rows.sum((0, 1))).view(1, A)
+
+
+def hard_recurrence_forward(
+    projected: Tensor,
+    annotations: Tensor,
+    input_gates: Tensor,
+    hidden2: Tensor,
+    weight: Tensor,
+    gate: Tensor | None,
+    gate_bias: Tensor | None,
+    lstm: Tensor,
+    use_expected: Tensor,
+    sample: bool,
+    sequence: list[Tensor],
+) -> bool:
+    """``soft_recurrence_forward`` for hard attention (Eq. 8-9, semi-sampling by
+    ``use_expected`` (B,) bool). With ``sample``, s̃ is drawn from T·B uniforms taken here, once
+    the kernels are known to run, from torch's generator in the order in which
+    ``fused.sample_locations`` takes them step by step, and by the same inverse CDF; without,
+    the forced path in ``sequence``'s locations is followed. ``sequence``: ``fused._Sequence``'s
+    inputs, cells, gates, queries, alphas, contexts, betas, hidden, locations, log_alphas,
+    log_probs and entropy. False, with nothing written or drawn, where the kernels or the BLAS
+    cannot run."""
+    *floats, locations = sequence[:9]
+    floats += sequence[9:]
+    tensors = [projected, annotations, input_gates, hidden2, weight, lstm, *floats]
+    tensors += [t for t in (gate, gate_bias) if t is not None]
+    if not _usable(*tensors) or not all(t.is_contiguous() for t in [*tensors, locations]):
+        return False
+    if use_expected.dtype != torch.bool or not use_expected.is_contiguous():
+        return False
+    if (kernels := load()) is None or (sgemm := _sgemm()) is None:
+        return False
+    T, B, _ = input_gates.shape
+    uniforms = torch.rand(T, B, dtype=projected.dtype) if sample else None
+    _, A, L = projected.shape
+    D, n = annotations.size(2), hidden2.size(1)
+    weight2 = 2.0 * weight.reshape(A)
+    pointers = [projected, annotations, input_gates, hidden2, weight2, gate, gate_bias, lstm]
+    pointers += [use_expected, uniforms, locations, *floats]
+    kernels.hard_recurrence_forward(
+        sgemm,
+        *(None if t is None else t.data_ptr() for t in pointers),
+        T,
+        B,
+        A,
+        L,
+        D,
+        n,
+        torch.get_num_threads(),
+    )
+    return True
+
+
+def hard_recurrence_backward(
+    projected: Tensor,
+    annotations: Tensor,
+    hidden2: Tensor,
+    weight: Tensor,
+    gate: Tensor | None,
+    lstm: Tensor,
+    use_expected: Tensor,
+    locations: Tensor,
+    sequence: list[Tensor],
+    d_outputs: list[Tensor],
+    grads: list[Tensor],
+) -> tuple[Tensor, Tensor] | None:
+    """``hard_recurrence_forward`` backwards through time, the annotations held fixed:
+    ``soft_recurrence_backward`` with the gradients of log α_{t,s̃_t} and H[α_t] among
+    ``d_outputs`` (after those of the hidden states, contexts, α and β) and ``sequence`` the
+    forward's inputs, cells, gates, queries, alphas, contexts, betas, log_alphas and entropy."""
+    d_outputs = [t.contiguous() for t in d_outputs]
+    tensors = [projected, annotations, hidden2, weight, lstm, *sequence, *d_outputs, *grads]
+    tensors += [] if gate is None else [gate]
+    if not _usable(*tensors) or not all(t.is_contiguous() for t in [*tensors, locations]):
+        return None
+    if use_expected.dtype != torch.bool or not use_expected.is_contiguous():
+        return None
+    if (kernels := load()) is None or (sgemm := _sgemm()) is None:
+        return None
+    T, B, _ = d_outputs[0].shape
+    _, A, L = projected.shape
+    D, n = annotations.size(2), hidden2.size(1)
+    weight2 = 2.0 * weight.reshape(A)
+    weight_rows = projected.new_empty(T, B, A)
+    grad_projected = torch.empty_like(projected)
+    scratch = [projected.new_empty(B, D + n), projected.new_empty(B, D), projected.new_empty(B, L)]
+    pointers = [projected, annotations, hidden2, weight2, gate, lstm, use_expected, locations]
+    pointers += [*sequence, *d_outputs, *grads, weight_rows, grad_projected, *scratch]
+    kernels.hard_recurrence_backward(
         sgemm,
         *(None if t is None else t.data_ptr() for t in pointers),
         T,

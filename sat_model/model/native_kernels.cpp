@@ -380,3 +380,167 @@ void sat_soft_recurrence_backward(
 }
 
 }  // extern "C"
+
+extern "C" {
+
+// Hard attention's training recurrence (Eq. 8-9 with the semi-sampling of Sec. 4.1, then the gate
+// and Eq. 1-3), all T steps in one call, as fused._hard_attention and fused._forward_step do them.
+// ``use_expected`` (B) marks the images whose context is the expected one (α's), the others
+// take the annotation at s̃_t. With ``uniforms`` (T, B), s̃_t is drawn here by the inverse CDF of
+// α_t as fused.sample_locations does (the cumulative sum in double, each partial rounded to
+// float, the first location whose partial exceeds u times the total) and written to
+// ``locations`` (T, B); without them ``locations`` holds the forced path. Also fills log_alphas
+// (T, B, L), log_probs (T, B) = log α_{t,s̃_t} and entropy (T, B) = H[α_t]; the rest as in
+// sat_soft_recurrence_forward.
+void sat_hard_recurrence_forward(
+    sgemm_fn sgemm, const float* projected, const float* annotations, const float* input_gates,
+    const float* hidden2, const float* weight2, const float* gate_weight, const float* gate_bias,
+    const float* lstm, const bool* use_expected, const float* uniforms, int64_t* locations,
+    float* inputs, float* cells, float* gates, float* queries, float* alphas, float* contexts,
+    float* betas, float* hidden, float* log_alphas, float* log_probs, float* entropy, int64_t T,
+    int64_t B, int64_t A, int64_t L, int64_t D, int64_t n, int64_t threads) {
+  const int64_t row = D + n;
+  for (int64_t t = 0; t < T; ++t) {
+    float* input = inputs + t * B * row;
+    float* query = queries + t * B * A;
+    float* context = contexts + t * B * D;
+    float* gate = gates + t * B * 4 * n;
+    float* alpha = alphas + t * B * L;
+    float* log_alpha = log_alphas + t * B * L;
+    gemm(sgemm, false, true, B, A, n, input + D, row, hidden2, n, 0.0f, query, A);
+    sat_scores_forward(projected, query, weight2, log_alpha, B, 1, A, L, threads);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < B; ++b) {
+      float* la = log_alpha + b * L;
+      float* al = alpha + b * L;
+      float top = la[0];
+      for (int64_t l = 1; l < L; ++l) top = la[l] > top ? la[l] : top;
+      float total = 0.0f;
+      for (int64_t l = 0; l < L; ++l) total += std::exp(la[l] - top);
+      const float log_total = std::log(total);
+      float h = 0.0f;
+      for (int64_t l = 0; l < L; ++l) {
+        la[l] = (la[l] - top) - log_total;  // torch.log_softmax's order of operations
+        al[l] = std::exp(la[l]);
+        h -= al[l] * la[l];
+      }
+      entropy[t * B + b] = h;
+      int64_t& location = locations[t * B + b];
+      if (uniforms != nullptr) {
+        double partial = 0.0;
+        for (int64_t l = 0; l < L; ++l) partial += al[l];
+        const float threshold = uniforms[t * B + b] * static_cast<float>(partial);
+        partial = 0.0;
+        location = L - 1;
+        for (int64_t l = 0; l < L; ++l) {
+          partial += al[l];
+          if (static_cast<float>(partial) > threshold) {
+            location = l;
+            break;
+          }
+        }
+      }
+      log_probs[t * B + b] = la[location];
+      float* ctx = context + b * D;
+      if (use_expected[b]) {
+        for (int64_t d = 0; d < D; ++d) ctx[d] = 0.0f;
+        for (int64_t l = 0; l < L; ++l) {
+          const float* a = annotations + (b * L + l) * D;
+          const float weight = al[l];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ctx[d] += weight * a[d];
+        }
+      } else {
+        std::memcpy(ctx, annotations + (b * L + location) * D, sizeof(float) * D);
+      }
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      const float* h = input + b * row + D;
+      float beta = 1.0f;
+      if (gate_weight != nullptr) {
+        float pre = gate_bias[0];
+        for (int64_t j = 0; j < n; ++j) pre += h[j] * gate_weight[j];
+        beta = 1.0f / (1.0f + std::exp(-pre));
+      }
+      betas[t * B + b] = beta;
+      for (int64_t d = 0; d < D; ++d) input[b * row + d] = beta * context[b * D + d];
+    }
+    std::memcpy(gate, input_gates + t * B * 4 * n, sizeof(float) * B * 4 * n);
+    gemm(sgemm, false, true, B, 4 * n, row, input, row, lstm, row, 1.0f, gate, 4 * n);
+    float* next = t + 1 < T ? inputs + (t + 1) * B * row + D : nullptr;
+    sat_lstm_forward(gate, cells + t * B * n, cells + (t + 1) * B * n, hidden + t * B * n, next,
+                     row, B, n, threads);
+  }
+}
+
+// sat_hard_recurrence_forward backwards through time, the annotations held fixed (so the
+// sampled images' ∂/∂φ goes nowhere: Eq. 9 passes no gradient to α). Beside the soft backward's
+// gradients it takes those of log α_{t,s̃_t} (d_log_probs) and of H[α_t] (d_entropy), both
+// (T, B): ∂H/∂e = -α (log α + H) and ∂ log α_s̃ / ∂e = onehot(s̃) - α. ``grad_scores`` (B, L) is
+// scratch.
+void sat_hard_recurrence_backward(
+    sgemm_fn sgemm, const float* projected, const float* annotations, const float* hidden2,
+    const float* weight2, const float* gate_weight, const float* lstm, const bool* use_expected,
+    const int64_t* locations, const float* inputs, const float* cells, const float* gates,
+    const float* queries, const float* alphas, const float* contexts, const float* betas,
+    const float* log_alphas, const float* entropy, const float* d_hidden, const float* d_context,
+    const float* d_alpha, const float* d_betas, const float* d_log_probs, const float* d_entropy,
+    float* grad_h, float* grad_c, float* grad_gates, float* grad_queries, float* gate_pre,
+    float* weight_rows, float* grad_projected, float* dz, float* dphi, float* grad_scores,
+    int64_t T, int64_t B, int64_t A, int64_t L, int64_t D, int64_t n, int64_t threads) {
+  const int64_t row = D + n;
+  for (int64_t t = T - 1; t >= 0; --t) {
+    float* grad_gate = grad_gates + t * B * 4 * n;
+    float* grad_query = grad_queries + t * B * A;
+    sat_lstm_backward(gates + t * B * 4 * n, cells + t * B * n, cells + (t + 1) * B * n, grad_h,
+                      d_hidden + t * B * n, grad_c, grad_gate, B, n, threads);
+    gemm(sgemm, false, false, B, row, 4 * n, grad_gate, 4 * n, lstm, row, 0.0f, dz, row);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* dz_row = dz + b * row;
+      const float* dc = d_context + (t * B + b) * D;
+      const float* phi = contexts + (t * B + b) * D;
+      float* dp = dphi + b * D;
+      float* dh = grad_h + b * n;
+      for (int64_t d = 0; d < D; ++d) dp[d] = dz_row[d] + dc[d];
+      for (int64_t j = 0; j < n; ++j) dh[j] = dz_row[D + j];
+      if (gate_weight != nullptr) {
+        const float beta = betas[t * B + b];
+        float d_beta = d_betas[t * B + b];
+        for (int64_t d = 0; d < D; ++d) d_beta += dp[d] * phi[d];
+        const float pre = d_beta * beta * (1.0f - beta);
+        gate_pre[t * B + b] = pre;
+        for (int64_t j = 0; j < n; ++j) dh[j] += pre * gate_weight[j];
+        for (int64_t d = 0; d < D; ++d) dp[d] *= beta;
+      }
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < B; ++b) {
+      const float* al = alphas + (t * B + b) * L;
+      const float* la = log_alphas + (t * B + b) * L;
+      const float* da = d_alpha + (t * B + b) * L;
+      const float* dp = dphi + b * D;
+      float* gs = grad_scores + b * L;
+      float weighted = 0.0f;  // Σ_l α_l ∂α_l
+      for (int64_t l = 0; l < L; ++l) {
+        float dot = da[l];
+        if (use_expected[b]) {
+          const float* a = annotations + (b * L + l) * D;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += dp[d] * a[d];
+        }
+        gs[l] = dot;
+        weighted += al[l] * dot;
+      }
+      const float d_lp = d_log_probs[t * B + b], d_h = d_entropy[t * B + b];
+      const float h = entropy[t * B + b];
+      for (int64_t l = 0; l < L; ++l)
+        gs[l] = al[l] * (gs[l] - weighted) - d_h * al[l] * (la[l] + h) - d_lp * al[l];
+      gs[locations[t * B + b]] += d_lp;
+    }
+    sat_scores_backward(grad_scores, projected, queries + t * B * A, weight2, grad_projected,
+                        grad_query, weight_rows + t * B * A, B, 1, A, L, threads, t != T - 1);
+    gemm(sgemm, false, false, B, n, A, grad_query, A, hidden2, n, 1.0f, grad_h, n);
+  }
+}
+
+}  // extern "C"
