@@ -17,9 +17,11 @@ locations, ``D`` annotation size, ``n`` LSTM size, ``A`` attention-MLP size; ``k
   loop, ``test_reference_model.py`` against the plain reference of the same equations;
   ``benchmarks/bench_model.py`` times it (docs/EXPERIMENTS.md, "Training speed").
 
-On float32 CPU tensors the scores, soft attention's step and the LSTM cell go through the
-compiled kernels of ``native.py`` where they could be built; the PyTorch code here is what runs
-without them, and always in float64 (the gradient checks) and under other dtypes or devices.
+On float32 CPU tensors the recurrence's T steps, forward and backward, each run in one call into
+the compiled kernels of ``native.py`` where they could be built (``_compiled_forward``,
+``_compiled_backward``), and where torch exports no BLAS for them the scores, soft attention's
+step and the LSTM cell do, step by step; the PyTorch code here is what runs without them, and
+always in float64 (the gradient checks) and under other dtypes or devices.
 """
 
 from __future__ import annotations
