@@ -428,7 +428,7 @@ def _compiled_backward(
 ) -> tuple[Tensor, Tensor] | None:
     """``_compiled_forward`` backwards: ∂/∂projected and ∂/∂w_att, ``grads`` filled as the
     step-by-step backward fills them; None, with nothing written, where it cannot run."""
-    steps = [seq.inputs, seq.cells, seq.gates, seq.queries, seq.alphas, seq.contexts, seq.betas]
+    steps = [seq.cells, seq.gates, seq.queries, seq.alphas, seq.contexts, seq.betas]
     sums = [grads.h, grads.c, grads.gates, grads.queries, grads.gate_pre]
     if seq.use_expected is None:
         return native.soft_recurrence_backward(

@@ -75,9 +75,9 @@ _SIGNATURES = {
     "lstm_forward": (5, 4),
     "lstm_backward": (7, 3),
     "soft_recurrence_forward": (17, 7),
-    "soft_recurrence_backward": (27, 7),
+    "soft_recurrence_backward": (26, 7),
     "hard_recurrence_forward": (23, 7),
-    "hard_recurrence_backward": (34, 7),
+    "hard_recurrence_backward": (33, 7),
 }
 
 
@@ -420,6 +420,36 @@ def attend_backward(
     return out, (2.0 * weight_rows.sum(0)).view(1, A)
 
 
+def _recurrence_kernels(
+    tensors: list[Tensor], indices: tuple[Tensor, ...] = ()
+) -> tuple[NativeKernels, int] | None:
+    """The kernels and ``sgemm_``'s address for a whole-recurrence call on ``tensors`` (float32)
+    and hard attention's ``indices`` (bool and int64), all contiguous on CPU; or None."""
+    if not _usable(*tensors) or any(t.device.type != "cpu" for t in indices):
+        return None
+    if not all(t.is_contiguous() for t in [*tensors, *indices]):
+        return None
+    if (kernels := load()) is None or (sgemm := _sgemm()) is None:
+        return None
+    return kernels, sgemm
+
+
+def _call_recurrence(
+    function: Callable[..., None],
+    sgemm: int,
+    pointers: list[Tensor | None],
+    steps: int,
+    projected: Tensor,
+    annotations: Tensor,
+    hidden2: Tensor,
+) -> None:
+    """``function`` on sgemm_, the tensors' data and the sizes T, B, A, L, D, n and threads."""
+    B, A, L = projected.shape
+    D, n = annotations.size(2), hidden2.size(1)
+    sizes = (steps, B, A, L, D, n, torch.get_num_threads())
+    function(sgemm, *(None if t is None else t.data_ptr() for t in pointers), *sizes)
+
+
 def soft_recurrence_forward(
     projected: Tensor,
     annotations: Tensor,
@@ -438,25 +468,19 @@ def soft_recurrence_forward(
     w_att (1, A). False, with nothing written, where the kernels or the BLAS cannot run."""
     tensors = [projected, annotations, input_gates, hidden2, weight, lstm, *sequence]
     tensors += [t for t in (gate, gate_bias) if t is not None]
-    if not _usable(*tensors) or not all(t.is_contiguous() for t in tensors):
+    if (found := _recurrence_kernels(tensors)) is None:
         return False
-    if (kernels := load()) is None or (sgemm := _sgemm()) is None:
-        return False
-    T, B, _ = input_gates.shape
-    _, A, L = projected.shape
-    D, n = annotations.size(2), hidden2.size(1)
-    weight2 = 2.0 * weight.reshape(A)
+    kernels, sgemm = found
+    weight2 = 2.0 * weight.reshape(-1)
     pointers = [projected, annotations, input_gates, hidden2, weight2, gate, gate_bias, lstm]
-    kernels.soft_recurrence_forward(
+    _call_recurrence(
+        kernels.soft_recurrence_forward,
         sgemm,
-        *(None if t is None else t.data_ptr() for t in pointers + sequence),
-        T,
-        B,
-        A,
-        L,
-        D,
-        n,
-        torch.get_num_threads(),
+        pointers + list(sequence),
+        input_gates.size(0),
+        projected,
+        annotations,
+        hidden2,
     )
     return True
 
@@ -473,39 +497,14 @@ def soft_recurrence_backward(
     grads: list[Tensor],
 ) -> tuple[Tensor, Tensor] | None:
     """``soft_recurrence_forward`` backwards through time, the annotations held fixed.
-    ``sequence`` as the forward filled it (the first seven of its eight), ``d_outputs`` the
-    gradients of its hidden states, gated contexts, α and β, ``grads`` ∂/∂h and ∂/∂c (zeros,
-    left holding ∂/∂h_0 and ∂/∂c_0), then the gates', queries' and f_β's pre-activation's
-    gradients (T, B, ·) to fill. Returns ∂/∂projected and ∂/∂w_att; None, with nothing
-    written, where the kernels or the BLAS cannot run."""
-    d_outputs = [t.contiguous() for t in d_outputs]
-    tensors = [projected, annotations, hidden2, weight, lstm, *sequence, *d_outputs, *grads]
-    tensors += [] if gate is None else [gate]
-    if not _usable(*tensors) or not all(t.is_contiguous() for t in tensors):
-        return None
-    if (kernels := load()) is None or (sgemm := _sgemm()) is None:
-        return None
-    T, B, _ = d_outputs[0].shape
-    _, A, L = projected.shape
-    D, n = annotations.size(2), hidden2.size(1)
-    weight2 = 2.0 * weight.reshape(A)
-    weight_rows = projected.new_empty(T, B, A)
-    grad_projected = torch.empty_like(projected)
-    scratch = [projected.new_empty(B, D + n), projected.new_empty(B, D)]
-    pointers = [projected, annotations, hidden2, weight2, gate, lstm, *sequence]
-    pointers += [*d_outputs, *grads, weight_rows, grad_projected, *scratch]
-    kernels.soft_recurrence_backward(
-        sgemm,
-        *(None if t is None else t.data_ptr() for t in pointers),
-        T,
-        B,
-        A,
-        L,
-        D,
-        n,
-        torch.get_num_threads(),
+    ``sequence``: the cells, gates, queries, alphas, contexts and betas the forward filled;
+    ``d_outputs`` the gradients of its hidden states, gated contexts, α and β; ``grads`` ∂/∂h
+    and ∂/∂c (zeros, left holding ∂/∂h_0 and ∂/∂c_0), then the gates', queries' and f_β's
+    pre-activation's gradients (T, B, ·) to fill. Returns ∂/∂projected and ∂/∂w_att; None,
+    with nothing written, where the kernels or the BLAS cannot run."""
+    return _recurrence_backward(
+        "soft", projected, annotations, hidden2, weight, gate, lstm, (), sequence, d_outputs, grads
     )
-    return grad_projected, (2.0 * weight_rows.sum((0, 1))).view(1, A)
 
 
 def hard_recurrence_forward(
@@ -533,29 +532,18 @@ def hard_recurrence_forward(
     floats += sequence[9:]
     tensors = [projected, annotations, input_gates, hidden2, weight, lstm, *floats]
     tensors += [t for t in (gate, gate_bias) if t is not None]
-    if not _usable(*tensors) or not all(t.is_contiguous() for t in [*tensors, locations]):
+    if use_expected.dtype != torch.bool or locations.dtype != torch.int64:
         return False
-    if use_expected.dtype != torch.bool or not use_expected.is_contiguous():
+    if (found := _recurrence_kernels(tensors, (use_expected, locations))) is None:
         return False
-    if (kernels := load()) is None or (sgemm := _sgemm()) is None:
-        return False
-    T, B, _ = input_gates.shape
+    kernels, sgemm = found
+    T, B = locations.shape
     uniforms = torch.rand(T, B, dtype=projected.dtype) if sample else None
-    _, A, L = projected.shape
-    D, n = annotations.size(2), hidden2.size(1)
-    weight2 = 2.0 * weight.reshape(A)
+    weight2 = 2.0 * weight.reshape(-1)
     pointers = [projected, annotations, input_gates, hidden2, weight2, gate, gate_bias, lstm]
     pointers += [use_expected, uniforms, locations, *floats]
-    kernels.hard_recurrence_forward(
-        sgemm,
-        *(None if t is None else t.data_ptr() for t in pointers),
-        T,
-        B,
-        A,
-        L,
-        D,
-        n,
-        torch.get_num_threads(),
+    _call_recurrence(
+        kernels.hard_recurrence_forward, sgemm, pointers, T, projected, annotations, hidden2
     )
     return True
 
@@ -576,34 +564,52 @@ def hard_recurrence_backward(
     """``hard_recurrence_forward`` backwards through time, the annotations held fixed:
     ``soft_recurrence_backward`` with the gradients of log α_{t,s̃_t} and H[α_t] among
     ``d_outputs`` (after those of the hidden states, contexts, α and β) and ``sequence`` the
-    forward's inputs, cells, gates, queries, alphas, contexts, betas, log_alphas and entropy."""
+    forward's cells, gates, queries, alphas, contexts, betas, log_alphas and entropy."""
+    if use_expected.dtype != torch.bool or locations.dtype != torch.int64:
+        return None
+    indices = (use_expected, locations)
+    return _recurrence_backward(
+        "hard",
+        projected,
+        annotations,
+        hidden2,
+        weight,
+        gate,
+        lstm,
+        indices,
+        sequence,
+        d_outputs,
+        grads,
+    )
+
+
+def _recurrence_backward(
+    kind: str,
+    projected: Tensor,
+    annotations: Tensor,
+    hidden2: Tensor,
+    weight: Tensor,
+    gate: Tensor | None,
+    lstm: Tensor,
+    indices: tuple[Tensor, ...],
+    sequence: list[Tensor],
+    d_outputs: list[Tensor],
+    grads: list[Tensor],
+) -> tuple[Tensor, Tensor] | None:
     d_outputs = [t.contiguous() for t in d_outputs]
     tensors = [projected, annotations, hidden2, weight, lstm, *sequence, *d_outputs, *grads]
     tensors += [] if gate is None else [gate]
-    if not _usable(*tensors) or not all(t.is_contiguous() for t in [*tensors, locations]):
+    if (found := _recurrence_kernels(tensors, indices)) is None:
         return None
-    if use_expected.dtype != torch.bool or not use_expected.is_contiguous():
-        return None
-    if (kernels := load()) is None or (sgemm := _sgemm()) is None:
-        return None
+    kernels, sgemm = found
     T, B, _ = d_outputs[0].shape
-    _, A, L = projected.shape
-    D, n = annotations.size(2), hidden2.size(1)
-    weight2 = 2.0 * weight.reshape(A)
+    A, L, D = projected.size(1), projected.size(2), annotations.size(2)
     weight_rows = projected.new_empty(T, B, A)
     grad_projected = torch.empty_like(projected)
-    scratch = [projected.new_empty(B, D + n), projected.new_empty(B, D), projected.new_empty(B, L)]
-    pointers = [projected, annotations, hidden2, weight2, gate, lstm, use_expected, locations]
+    scratch = [projected.new_empty(B, D + hidden2.size(1)), projected.new_empty(B, D)]
+    scratch += [projected.new_empty(B, L)] if indices else []  # hard: ∂/∂ the scores
+    pointers = [projected, annotations, hidden2, 2.0 * weight.reshape(-1), gate, lstm, *indices]
     pointers += [*sequence, *d_outputs, *grads, weight_rows, grad_projected, *scratch]
-    kernels.hard_recurrence_backward(
-        sgemm,
-        *(None if t is None else t.data_ptr() for t in pointers),
-        T,
-        B,
-        A,
-        L,
-        D,
-        n,
-        torch.get_num_threads(),
-    )
+    function = getattr(kernels, f"{kind}_recurrence_backward")
+    _call_recurrence(function, sgemm, pointers, T, projected, annotations, hidden2)
     return grad_projected, (2.0 * weight_rows.sum((0, 1))).view(1, A)

@@ -285,6 +285,81 @@ void gemm(sgemm_fn sgemm, bool trans_x, bool trans_y, int64_t M, int64_t N, int6
   sgemm(&ty, &tx, &m, &n, &k, &one, y, &ly, x, &lx, &beta, c, &lc);
 }
 
+// What one step of the training recurrence shares between soft and hard attention. Arrays as
+// in fused._Sequence, each at step t; ``input`` (B, D + n) is [ẑ_t; h_{t-1}] per image.
+struct Step {
+  sgemm_fn sgemm;
+  int64_t B, A, L, D, n, threads;
+  int64_t row() const { return D + n; }
+
+  // q_t = 2 W_h h_{t-1} into query (B, A).
+  void query(const float* input, const float* hidden2, float* query) const {
+    gemm(sgemm, false, true, B, A, n, input + D, row(), hidden2, n, 0.0f, query, A);
+  }
+
+  // β_t = σ(f_β(h_{t-1})) (1 without the gate) into betas (B), ẑ_t = β_t φ_t into input.
+  void gate(const float* gate_weight, const float* gate_bias, const float* context, float* input,
+            float* betas) const {
+    for (int64_t b = 0; b < B; ++b) {
+      const float* h = input + b * row() + D;
+      float beta = 1.0f;
+      if (gate_weight != nullptr) {
+        float pre = gate_bias[0];
+        for (int64_t j = 0; j < n; ++j) pre += h[j] * gate_weight[j];
+        beta = 1.0f / (1.0f + std::exp(-pre));
+      }
+      betas[b] = beta;
+      for (int64_t d = 0; d < D; ++d) input[b * row() + d] = beta * context[b * D + d];
+    }
+  }
+
+  // Eq. 1-3: the gates (B, 4n) from the embedding's share and [ẑ_t; h_{t-1}], then c_t, h_t,
+  // and h_t again into ``next`` (the next step's input row, null at the last step).
+  void lstm(const float* input_gates, const float* weight, const float* input, float* gates,
+            const float* cell_prev, float* cell, float* hidden, float* next) const {
+    std::memcpy(gates, input_gates, sizeof(float) * B * 4 * n);
+    gemm(sgemm, false, true, B, 4 * n, row(), input, row(), weight, row(), 1.0f, gates, 4 * n);
+    sat_lstm_forward(gates, cell_prev, cell, hidden, next, row(), B, n, threads);
+  }
+
+  // Eq. 1-3 backwards, then the gate's: from ∂/∂h_t (grad_h, from the later steps, plus
+  // d_hidden) and ∂/∂c_t (grad_c), ∂/∂ the gates into grad_gates, ∂/∂c_{t-1} into grad_c,
+  // ∂/∂φ_t into dphi (B, D), f_β's pre-activation's gradient into gate_pre (B), and into
+  // grad_h ∂/∂h_{t-1} through Eq. 1 and the gate (the attention's share is added after).
+  void lstm_and_gate_backward(const float* gates, const float* cell_prev, const float* cell,
+                              const float* d_hidden, const float* weight, const float* d_context,
+                              const float* contexts, const float* betas, const float* d_betas,
+                              const float* gate_weight, float* grad_h, float* grad_c,
+                              float* grad_gates, float* gate_pre, float* dz, float* dphi) const {
+    sat_lstm_backward(gates, cell_prev, cell, grad_h, d_hidden, grad_c, grad_gates, B, n,
+                      threads);
+    gemm(sgemm, false, false, B, row(), 4 * n, grad_gates, 4 * n, weight, row(), 0.0f, dz, row());
+    for (int64_t b = 0; b < B; ++b) {
+      const float* dz_row = dz + b * row();
+      const float* dc = d_context + b * D;
+      const float* phi = contexts + b * D;
+      float* dp = dphi + b * D;
+      float* dh = grad_h + b * n;
+      for (int64_t d = 0; d < D; ++d) dp[d] = dz_row[d] + dc[d];  // ∂/∂ẑ_t
+      for (int64_t j = 0; j < n; ++j) dh[j] = dz_row[D + j];      // Eq. 1's share of ∂/∂h_{t-1}
+      if (gate_weight != nullptr) {
+        const float beta = betas[b];
+        float d_beta = d_betas[b];
+        for (int64_t d = 0; d < D; ++d) d_beta += dp[d] * phi[d];
+        const float pre = d_beta * beta * (1.0f - beta);
+        gate_pre[b] = pre;
+        for (int64_t j = 0; j < n; ++j) dh[j] += pre * gate_weight[j];
+        for (int64_t d = 0; d < D; ++d) dp[d] *= beta;  // ∂/∂φ_t
+      }
+    }
+  }
+
+  // W_h's share of ∂/∂h_{t-1}: grad_h += ∂q_t 2 W_h.
+  void query_backward(const float* grad_query, const float* hidden2, float* grad_h) const {
+    gemm(sgemm, false, false, B, n, A, grad_query, A, hidden2, n, 1.0f, grad_h, n);
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -304,84 +379,51 @@ void sat_soft_recurrence_forward(sgemm_fn sgemm, const float* projected,
                                  float* queries, float* alphas, float* contexts, float* betas,
                                  float* hidden, int64_t T, int64_t B, int64_t A, int64_t L,
                                  int64_t D, int64_t n, int64_t threads) {
-  const int64_t row = D + n;
+  const Step step{sgemm, B, A, L, D, n, threads};
   for (int64_t t = 0; t < T; ++t) {
-    float* input = inputs + t * B * row;  // [ẑ_t; h_{t-1}] per image
+    float* input = inputs + t * B * step.row();
     float* query = queries + t * B * A;
     float* context = contexts + t * B * D;
-    float* gate = gates + t * B * 4 * n;
-    gemm(sgemm, false, true, B, A, n, input + D, row, hidden2, n, 0.0f, query, A);
+    step.query(input, hidden2, query);
     sat_attend_forward(projected, query, weight2, annotations, alphas + t * B * L, context, D, B,
                        1, A, L, D, threads);
-    for (int64_t b = 0; b < B; ++b) {
-      const float* h = input + b * row + D;
-      float beta = 1.0f;
-      if (gate_weight != nullptr) {
-        float pre = gate_bias[0];
-        for (int64_t j = 0; j < n; ++j) pre += h[j] * gate_weight[j];
-        beta = 1.0f / (1.0f + std::exp(-pre));
-      }
-      betas[t * B + b] = beta;
-      for (int64_t d = 0; d < D; ++d) input[b * row + d] = beta * context[b * D + d];
-    }
-    std::memcpy(gate, input_gates + t * B * 4 * n, sizeof(float) * B * 4 * n);
-    gemm(sgemm, false, true, B, 4 * n, row, input, row, lstm, row, 1.0f, gate, 4 * n);
-    float* next = t + 1 < T ? inputs + (t + 1) * B * row + D : nullptr;
-    sat_lstm_forward(gate, cells + t * B * n, cells + (t + 1) * B * n, hidden + t * B * n, next,
-                     row, B, n, threads);
+    step.gate(gate_weight, gate_bias, context, input, betas + t * B);
+    float* next = t + 1 < T ? inputs + (t + 1) * B * step.row() + D : nullptr;
+    step.lstm(input_gates + t * B * 4 * n, lstm, input, gates + t * B * 4 * n, cells + t * B * n,
+              cells + (t + 1) * B * n, hidden + t * B * n, next);
   }
 }
 
-// sat_soft_recurrence_forward backwards through time, the annotations held fixed. From the
-// outputs' gradients d_hidden (T, B, n), d_context (T, B, D; the gated ẑ_t's), d_alpha (T, B,
-// L) and d_betas (T, B): grad_h, grad_c (B, n; zeros in, ∂/∂h_0 and ∂/∂c_0 out), grad_gates
-// (T, B, 4n), grad_queries (T, B, A), gate_pre (T, B; ∂/∂ f_β's pre-activation), weight_rows
-// (T, B, A; their sum over T and B, times 2, is ∂/∂w_att) and grad_projected (B, A, L).
-// dz (B, D + n) and dphi (B, D) are scratch.
+// sat_soft_recurrence_forward backwards through time, the annotations held fixed; the weight
+// gradients, which read the inputs [ẑ_t; h_{t-1}], are one product over all steps each, left
+// to torch. From the outputs' gradients d_hidden (T, B, n), d_context (T, B, D; the gated
+// ẑ_t's), d_alpha (T, B, L) and d_betas (T, B): grad_h, grad_c (B, n; zeros in, ∂/∂h_0 and
+// ∂/∂c_0 out), grad_gates (T, B, 4n), grad_queries (T, B, A), gate_pre (T, B; ∂/∂ f_β's
+// pre-activation), weight_rows (T, B, A; their sum over T and B, times 2, is ∂/∂w_att) and
+// grad_projected (B, A, L). dz (B, D + n) and dphi (B, D) are scratch.
 void sat_soft_recurrence_backward(
     sgemm_fn sgemm, const float* projected, const float* annotations, const float* hidden2,
-    const float* weight2, const float* gate_weight, const float* lstm, const float* inputs,
-    const float* cells, const float* gates, const float* queries, const float* alphas,
-    const float* contexts, const float* betas, const float* d_hidden, const float* d_context,
+    const float* weight2, const float* gate_weight, const float* lstm, const float* cells,
+    const float* gates, const float* queries, const float* alphas, const float* contexts,
+    const float* betas, const float* d_hidden, const float* d_context,
     const float* d_alpha, const float* d_betas, float* grad_h, float* grad_c, float* grad_gates,
     float* grad_queries, float* gate_pre, float* weight_rows, float* grad_projected, float* dz,
     float* dphi, int64_t T, int64_t B, int64_t A, int64_t L, int64_t D, int64_t n,
     int64_t threads) {
-  const int64_t row = D + n;
+  const Step step{sgemm, B, A, L, D, n, threads};
   for (int64_t t = T - 1; t >= 0; --t) {
-    float* grad_gate = grad_gates + t * B * 4 * n;
     float* grad_query = grad_queries + t * B * A;
-    sat_lstm_backward(gates + t * B * 4 * n, cells + t * B * n, cells + (t + 1) * B * n, grad_h,
-                      d_hidden + t * B * n, grad_c, grad_gate, B, n, threads);
-    gemm(sgemm, false, false, B, row, 4 * n, grad_gate, 4 * n, lstm, row, 0.0f, dz, row);
-    for (int64_t b = 0; b < B; ++b) {
-      const float* dz_row = dz + b * row;
-      const float* dc = d_context + (t * B + b) * D;
-      const float* phi = contexts + (t * B + b) * D;
-      float* dp = dphi + b * D;
-      float* dh = grad_h + b * n;
-      for (int64_t d = 0; d < D; ++d) dp[d] = dz_row[d] + dc[d];  // ∂/∂ẑ_t
-      for (int64_t j = 0; j < n; ++j) dh[j] = dz_row[D + j];      // Eq. 1's share of ∂/∂h_{t-1}
-      if (gate_weight != nullptr) {
-        const float beta = betas[t * B + b];
-        float d_beta = d_betas[t * B + b];
-        for (int64_t d = 0; d < D; ++d) d_beta += dp[d] * phi[d];
-        const float pre = d_beta * beta * (1.0f - beta);
-        gate_pre[t * B + b] = pre;
-        for (int64_t j = 0; j < n; ++j) dh[j] += pre * gate_weight[j];
-        for (int64_t d = 0; d < D; ++d) dp[d] *= beta;  // ∂/∂φ_t
-      }
-    }
+    step.lstm_and_gate_backward(gates + t * B * 4 * n, cells + t * B * n, cells + (t + 1) * B * n,
+                                d_hidden + t * B * n, lstm, d_context + t * B * D,
+                                contexts + t * B * D, betas + t * B, d_betas + t * B,
+                                gate_weight, grad_h, grad_c, grad_gates + t * B * 4 * n,
+                                gate_pre + t * B, dz, dphi);
     sat_attend_backward(dphi, d_alpha + t * B * L, alphas + t * B * L, annotations, projected,
                         queries + t * B * A, weight2, grad_projected, grad_query,
                         weight_rows + t * B * A, B, A, L, D, threads, t != T - 1);
-    gemm(sgemm, false, false, B, n, A, grad_query, A, hidden2, n, 1.0f, grad_h, n);
+    step.query_backward(grad_query, hidden2, grad_h);
   }
 }
-
-}  // extern "C"
-
-extern "C" {
 
 // Hard attention's training recurrence (Eq. 8-9 with the semi-sampling of Sec. 4.1, then the gate
 // and Eq. 1-3), all T steps in one call, as fused._hard_attention and fused._forward_step do them.
@@ -399,15 +441,14 @@ void sat_hard_recurrence_forward(
     float* inputs, float* cells, float* gates, float* queries, float* alphas, float* contexts,
     float* betas, float* hidden, float* log_alphas, float* log_probs, float* entropy, int64_t T,
     int64_t B, int64_t A, int64_t L, int64_t D, int64_t n, int64_t threads) {
-  const int64_t row = D + n;
+  const Step step{sgemm, B, A, L, D, n, threads};
   for (int64_t t = 0; t < T; ++t) {
-    float* input = inputs + t * B * row;
+    float* input = inputs + t * B * step.row();
     float* query = queries + t * B * A;
     float* context = contexts + t * B * D;
-    float* gate = gates + t * B * 4 * n;
     float* alpha = alphas + t * B * L;
     float* log_alpha = log_alphas + t * B * L;
-    gemm(sgemm, false, true, B, A, n, input + D, row, hidden2, n, 0.0f, query, A);
+    step.query(input, hidden2, query);
     sat_scores_forward(projected, query, weight2, log_alpha, B, 1, A, L, threads);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < B; ++b) {
@@ -454,22 +495,10 @@ void sat_hard_recurrence_forward(
         std::memcpy(ctx, annotations + (b * L + location) * D, sizeof(float) * D);
       }
     }
-    for (int64_t b = 0; b < B; ++b) {
-      const float* h = input + b * row + D;
-      float beta = 1.0f;
-      if (gate_weight != nullptr) {
-        float pre = gate_bias[0];
-        for (int64_t j = 0; j < n; ++j) pre += h[j] * gate_weight[j];
-        beta = 1.0f / (1.0f + std::exp(-pre));
-      }
-      betas[t * B + b] = beta;
-      for (int64_t d = 0; d < D; ++d) input[b * row + d] = beta * context[b * D + d];
-    }
-    std::memcpy(gate, input_gates + t * B * 4 * n, sizeof(float) * B * 4 * n);
-    gemm(sgemm, false, true, B, 4 * n, row, input, row, lstm, row, 1.0f, gate, 4 * n);
-    float* next = t + 1 < T ? inputs + (t + 1) * B * row + D : nullptr;
-    sat_lstm_forward(gate, cells + t * B * n, cells + (t + 1) * B * n, hidden + t * B * n, next,
-                     row, B, n, threads);
+    step.gate(gate_weight, gate_bias, context, input, betas + t * B);
+    float* next = t + 1 < T ? inputs + (t + 1) * B * step.row() + D : nullptr;
+    step.lstm(input_gates + t * B * 4 * n, lstm, input, gates + t * B * 4 * n, cells + t * B * n,
+              cells + (t + 1) * B * n, hidden + t * B * n, next);
   }
 }
 
@@ -481,38 +510,21 @@ void sat_hard_recurrence_forward(
 void sat_hard_recurrence_backward(
     sgemm_fn sgemm, const float* projected, const float* annotations, const float* hidden2,
     const float* weight2, const float* gate_weight, const float* lstm, const bool* use_expected,
-    const int64_t* locations, const float* inputs, const float* cells, const float* gates,
+    const int64_t* locations, const float* cells, const float* gates,
     const float* queries, const float* alphas, const float* contexts, const float* betas,
     const float* log_alphas, const float* entropy, const float* d_hidden, const float* d_context,
     const float* d_alpha, const float* d_betas, const float* d_log_probs, const float* d_entropy,
     float* grad_h, float* grad_c, float* grad_gates, float* grad_queries, float* gate_pre,
     float* weight_rows, float* grad_projected, float* dz, float* dphi, float* grad_scores,
     int64_t T, int64_t B, int64_t A, int64_t L, int64_t D, int64_t n, int64_t threads) {
-  const int64_t row = D + n;
+  const Step step{sgemm, B, A, L, D, n, threads};
   for (int64_t t = T - 1; t >= 0; --t) {
-    float* grad_gate = grad_gates + t * B * 4 * n;
     float* grad_query = grad_queries + t * B * A;
-    sat_lstm_backward(gates + t * B * 4 * n, cells + t * B * n, cells + (t + 1) * B * n, grad_h,
-                      d_hidden + t * B * n, grad_c, grad_gate, B, n, threads);
-    gemm(sgemm, false, false, B, row, 4 * n, grad_gate, 4 * n, lstm, row, 0.0f, dz, row);
-    for (int64_t b = 0; b < B; ++b) {
-      const float* dz_row = dz + b * row;
-      const float* dc = d_context + (t * B + b) * D;
-      const float* phi = contexts + (t * B + b) * D;
-      float* dp = dphi + b * D;
-      float* dh = grad_h + b * n;
-      for (int64_t d = 0; d < D; ++d) dp[d] = dz_row[d] + dc[d];
-      for (int64_t j = 0; j < n; ++j) dh[j] = dz_row[D + j];
-      if (gate_weight != nullptr) {
-        const float beta = betas[t * B + b];
-        float d_beta = d_betas[t * B + b];
-        for (int64_t d = 0; d < D; ++d) d_beta += dp[d] * phi[d];
-        const float pre = d_beta * beta * (1.0f - beta);
-        gate_pre[t * B + b] = pre;
-        for (int64_t j = 0; j < n; ++j) dh[j] += pre * gate_weight[j];
-        for (int64_t d = 0; d < D; ++d) dp[d] *= beta;
-      }
-    }
+    step.lstm_and_gate_backward(gates + t * B * 4 * n, cells + t * B * n, cells + (t + 1) * B * n,
+                                d_hidden + t * B * n, lstm, d_context + t * B * D,
+                                contexts + t * B * D, betas + t * B, d_betas + t * B,
+                                gate_weight, grad_h, grad_c, grad_gates + t * B * 4 * n,
+                                gate_pre + t * B, dz, dphi);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < B; ++b) {
       const float* al = alphas + (t * B + b) * L;
@@ -539,7 +551,7 @@ void sat_hard_recurrence_backward(
     }
     sat_scores_backward(grad_scores, projected, queries + t * B * A, weight2, grad_projected,
                         grad_query, weight_rows + t * B * A, B, 1, A, L, threads, t != T - 1);
-    gemm(sgemm, false, false, B, n, A, grad_query, A, hidden2, n, 1.0f, grad_h, n);
+    step.query_backward(grad_query, hidden2, grad_h);
   }
 }
 
