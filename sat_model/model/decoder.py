@@ -16,7 +16,6 @@ location).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -73,14 +72,9 @@ SEMI_SAMPLING_PER = ("image", "batch")
 ONEDNN_LSTM_MIN_ROWS = 128
 
 
-@functools.cache
 def _fast_blas() -> bool:
     """Whether MKL's sgemm takes its fast code path here: on Intel CPUs (see above)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            return any(line.split(":")[-1].strip() == "GenuineIntel" for line in cpuinfo)
-    except OSError:
-        return False
+    return native.cpu_vendor() == "GenuineIntel"
 
 
 @dataclass(frozen=True)
@@ -572,10 +566,11 @@ class ShowAttendTell(nn.Module):
         return _Advance(state=new_state, context=context, attention=att, beta=beta)
 
     def _lstm(self, x: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
-        """Eq. 1-3, one step for (rows, m + D) inputs: ``nn.LSTMCell``, or the same weights
-        through ``torch.lstm`` (the kernel behind ``nn.LSTM``) over a one-step sequence where
-        that is the faster of the two: on CPU, without autograd, for many rows (see
-        ``ONEDNN_LSTM_MIN_ROWS``). Both compute the same gates in the same order (i, f, g, o)."""
+        """Eq. 1-3, one step for (rows, m + D) inputs: ``nn.LSTMCell``, or without autograd on
+        CPU the same weights as two BLAS products and the compiled kernel (``_blas_lstm_step``,
+        where the kernels run: for few rows, or any number where MKL is fast) or through
+        ``torch.lstm`` (oneDNN) for many rows (see ``ONEDNN_LSTM_MIN_ROWS``). All compute the
+        same gates in the same order (i, f, g, o)."""
         if x.device.type == "cpu" and not torch.is_grad_enabled():
             rows = x.size(0)
             if (rows < ONEDNN_LSTM_MIN_ROWS or _fast_blas()) and native.available(x, h, c):
@@ -636,7 +631,8 @@ def _blas_lstm_step(cell: nn.LSTMCell, x: Tensor, h: Tensor, c: Tensor) -> tuple
     gates = torch.addmm(cell.bias_ih, x, cell.weight_ih.t()).add_(cell.bias_hh)  # (rows, 4n)
     gates.addmm_(h, cell.weight_hh.t())
     h_next, c_next = torch.empty_like(h), torch.empty_like(c)
-    assert native.lstm_forward(gates, c, c_next, h_next, None)  # callers check availability
+    if not native.lstm_forward(gates, c, c_next, h_next, None):  # callers check availability
+        raise RuntimeError("the compiled LSTM kernel did not run on available tensors")
     return h_next, c_next
 
 

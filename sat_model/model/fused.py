@@ -412,9 +412,16 @@ def _compiled_forward(
         return native.soft_recurrence_forward(projected, annotations, input_gates, *weights, steps)
     assert seq.locations is not None and seq.log_alphas is not None
     assert seq.log_probs is not None and seq.entropy is not None
-    hard = [seq.locations, seq.log_alphas, seq.log_probs, seq.entropy]
+    hard = [seq.log_alphas, seq.log_probs, seq.entropy]
     return native.hard_recurrence_forward(
-        projected, annotations, input_gates, *weights, seq.use_expected, sample, steps + hard
+        projected,
+        annotations,
+        input_gates,
+        *weights,
+        seq.use_expected,
+        seq.locations,
+        sample,
+        steps + hard,
     )
 
 

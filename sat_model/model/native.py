@@ -47,6 +47,7 @@ __all__ = [
     "attend_forward",
     "available",
     "cache_dir",
+    "cpu_vendor",
     "hard_recurrence_backward",
     "hard_recurrence_forward",
     "load",
@@ -186,14 +187,29 @@ def _run(command: list[str]) -> None:
         raise OSError(f"{Path(command[0]).name} exited {done.returncode}: {done.stderr.strip()}")
 
 
+@functools.cache
+def _cpuinfo() -> tuple[str, ...] | None:
+    """The lines of /proc/cpuinfo, read once a process; None where there is none."""
+    try:
+        return tuple(Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines())
+    except OSError:
+        return None
+
+
 def _cpu_features() -> str:
     """What -march=native compiles for: the CPU's model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
-    except OSError:
+    if (lines := _cpuinfo()) is None:
         return platform.processor() or platform.machine()
     wanted = ("model name", "flags", "Features", "CPU part")
     return "\n".join(sorted({line for line in lines if line.startswith(wanted)}))
+
+
+def cpu_vendor() -> str | None:
+    """The CPU's vendor string ("GenuineIntel", "AuthenticAMD"), where /proc/cpuinfo says."""
+    for line in _cpuinfo() or ():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return None
 
 
 _off_depth = 0  # > 0 inside ``turned_off``
@@ -447,7 +463,7 @@ def _call_recurrence(
     B, A, L = projected.shape
     D, n = annotations.size(2), hidden2.size(1)
     sizes = (steps, B, A, L, D, n, torch.get_num_threads())
-    function(sgemm, *(None if t is None else t.data_ptr() for t in pointers), *sizes)
+    _call(functools.partial(function, sgemm), pointers, *sizes)
 
 
 def soft_recurrence_forward(
@@ -517,20 +533,19 @@ def hard_recurrence_forward(
     gate_bias: Tensor | None,
     lstm: Tensor,
     use_expected: Tensor,
+    locations: Tensor,
     sample: bool,
     sequence: list[Tensor],
 ) -> bool:
     """``soft_recurrence_forward`` for hard attention (Eq. 8-9, semi-sampling by
     ``use_expected`` (B,) bool). With ``sample``, s̃ is drawn from T·B uniforms taken here, once
     the kernels are known to run, from torch's generator in the order in which
-    ``fused.sample_locations`` takes them step by step, and by the same inverse CDF; without,
-    the forced path in ``sequence``'s locations is followed. ``sequence``: ``fused._Sequence``'s
-    inputs, cells, gates, queries, alphas, contexts, betas, hidden, locations, log_alphas,
-    log_probs and entropy. False, with nothing written or drawn, where the kernels or the BLAS
-    cannot run."""
-    *floats, locations = sequence[:9]
-    floats += sequence[9:]
-    tensors = [projected, annotations, input_gates, hidden2, weight, lstm, *floats]
+    ``fused.sample_locations`` takes them step by step, and by the same inverse CDF, and written
+    to ``locations`` (T, B); without, the forced path there is followed. ``sequence``:
+    ``fused._Sequence``'s inputs, cells, gates, queries, alphas, contexts, betas, hidden,
+    log_alphas, log_probs and entropy. False, with nothing written or drawn, where the kernels
+    or the BLAS cannot run."""
+    tensors = [projected, annotations, input_gates, hidden2, weight, lstm, *sequence]
     tensors += [t for t in (gate, gate_bias) if t is not None]
     if use_expected.dtype != torch.bool or locations.dtype != torch.int64:
         return False
@@ -541,7 +556,7 @@ def hard_recurrence_forward(
     uniforms = torch.rand(T, B, dtype=projected.dtype) if sample else None
     weight2 = 2.0 * weight.reshape(-1)
     pointers = [projected, annotations, input_gates, hidden2, weight2, gate, gate_bias, lstm]
-    pointers += [use_expected, uniforms, locations, *floats]
+    pointers += [use_expected, uniforms, locations, *sequence]
     _call_recurrence(
         kernels.hard_recurrence_forward, sgemm, pointers, T, projected, annotations, hidden2
     )
