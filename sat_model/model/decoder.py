@@ -467,13 +467,14 @@ class ShowAttendTell(nn.Module):
         )
 
     def _fused_pass(self, annotations: Tensor, mode: str, locations: Tensor | None) -> bool:
-        """Training passes take the fused recurrence: soft attention's expected context, hard
-        attention's sampled (or forced) path. Other modes (the soft model's sampled ones, the
-        hard model's expected one) and autocast (its casts are per op) take the step loop."""
+        """Training passes take the fused recurrence: the expected context (soft attention, and
+        hard attention's test-time path, which self-critical training fine-tunes), hard
+        attention's sampled (or forced) path. Other modes (the sampled or argmax paths of
+        decoding) and autocast (its casts are per op) take the step loop."""
         if torch.is_autocast_enabled(annotations.device.type):
             return False
         if isinstance(self.attention, HardAttention):
-            return mode == "train" or locations is not None
+            return mode in ("train", "expected") or locations is not None
         return mode in ("train", "expected") and locations is None
 
     def _fused_forward(
@@ -482,10 +483,13 @@ class ShowAttendTell(nn.Module):
         """``forward`` through ``fused.recurrence``: the same numbers as the step loop up to
         float rounding (and the same draws of s̃), one autograd node for the T steps."""
         B = inputs.size(0)
-        hard = None
+        hard, sampled = None, None
         if isinstance(self.attention, HardAttention):
             use_expected = self._semi_sampling_mask(B, mode, locations, annotations.device)
-            assert use_expected is not None  # hard attention in training or with forced s̃
+            if use_expected is not None:
+                sampled = ~use_expected
+            else:  # mode "expected": α's expected context for every image, as at test time
+                use_expected = torch.ones(B, dtype=torch.bool, device=annotations.device)
             hard = HardPath(use_expected, None if locations is None else locations.t())
         annotations, mean, projected = self._prepare(annotations)
         embedded = self.embedding(inputs)  # (B, T, m)
@@ -508,9 +512,10 @@ class ShowAttendTell(nn.Module):
             logits=self._deep_output(embedded, hidden, context),  # (B, T, K)
             alphas=out.alphas.transpose(0, 1),  # (B, T, L)
             betas=out.betas.transpose(0, 1),  # (B, T)
-            location_log_probs=_transposed(out.location_log_probs),  # (B, T)
+            # (B, T); none where nothing was sampled, as the step loop gives
+            location_log_probs=None if sampled is None else _transposed(out.location_log_probs),
             entropy=_transposed(out.entropy),  # (B, T)
-            sampled=None if hard is None else ~hard.use_expected,
+            sampled=sampled,
         )
 
     def step(self, prev_tokens: Tensor, state: DecoderState, mode: str = "expected") -> StepOutput:

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from sat_model.data.vocab import END_ID, START_ID, Vocab
+from sat_model.data.vocab import END_ID, PAD_ID, START_ID, Vocab
 from sat_model.model.decoder import MODES, DecoderState, ShowAttendTell
 
-__all__ = ["Caption", "beam_search", "greedy"]
+__all__ = ["Caption", "beam_search", "greedy", "sample"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,61 @@ def _greedy(
         torch.stack(alphas, 1).float().cpu().numpy(),  # (B, t, L)
         score.cpu().numpy(),
     )
+
+
+def sample(
+    model: ShowAttendTell,
+    annotations: Tensor,
+    num_samples: int,
+    max_length: int,
+    mode: str = "expected",
+) -> Tensor:
+    """``num_samples`` captions per image, each word drawn from p(y_t | a, y_<t) (softmax,
+    temperature 1, ``<pad>`` and ``<start>`` left out), for self-critical training:
+    (B * num_samples, t + 1) long in the training layout, ``<start> w_1 .. w_k <end> <pad>..``,
+    image ``i``'s samples in rows ``i * num_samples ..``; a caption that never drew ``<end>``
+    has ``max_length`` words.
+
+    Runs in eval mode (no dropout) under ``no_grad``: the rows can feed a teacher-forced pass
+    that back-propagates (inference tensors could not).
+    """
+    _check_args(annotations, max_length, mode)
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return _sample(model, annotations, num_samples, max_length, mode)
+    finally:
+        model.train(was_training)
+
+
+def _sample(
+    model: ShowAttendTell, annotations: Tensor, n: int, max_length: int, mode: str
+) -> Tensor:
+    B, device = annotations.size(0), annotations.device
+    # the annotations and W_a a stay once per image, shared by its n rows of h, c (as beams)
+    rows = torch.arange(B, device=device).repeat_interleave(n)  # (B*n,)
+    state = model.init_state(annotations).reorder(rows)
+    prev = torch.full((B * n,), START_ID, dtype=torch.long, device=device)
+    finished = torch.zeros(B * n, dtype=torch.bool, device=device)
+    tokens = [prev]
+    for _ in range(max_length):
+        out = model.step(prev, state, mode)
+        logits = out.logits.float()  # (B*n, K)
+        # <pad> and <start> are never targets; a drawn <pad> would read as the caption's end
+        logits[:, PAD_ID] = logits[:, START_ID] = float("-inf")
+        probs = torch.softmax(logits, dim=-1)
+        drawn = torch.multinomial(probs, 1).squeeze(1)  # (B*n,)
+        prev = torch.where(finished, PAD_ID, drawn)  # after <end>: padding
+        tokens.append(prev)
+        finished = finished | (drawn == END_ID)
+        state = out.state
+        # one sync per step buys stopping as soon as every caption has ended
+        if bool(finished.all()):
+            break
+    return torch.stack(tokens, dim=1)  # (B*n, t+1)
 
 
 def _captions(tokens: np.ndarray, alphas: np.ndarray, scores: np.ndarray) -> list[Caption]:

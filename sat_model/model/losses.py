@@ -31,6 +31,7 @@ __all__ = [
     "REWARDS",
     "HardAttentionLoss",
     "LossOutput",
+    "SelfCriticalLoss",
     "SoftAttentionLoss",
     "build_criterion",
     "doubly_stochastic_penalty",
@@ -163,6 +164,20 @@ class HardAttentionLoss(nn.Module):
         updated = self.baseline_decay * self.baseline + (1 - self.baseline_decay) * mean_reward
         # a batch where semi-sampling used α everywhere says nothing about sampled paths
         self.baseline.copy_(torch.where(count > 0, updated, self.baseline))
+
+
+class SelfCriticalLoss(nn.Module):
+    """-Σ_i A_i log p(w^i | a) over the drawn captions' tokens, divided by the token count
+    (A_i the advantage): the REINFORCE surrogate of self-critical training
+    (``sat_model.train.self_critical``), whose advantages come with the sampled batch."""
+
+    def forward(self, output: ForwardOutput, captions: Tensor, advantages: Tensor) -> LossOutput:
+        targets, mask = _targets_and_mask(captions, output)
+        log_lik = token_log_likelihood(output.logits, targets, mask)  # (B*n, T)
+        tokens = mask.sum().clamp(min=1)
+        loss = -(advantages.unsqueeze(1) * log_lik).sum() / tokens
+        nll = (-log_lik.sum() / tokens).detach()
+        return LossOutput(loss=loss, nll=nll, metrics={})
 
 
 def build_criterion(

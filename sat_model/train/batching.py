@@ -46,6 +46,7 @@ __all__ = [
     "load_caption_dataset",
     "mirror_draws",
     "mirror_tokens",
+    "split_to_multiple",
 ]
 
 # the words a mirror image turns into each other (a caption's other words describe both)
@@ -250,7 +251,7 @@ class LengthGroupedBatchSampler:
                 members[i : i + self.batch_size].tolist()
                 for i in range(0, members.size, self.batch_size)
             ]
-        batches = _split_to_multiple(batches, self.num_replicas)
+        batches = split_to_multiple(batches, self.num_replicas)
         order = rng.permutation(len(batches))
         return [batches[i] for i in order]
 
@@ -264,7 +265,7 @@ class LengthGroupedBatchSampler:
         return iter(self.batches(self.epoch))
 
 
-def _split_to_multiple(batches: list[list[int]], multiple: int) -> list[list[int]]:
+def split_to_multiple(batches: list[list[int]], multiple: int) -> list[list[int]]:
     """Halve the largest batches until the count is a multiple of ``multiple``.
 
     Halving keeps a batch homogeneous in length and every caption in exactly one batch. Only

@@ -48,13 +48,19 @@ from sat_model.model.checkpoint import (
 )
 from sat_model.model.decoder import ShowAttendTell, build_model
 from sat_model.model.decoding import greedy
-from sat_model.model.losses import build_criterion
+from sat_model.model.losses import SelfCriticalLoss, build_criterion
 from sat_model.train.batching import (
     Batch,
     CaptionDataset,
     LengthGroupedBatchSampler,
     load_caption_dataset,
     mirror_draws,
+)
+from sat_model.train.self_critical import (
+    CiderD,
+    ImageBatches,
+    references_by_image,
+    self_critical_step,
 )
 from sat_model.train.trainer import (
     Callback,
@@ -165,6 +171,7 @@ class _ModelDirWriter(Callback):
     ) -> None:
         self.model_dir, self.model, self.vocab = model_dir, model, vocab
         self.extra_config, self.curves, self.counts = extra_config, curves, counts
+        self.phase = LIKELIHOOD  # recorded in last_state.pt (train_model sets it per phase)
 
     def on_epoch_end(self, state: EpochState) -> None:
         snapshot = state.checkpoint()
@@ -190,7 +197,7 @@ class _ModelDirWriter(Callback):
         metrics = _train_metrics(state, self.curves, self.counts)
         write_text_atomic(self.model_dir / METRICS_FILE, json.dumps(metrics, indent=1) + "\n")
         # last: a crash before this leaves the previous epoch's state, which a resume repeats from
-        save_training_state(self.model_dir / LAST_STATE_FILE, snapshot)
+        save_training_state(self.model_dir / LAST_STATE_FILE, {**snapshot, "phase": self.phase})
 
 
 def save_training_state(path: Path, snapshot: Mapping[str, Any]) -> None:
@@ -339,26 +346,41 @@ def train_model(
     setup = _set_up(
         params, attention, prepared_dir, features_dir, Path(out_dir), rank, world_size, device
     )
-    resume, curves = ResumeState(), []
+    phases = [_likelihood_phase(setup)]
+    if setup.cfg.scst_epochs > 0:
+        phases.append(_self_critical_phase(params, setup))
+    resume, curves, first = ResumeState(), [], 0
     if resume_from is not None:
-        resume = _resume(Path(resume_from), setup)
+        resume, first = _resume(Path(resume_from), setup, phases)
         curves = _read_curves(Path(resume_from) / CURVES_FILE, resume.epoch)
-    validate, writers = None, []
+    validate, writer = None, None
     if rank == 0:
         validate, writer = _rank_zero(params, setup, prepared_dir, features_dir, curves, identity)
-        writers = [writer]
-    result = fit(
-        setup.model,
-        setup.criterion,
-        setup.optimizer,
-        setup.scheduler,
-        setup.batches,
-        validate,
-        _fit_options(params, setup, rank, log_every),
-        [*writers, *callbacks],
-        resume=resume,
-        wrap_model=wrap_model,
-    )
+    for phase in phases[first:]:
+        if writer is not None:
+            writer.phase = phase.name
+        result = fit(
+            setup.model,
+            phase.criterion,
+            phase.optimizer,
+            phase.scheduler,
+            phase.batches,
+            validate,
+            _fit_options(params, setup, rank, log_every, phase.max_epochs),
+            [*([writer] if writer is not None else []), *callbacks],
+            resume=resume,
+            wrap_model=wrap_model,
+            step_loss=phase.step_loss,
+        )
+        # the next phase starts from the best weights, which fit leaves in the model
+        resume = ResumeState(
+            epoch=result.epochs_completed,
+            best_score=result.best_score,
+            best_epoch=result.best_epoch,
+            best_state=result.best_state,
+        )
+        if result.stopped_early:
+            break
     metrics = _read_metrics(setup.model_dir) if rank == 0 else {}
     return TrainResult(
         setup.model_dir, metrics, result.best_epoch, result.epochs_completed, result.stopped_early
@@ -425,9 +447,72 @@ def _set_up(
     )
 
 
-def _fit_options(params: Params, setup: _Setup, rank: int, log_every: int) -> FitOptions:
+@dataclass(frozen=True)
+class _Phase:
+    """One stretch of training with its own objective and optimiser (internal): likelihood
+    (Eq. 14 / Sec. 4.1), then optionally self-critical epochs (``scst_epochs``)."""
+
+    name: str  # recorded in last_state.pt, so that a resume knows where it stands
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    batches: Callable[[int], Any]
+    max_epochs: int  # the last epoch of the phase, counted from the run's first
+    step_loss: Callable[[nn.Module, nn.Module, Any], Any] | None = None
+
+
+LIKELIHOOD, SELF_CRITICAL = "likelihood", "self_critical"
+
+
+def _likelihood_phase(setup: _Setup) -> _Phase:
+    return _Phase(
+        LIKELIHOOD,
+        setup.criterion,
+        setup.optimizer,
+        setup.scheduler,
+        setup.batches,
+        setup.cfg.max_epochs,
+    )
+
+
+def _self_critical_phase(params: Params, setup: _Setup) -> _Phase:
+    """REINFORCE on CIDEr-D (``sat_model.train.self_critical``) with a new optimiser."""
+    cfg = setup.cfg
+    reward = CiderD(references_by_image(setup.dataset))
+    mode = params.eval.hard_decode if setup.attention == "hard" else "expected"
+    optimizer = build_optimizer(setup.model.parameters(), cfg.optimizer, cfg.scst_lr)
+
+    def batches(epoch: int) -> ImageBatches:
+        return ImageBatches(
+            setup.dataset,
+            setup.model,
+            reward,
+            batch_size=cfg.scst_batch_size,
+            num_samples=cfg.scst_samples,
+            max_length=params.train.val_max_length,
+            mode=mode,
+            seed=params.train.seed,
+            epoch=epoch,
+            rank=setup.sampler.rank,
+            num_replicas=setup.sampler.num_replicas,
+        )
+
+    return _Phase(
+        SELF_CRITICAL,
+        SelfCriticalLoss(),
+        optimizer,
+        build_scheduler(optimizer, cfg.lr_schedule, cfg.scst_epochs, cfg.lr_decay),
+        batches,
+        cfg.max_epochs + cfg.scst_epochs,
+        self_critical_step,
+    )
+
+
+def _fit_options(
+    params: Params, setup: _Setup, rank: int, log_every: int, max_epochs: int
+) -> FitOptions:
     return FitOptions(
-        max_epochs=setup.cfg.max_epochs,
+        max_epochs=max_epochs,
         patience=setup.cfg.patience,
         device=setup.device,
         grad_clip=setup.cfg.grad_clip,
@@ -488,9 +573,12 @@ def _semi_sampling(cfg: Any) -> dict[str, Any]:
     return {}
 
 
-def _resume(directory: Path, setup: _Setup) -> ResumeState:
+def _resume(directory: Path, setup: _Setup, phases: list[_Phase]) -> tuple[ResumeState, int]:
     """Load the folder's last training state (``last_state.pt``; a folder without one continues
-    from its best checkpoint) into the model (the weights the optimiser updates) and the rest."""
+    from its best checkpoint) into the model (the weights the optimiser updates) and the rest of
+    the phase it was saved in; returns where to resume and that phase's index in ``phases``.
+    A likelihood phase that had ended goes on into the self-critical one, from its best
+    weights."""
     best = load_checkpoint(directory, vocab=setup.vocab)  # also checks the folder's vocabulary
     if (directory / LAST_STATE_FILE).is_file():
         state = load_training_state(directory / LAST_STATE_FILE)
@@ -505,25 +593,59 @@ def _resume(directory: Path, setup: _Setup) -> ResumeState:
             "best_score": best.best_score,
             "best_epoch": best.best_epoch,
         }
+    names = [p.name for p in phases]
+    saved = state.get("phase", LIKELIHOOD)
+    if saved not in names:
+        raise CheckpointError(
+            f"{directory} was saved in the {saved} phase, which this run does not have "
+            f"(train.{setup.attention}.scst_epochs is 0)"
+        )
+    index = names.index(saved)
+    ended = state["epoch"] >= phases[index].max_epochs or _stopped(state, setup.cfg.patience)
+    if ended and index + 1 < len(phases):
+        # the next phase starts from the best weights with its own optimiser
+        _load_into(directory, setup.model, best.model_state)
+        _restore_rng(state.get("rng_state"))
+        resume = ResumeState(
+            epoch=state["epoch"],
+            best_score=state.get("best_score"),
+            best_epoch=state.get("best_epoch"),
+            best_state=best.model_state,
+        )
+        return resume, index + 1
+    phase = phases[index]
     train_state = state.get("train_state")
-    try:
-        # with a moving average, model_state is the average of train_state
-        setup.model.load_state_dict(train_state or state["model_state"])
-        setup.criterion.load_state_dict(state.get("criterion_state") or {})
-        if state.get("optimizer_state") is not None:
-            setup.optimizer.load_state_dict(state["optimizer_state"])
-        if state.get("scheduler_state") is not None:
-            setup.scheduler.load_state_dict(state["scheduler_state"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{directory}: the state does not fit this run's model: {e}") from e
+    # with a moving average, model_state is the average of train_state
+    _load_into(directory, setup.model, train_state or state["model_state"])
+    _load_into(directory, phase.criterion, state.get("criterion_state") or {})
+    if state.get("optimizer_state") is not None:
+        _load_into(directory, phase.optimizer, state["optimizer_state"])
+    if state.get("scheduler_state") is not None:
+        _load_into(directory, phase.scheduler, state["scheduler_state"])
     _restore_rng(state.get("rng_state"))
-    return ResumeState(
+    resume = ResumeState(
         epoch=state["epoch"],
         best_score=state.get("best_score"),
         best_epoch=state.get("best_epoch"),
         best_state=best.model_state,
         average_state=state["model_state"] if train_state is not None else None,
     )
+    return resume, index
+
+
+def _stopped(state: Mapping[str, Any], patience: int) -> bool:
+    """The saved run had stopped early: ``patience`` epochs without a better score."""
+    best_epoch = state.get("best_epoch")
+    return best_epoch is not None and state["epoch"] - best_epoch >= patience
+
+
+def _load_into(directory: Path, target: Any, state: Mapping[str, Any]) -> None:
+    """``target.load_state_dict(state)`` (a module, optimiser or scheduler), a mismatch reported
+    as :class:`CheckpointError`."""
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{directory}: the state does not fit this run's model: {e}") from e
 
 
 def _restore_rng(rng: Mapping[str, Any] | None) -> None:

@@ -24,6 +24,7 @@ the start of every epoch, so a run resumed at epoch k repeats the uninterrupted 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -202,6 +203,7 @@ class _Loop:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     callbacks: Sequence[Callback]
     options: FitOptions
+    step_loss: Callable[[nn.Module, nn.Module, Any], Any] | None  # see ``fit``
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,7 @@ def fit(
     *,
     resume: ResumeState = ResumeState(),
     wrap_model: Callable[[nn.Module], nn.Module] | None = None,
+    step_loss: Callable[[nn.Module, nn.Module, Any], Any] | None = None,
 ) -> FitResult:
     """Train from epoch ``resume.epoch`` (epochs already done) to at most ``options.max_epochs``.
 
@@ -238,9 +241,12 @@ def fit(
     the training forward pass; ``validate`` and the saved states use the unwrapped ``model``.
     When ``torch.distributed`` is initialised, rank 0's stop decision is broadcast so every rank
     leaves the loop together. ``resume`` continues a run from its best score, state and moving
-    average (``model`` then holds the saved ``train_state``).
+    average (``model`` then holds the saved ``train_state``). ``step_loss(model, criterion,
+    batch)``, when given, replaces each step's ``criterion(model(batch.annotations,
+    batch.captions), batch.captions)`` (self-critical batches carry their advantages).
     """
     loop = _start(model, criterion, optimizer, scheduler, callbacks, options, resume, wrap_model)
+    loop = dataclasses.replace(loop, step_loss=step_loss)
     resumed_best = dict(resume.best_state) if resume.best_state else None
     progress = _Progress(resume.best_score, resume.best_epoch, resumed_best)
     completed, stopped_early = resume.epoch, False
@@ -283,6 +289,7 @@ def _start(
     return _Loop(
         model=model,
         train_model=wrap_model(model) if wrap_model is not None else model,
+        step_loss=None,
         eval_model=average.module if average is not None else model,
         average=average,
         criterion=criterion,
@@ -359,7 +366,10 @@ def _train_epoch(loop: _Loop, batches: Iterable[TrainBatch], epoch: int) -> _Epo
         loop.optimizer.zero_grad(set_to_none=True)
         # bf16 needs no loss scaling (float32's exponent range); backward runs outside autocast
         with torch.autocast(device_type, opts.autocast_dtype or torch.bfloat16, autocast):
-            out = loop.criterion(model(batch.annotations, batch.captions), batch.captions)
+            if loop.step_loss is not None:
+                out = loop.step_loss(model, loop.criterion, batch)
+            else:
+                out = loop.criterion(model(batch.annotations, batch.captions), batch.captions)
         out.loss.backward()
         if opts.grad_clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip)

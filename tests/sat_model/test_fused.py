@@ -124,12 +124,38 @@ def test_a_training_pass_gives_the_step_loops_loss_and_gradients(
         torch.testing.assert_close(fused_out.entropy, loop_out.entropy)
 
 
+def test_hard_attentions_expected_pass_gives_the_step_loops_loss_and_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hard attention's test-time path (α's expected context for every image), which
+    self-critical training back-propagates through: the fused pass gives the step loop's
+    logits, entropy and gradients, and like it reports no sampled location."""
+    model = tiny_model("hard", dropout=0.3).double().eval()
+    annotations, captions = tiny_batch()
+    annotations = annotations.double()
+    results = []
+    for fused_pass in (True, False):
+        monkeypatch.setattr(type(model), "_fused_pass", lambda *a, f=fused_pass: f)
+        out = model(annotations, captions, mode="expected")
+        loss = out.logits.log_softmax(-1)[..., 4].sum() + out.entropy.sum()
+        results.append((out, torch.autograd.grad(loss, list(model.parameters()))))
+    (fused_out, fused_grads), (loop_out, loop_grads) = results
+    torch.testing.assert_close(fused_out.logits, loop_out.logits, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(fused_out.entropy, loop_out.entropy, rtol=1e-10, atol=1e-12)
+    for name, got, want in zip(
+        [n for n, _ in model.named_parameters()], fused_grads, loop_grads, strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=name)
+    assert fused_out.sampled is None and fused_out.location_log_probs is None
+    assert loop_out.sampled is None and loop_out.location_log_probs is None
+
+
 def test_training_passes_without_autocast_take_the_fused_recurrence(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Soft attention (train or expected) and hard attention in training go through one node;
-    the soft model's sampled modes, the hard model's expected mode and autocast (which casts per
-    op) keep the step loop."""
+    """Soft attention (train or expected) and hard attention in training or with its expected
+    context (self-critical training) go through one node; the sampled and argmax modes and
+    autocast (which casts per op) keep the step loop."""
     calls: list[int] = []
     monkeypatch.setattr(
         decoder, "recurrence", lambda *a, **k: calls.append(1) or recurrence(*a, **k)
@@ -138,10 +164,11 @@ def test_training_passes_without_autocast_take_the_fused_recurrence(
     tiny_model("soft").train()(annotations, captions)
     tiny_model("soft").eval()(annotations, captions)
     tiny_model("hard").train()(annotations, captions)
-    assert len(calls) == 3
-    tiny_model("soft")(annotations, captions, mode="sample")
     tiny_model("hard").eval()(annotations, captions)
+    assert len(calls) == 4
+    tiny_model("soft")(annotations, captions, mode="sample")
+    tiny_model("hard")(annotations, captions, mode="argmax")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = tiny_model("soft")(annotations, captions)
-    assert len(calls) == 3
+    assert len(calls) == 4
     assert torch.isfinite(out.logits).all()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sat_model.data.vocab import build_vocab
-from sat_model.model.checkpoint import load_checkpoint, save_checkpoint
+from sat_model.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
 from sat_model.model.losses import SoftAttentionLoss
 from sat_model.train.batching import Batch
@@ -502,3 +502,89 @@ def test_train_mirror_trains_on_the_mirrored_store_and_nothing_else_changes(
     assert final_loss(1.0, "reversed") != plain
     with pytest.raises(ParamsError, match=r"encoder\.mirror_train is false"):
         load_params(tmp_path / "params.yaml", ["train.mirror=0.5"])
+
+
+def _scst_overrides(max_epochs: int, scst_epochs: int) -> list[str]:
+    return [
+        *TINY,
+        "train.monitor=cider",
+        f"train.soft.max_epochs={max_epochs}",
+        f"train.soft.patience={max_epochs + scst_epochs}",
+        "train.soft.batch_size=8",
+        f"train.soft.scst_epochs={scst_epochs}",
+        "train.soft.scst_lr=0.001",
+        "train.soft.scst_samples=3",
+        "train.soft.scst_batch_size=8",
+    ]
+
+
+class _Killed(RuntimeError):
+    pass
+
+
+class _KillAfter(Callback):
+    """Stops the run after ``epoch`` as a kill would: the model folder is already written."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_epoch_end(self, state: EpochState) -> None:
+        if state.epoch == self.epoch:
+            raise _Killed(f"killed after epoch {state.epoch}")
+
+
+def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`scst_epochs` adds self-critical epochs after `max_epochs`, from the best likelihood
+    epoch, at `scst_lr`; a run killed in them resumes in them and ends where the uninterrupted
+    run ends; a likelihood run that had finished goes on into them; a self-critical state is
+    refused by a run without them."""
+    import csv
+    import json
+
+    from sat_model.config import load_params
+    from sat_model.train import run
+
+    monkeypatch.setattr(run, "score_captions", lambda *a, **k: {"bleu_4": 0.1, "cider": 0.2})
+    prepared, features = write_tiny_run(tmp_path)
+    (tmp_path / "params.yaml").write_text("{}\n")
+
+    def train(name: str, scst_epochs: int, **kwargs: object) -> Path:
+        params = load_params(tmp_path / "params.yaml", _scst_overrides(2, scst_epochs))
+        run.train_model(params, "soft", prepared, features, tmp_path / name, **kwargs)
+        return tmp_path / name / "soft"
+
+    whole = train("whole", 2, device="cpu")
+    with (whole / "curves.csv").open() as f:
+        curves = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in curves] == [1, 2, 3, 4]
+    assert [float(r["lr"]) for r in curves][2] == pytest.approx(0.001)  # scst_lr, cosine
+    state = run.load_training_state(whole / run.LAST_STATE_FILE)
+    assert state["phase"] == "self_critical" and state["epoch"] == 4
+    assert json.loads((whole / "train_metrics.json").read_text())["epochs"] == 4
+    # the self-critical epochs moved the weights away from the best likelihood epoch's (1)
+    best = load_checkpoint(whole)
+    assert best.epoch == 1
+    moved = [not torch.equal(best.model_state[k], v) for k, v in state["model_state"].items()]
+    assert sum(moved) > len(moved) // 2
+
+    with pytest.raises(_Killed):
+        train("killed", 2, device="cpu", callbacks=[_KillAfter(3)])
+    killed = tmp_path / "killed" / "soft"
+    assert run.load_training_state(killed / run.LAST_STATE_FILE)["phase"] == "self_critical"
+    train("killed", 2, device="cpu", resume_from=killed)
+    final = run.load_training_state(killed / run.LAST_STATE_FILE)["model_state"]
+    for name, value in state["model_state"].items():
+        torch.testing.assert_close(final[name], value, msg=name)
+
+    likelihood = train("likelihood", 0, device="cpu")
+    assert run.load_training_state(likelihood / run.LAST_STATE_FILE)["phase"] == "likelihood"
+    train("likelihood", 2, device="cpu", resume_from=likelihood)
+    resumed = run.load_training_state(likelihood / run.LAST_STATE_FILE)
+    assert resumed["phase"] == "self_critical" and resumed["epoch"] == 4
+    for name, value in state["model_state"].items():
+        torch.testing.assert_close(resumed["model_state"][name], value, msg=name)
+
+    with pytest.raises(CheckpointError, match="self_critical phase"):
+        train("whole", 0, device="cpu", resume_from=whole)

@@ -1,0 +1,219 @@
+"""Self-critical sequence training (SCST): fine-tuning on the evaluation metric, after the paper.
+
+Beyond the paper, which trains by maximum likelihood only (Eq. 14; docs/METHOD.md, "Beyond the
+paper"). Rennie et al. (2017, "Self-critical Sequence Training for Image Captioning") fine-tune
+a likelihood-trained captioner with REINFORCE, the reward being the CIDEr-D of a caption the
+model samples itself. Here the baseline is the mean reward of the *other* captions sampled for
+the same image (Luo, 2020, "A Better Variant of Self-Critical Sequence Training"), so no greedy
+decode is needed and the advantages of one image's samples sum to zero:
+
+    ∇L = -Σ_i (r_i - mean_{j≠i} r_j) ∇ log p(w^i | a),   w^i ~ p(· | a), i = 1..n per image.
+
+The captions are drawn by :func:`sat_model.model.decoding.sample` (no dropout) and scored against
+the training references; the gradient is taken by one teacher-forced pass over the drawn
+captions (the training recurrence), also without dropout, so it is the gradient of the policy
+that drew them. Hard attention is fine-tuned along the path it decodes with at test time (the
+expected context, ``eval.hard_decode: expected``).
+
+The reward, :class:`CiderD`, is CIDEr-D as pycocoevalcap computes it (n-grams 1-4, clipped
+counts, a Gaussian length penalty with σ = 6, times 10), with two differences that every SCST
+implementation makes: the document frequencies come from the whole training corpus, computed
+once, not from the scored batch's own references; and captions are scored on vocabulary ids
+with their ``<end>`` token, so an unfinished ending ("a dog in the") loses the n-grams that a
+finished reference has. pycocoevalcap recomputes its frequencies from the references it is
+given on every call and offers no way to fix them, hence this implementation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from sat_model.data.vocab import END_ID, PAD_ID, START_ID
+from sat_model.model.decoder import ShowAttendTell
+from sat_model.model.decoding import sample
+from sat_model.model.losses import LossOutput
+from sat_model.train.batching import CaptionDataset, split_to_multiple
+
+__all__ = [
+    "CiderD",
+    "ImageBatches",
+    "SampledBatch",
+    "leave_one_out_advantages",
+    "references_by_image",
+    "self_critical_step",
+]
+
+_Vector = tuple[list[dict[tuple[int, ...], float]], list[float], int]  # per-n tf-idf, norms, length
+
+
+def _ngrams(tokens: Sequence[int], n: int) -> Counter[tuple[int, ...]]:
+    return Counter(
+        tuple(tokens[i : i + k]) for k in range(1, n + 1) for i in range(len(tokens) - k + 1)
+    )
+
+
+class CiderD:
+    """CIDEr-D of token-id captions against each image's references, with the document
+    frequencies of ``references`` (all training images), fixed at construction."""
+
+    def __init__(
+        self, references: Mapping[int, Sequence[Sequence[int]]], n: int = 4, sigma: float = 6.0
+    ) -> None:
+        if not references:
+            raise ValueError("CIDEr-D needs at least one image's references")
+        self.n, self.sigma = n, sigma
+        self.references = references
+        df: Counter[tuple[int, ...]] = Counter()
+        for refs in references.values():
+            df.update({g for ref in refs for g in _ngrams(ref, n)})  # one count per image
+        self._log_df = {g: math.log(c) for g, c in df.items()}
+        self._log_docs = math.log(len(references))
+        self._ref_vectors: dict[int, list[_Vector]] = {}
+
+    def _vector(self, tokens: Sequence[int]) -> _Vector:
+        """tf-idf per n-gram order, the orders' norms and the caption's length (pycocoevalcap's
+        ``counts2vec``: its length counts the 2-grams)."""
+        vec: list[dict[tuple[int, ...], float]] = [{} for _ in range(self.n)]
+        norm = [0.0] * self.n
+        for gram, tf in _ngrams(tokens, self.n).items():
+            k = len(gram) - 1
+            value = tf * (self._log_docs - self._log_df.get(gram, 0.0))
+            vec[k][gram] = value
+            norm[k] += value * value
+        return vec, [math.sqrt(x) for x in norm], max(len(tokens) - 1, 0)
+
+    def _similarity(self, hyp: _Vector, ref: _Vector) -> float:
+        (vh, nh, lh), (vr, nr, lr) = hyp, ref
+        penalty = math.exp(-((lh - lr) ** 2) / (2 * self.sigma**2))
+        total = 0.0
+        for k in range(self.n):
+            dot = sum(min(v, vr[k].get(g, 0.0)) * vr[k].get(g, 0.0) for g, v in vh[k].items())
+            if nh[k] != 0 and nr[k] != 0:
+                total += dot / (nh[k] * nr[k]) * penalty
+        return total / self.n
+
+    def score(self, image: int, tokens: Sequence[int]) -> float:
+        """CIDEr-D of one caption (ids, ``<end>`` included when it ended) for ``image``."""
+        refs = self._ref_vectors.get(image)
+        if refs is None:
+            refs = self._ref_vectors[image] = [self._vector(r) for r in self.references[image]]
+        hyp = self._vector(tokens)
+        return 10.0 * sum(self._similarity(hyp, r) for r in refs) / len(refs)
+
+
+def references_by_image(dataset: CaptionDataset) -> dict[int, list[tuple[int, ...]]]:
+    """Each store row's reference captions as scored ids: ``<start>`` dropped, ``<end>`` kept."""
+    refs: dict[int, list[tuple[int, ...]]] = {}
+    for row, caption in zip(dataset.image_indices.tolist(), dataset.captions, strict=True):
+        refs.setdefault(row, []).append(_scored(caption))
+    return refs
+
+
+def _scored(caption: Sequence[int]) -> tuple[int, ...]:
+    """A caption as CIDEr-D sees it: the words and ``<end>``, no ``<start>`` or padding."""
+    out = []
+    for t in caption:
+        if t == START_ID:
+            continue
+        if t == PAD_ID:
+            break
+        out.append(int(t))
+        if t == END_ID:
+            break
+    return tuple(out)
+
+
+def leave_one_out_advantages(rewards: Tensor, num_samples: int) -> Tensor:
+    """r_i - mean_{j≠i} r_j within each image's ``num_samples`` consecutive rows: (B*n,)."""
+    if num_samples < 2:
+        raise ValueError(f"the leave-one-out baseline needs >= 2 samples, got {num_samples}")
+    per_image = rewards.view(-1, num_samples)  # (B, n)
+    others = (per_image.sum(1, keepdim=True) - per_image) / (num_samples - 1)
+    return (per_image - others).view(-1)
+
+
+@dataclass(frozen=True)
+class SampledBatch:
+    """Captions a model drew for a batch of images, with their rewards (training layout)."""
+
+    annotations: Tensor  # (B*n, L, D) float32, each image's row repeated for its n samples
+    captions: Tensor  # (B*n, T+1) long: <start> w_1 .. w_k <end> <pad>..
+    advantages: Tensor  # (B*n,) float32, r_i - mean_{j≠i} r_j
+    rewards: Tensor  # (B*n,) float32, CIDEr-D
+
+    def to(self, device: torch.device | str) -> SampledBatch:
+        return SampledBatch(
+            self.annotations.to(device, non_blocking=True),
+            self.captions.to(device, non_blocking=True),
+            self.advantages.to(device, non_blocking=True),
+            self.rewards.to(device, non_blocking=True),
+        )
+
+
+class ImageBatches:
+    """One epoch of self-critical batches: every training image once, ``batch_size`` images a
+    batch in an order drawn from ``(seed, epoch)``, this rank's every ``num_replicas``-th batch
+    (halved as the caption sampler halves, so ranks step equally); each batch's captions are
+    drawn from ``model`` as it is when the batch is reached."""
+
+    def __init__(
+        self,
+        dataset: CaptionDataset,
+        model: ShowAttendTell,
+        reward: CiderD,
+        *,
+        batch_size: int,
+        num_samples: int,
+        max_length: int,
+        mode: str,
+        seed: int,
+        epoch: int,
+        rank: int = 0,
+        num_replicas: int = 1,
+    ) -> None:
+        self.dataset, self.model, self.reward = dataset, model, reward
+        self.num_samples, self.max_length, self.mode = num_samples, max_length, mode
+        images = np.array(sorted(reward.references), dtype=np.int64)
+        order = np.random.default_rng([seed, epoch, 2]).permutation(images)
+        batches = [order[i : i + batch_size].tolist() for i in range(0, order.size, batch_size)]
+        self.batches = split_to_multiple(batches, num_replicas)[rank::num_replicas]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[SampledBatch]:
+        device = next(self.model.parameters()).device
+        for rows in self.batches:
+            feats = self.dataset.store.get_batch(rows)  # (B, L, D) float16
+            annotations = torch.from_numpy(feats).to(device, torch.float32)  # (B, L, D)
+            captions = sample(self.model, annotations, self.num_samples, self.max_length, self.mode)
+            images = np.repeat(rows, self.num_samples)  # (B*n,)
+            drawn = captions.cpu().tolist()
+            rewards = torch.tensor(
+                [self.reward.score(int(i), _scored(c)) for i, c in zip(images, drawn, strict=True)]
+            )  # (B*n,)
+            yield SampledBatch(
+                annotations=annotations.repeat_interleave(self.num_samples, dim=0),
+                captions=captions,
+                advantages=leave_one_out_advantages(rewards, self.num_samples).to(device),
+                rewards=rewards.to(device),
+            )
+
+
+def self_critical_step(model: nn.Module, criterion: nn.Module, batch: SampledBatch) -> LossOutput:
+    """The teacher-forced pass over the drawn captions, without dropout (the sampling policy),
+    and the loss; ``fit``'s ``step_loss`` for self-critical epochs."""
+    model.eval()
+    try:
+        output = model(batch.annotations, batch.captions, mode="expected")
+    finally:
+        model.train()
+    out: LossOutput = criterion(output, batch.captions, batch.advantages)
+    return out

@@ -1,0 +1,159 @@
+"""Self-critical training (``sat_model.train.self_critical``): its reward, sampler, baseline and
+gradient, each against an independent account of what it should compute."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sat_model.data.vocab import END_ID, PAD_ID, START_ID
+from sat_model.model.decoding import sample
+from sat_model.model.losses import SelfCriticalLoss
+from sat_model.train.self_critical import (
+    CiderD,
+    SampledBatch,
+    leave_one_out_advantages,
+    self_critical_step,
+)
+from tests.sat_model.test_model import K, tiny_batch, tiny_model
+
+
+def _corpus(seed: int = 0) -> tuple[dict[int, list[tuple[int, ...]]], dict[int, tuple[int, ...]]]:
+    """12 images, 5 references each and one hypothesis, over a 10-word vocabulary, <end> last."""
+    rng = np.random.default_rng(seed)
+
+    def caption() -> tuple[int, ...]:
+        words = rng.integers(4, 14, size=int(rng.integers(3, 9)))
+        return (*[int(w) for w in words], END_ID)
+
+    refs = {i: [caption() for _ in range(5)] for i in range(12)}
+    # a hypothesis that shares a few references' words, so that the n-gram orders all score
+    hyps = {i: refs[i][i % 5][: 2 + i % 4] + caption() for i in range(12)}
+    return refs, hyps
+
+
+def test_cider_d_equals_pycocoevalcap_when_the_corpus_is_the_scored_set() -> None:
+    """pycocoevalcap's CIDEr-D takes its document frequencies from the references it scores; with
+    those references being the whole corpus, both must give the same score for every image."""
+    from pycocoevalcap.cider.cider import Cider
+
+    refs, hyps = _corpus()
+    words = {i: [" ".join(map(str, r)) for r in rs] for i, rs in refs.items()}
+    res = {i: [" ".join(map(str, h))] for i, h in hyps.items()}
+    _, expected = Cider().compute_score(words, res)
+    reward = CiderD(refs)
+    got = [reward.score(i, hyps[i]) for i in sorted(refs)]
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    assert max(got) > 0.5  # the hypotheses do overlap their references
+    assert reward.score(0, refs[0][0]) > max(got)  # a reference itself scores highest
+
+
+def test_cider_d_keeps_the_corpus_frequencies_for_any_batch() -> None:
+    """The frequencies are the corpus's, so an image's score does not depend on which other
+    images are scored with it (pycocoevalcap's would)."""
+    refs, hyps = _corpus(1)
+    reward = CiderD(refs)
+    alone = reward.score(3, hyps[3])
+    for i in range(12):
+        reward.score(i, hyps[i])
+    assert reward.score(3, hyps[3]) == alone
+    with pytest.raises(ValueError, match="at least one"):
+        CiderD({})
+
+
+def test_leave_one_out_advantages_subtract_the_mean_of_the_other_samples() -> None:
+    rewards = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 6.0])  # two images, three samples each
+    got = leave_one_out_advantages(rewards, 3)
+    expected = torch.tensor([1 - 2.5, 2 - 2.0, 3 - 1.5, 0 - 3.0, 0 - 3.0, 6 - 0.0])
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got.view(2, 3).sum(1), torch.zeros(2))  # zero-sum per image
+    with pytest.raises(ValueError, match=">= 2 samples"):
+        leave_one_out_advantages(rewards, 1)
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_sampled_first_words_follow_each_images_own_distribution(attention: str) -> None:
+    """4,000 draws per image: the first word's frequencies are p(y_1 | a) of that image (the
+    decoding step's softmax over every word but <pad> and <start>), within sampling error, and
+    the two images' differ."""
+    torch.manual_seed(0)
+    model = tiny_model(attention).eval()
+    with torch.no_grad():  # sharper distributions, so that the images differ clearly
+        model.out.weight.mul_(8.0)
+    annotations = tiny_batch()[0][:2]
+    n = 4000
+    captions = sample(model, annotations, n, max_length=3)
+    assert captions.shape[0] == 2 * n and (captions[:, 0] == START_ID).all()
+    state = model.init_state(annotations)
+    with torch.no_grad():
+        step = model.step(torch.full((2,), START_ID), state, "expected")
+    logits = step.logits.clone()
+    logits[:, [PAD_ID, START_ID]] = float("-inf")  # never targets, never drawn
+    probs = torch.softmax(logits, -1)  # (2, K)
+    for image in range(2):
+        first = captions[image * n : (image + 1) * n, 1]
+        freq = torch.bincount(first, minlength=K).float() / n
+        torch.testing.assert_close(freq, probs[image], atol=0.03, rtol=0)
+    assert (probs[0] - probs[1]).abs().max() > 0.1
+
+
+def test_samples_are_padded_after_their_end_and_stop_when_all_have_ended() -> None:
+    torch.manual_seed(0)
+    model = tiny_model().eval()
+    with torch.no_grad():
+        model.out.bias.zero_()
+        model.out.bias[END_ID] = 3.0  # <end> at about two draws in three
+    captions = sample(model, tiny_batch()[0], 8, max_length=12)
+    ended = False
+    for row in captions.tolist():
+        assert row[0] == START_ID
+        ends = [t for t, tok in enumerate(row) if tok == END_ID]
+        if ends:
+            assert all(tok == PAD_ID for tok in row[ends[0] + 1 :])
+            assert PAD_ID not in row[: ends[0]]
+            ended = True
+        else:
+            assert len(row) == 13 and PAD_ID not in row  # max_length words, none ended
+    assert ended
+    # every row had ended before the 12 steps ran out: the loop stopped early
+    short = sample(model, tiny_batch()[0], 2, max_length=12)
+    assert (short == END_ID).any(1).all() == (short.shape[1] < 13)
+    with pytest.raises(ValueError, match="num_samples"):
+        sample(model, tiny_batch()[0], 0, max_length=3)
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_a_self_critical_step_raises_the_better_caption_and_lowers_the_worse(
+    attention: str,
+) -> None:
+    """Two captions of one image, advantages +1 and -1: a few SGD steps on the loss raise the
+    first caption's log-probability and lower the second's, and training mode (dropout) is
+    off during the pass and back on after it."""
+    torch.manual_seed(0)
+    model = tiny_model(attention, dropout=0.5).train()
+    annotations, captions = tiny_batch()
+    batch = SampledBatch(
+        annotations=annotations[:1].repeat(2, 1, 1),
+        captions=captions[:2],
+        advantages=torch.tensor([1.0, -1.0]),
+        rewards=torch.tensor([1.0, 0.0]),
+    )
+
+    def log_probs() -> list[float]:
+        with torch.no_grad():
+            out = model.eval()(batch.annotations, batch.captions, mode="expected")
+        model.train()
+        logp = torch.log_softmax(out.logits, -1).gather(2, captions[:2, 1:, None]).squeeze(2)
+        return (logp * (captions[:2, 1:] != PAD_ID)).sum(1).tolist()
+
+    before = log_probs()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(5):
+        optimizer.zero_grad()
+        out = self_critical_step(model, SelfCriticalLoss(), batch)
+        assert model.training
+        out.loss.backward()
+        optimizer.step()
+    after = log_probs()
+    assert after[0] > before[0] + 0.5 and after[1] < before[1] - 0.5
