@@ -213,7 +213,7 @@ class _OptimFields(_Section):
     # on the CIDEr-D of captions the model draws, from the best likelihood epoch's weights
     # (sat_model/train/self_critical.py, docs/REALDATA.md)
     scst_epochs: int = Field(0, ge=0)
-    scst_lr: float = Field(5e-5, gt=0)  # a new optimiser's rate for those epochs, on lr_schedule
+    scst_lr: float = Field(5e-4, gt=0)  # a new optimiser's rate for those epochs, on lr_schedule
     scst_samples: int = Field(5, ge=2)  # captions drawn per image, each against the others' mean
     scst_batch_size: int = Field(32, ge=1)  # images a self-critical step
 
