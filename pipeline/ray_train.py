@@ -563,7 +563,8 @@ def _fit_run(
         mlflow_run_id=run_id,
         logged_params={"attention": attention, **identity.inputs["params"]},
     )
-    max_epochs = getattr(params.train, attention).max_epochs
+    cfg = getattr(params.train, attention)
+    max_epochs = cfg.max_epochs + cfg.scst_epochs  # the self-critical epochs follow on
     try:
         with (
             ray_session(params.ray, address=address),

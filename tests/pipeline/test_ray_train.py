@@ -36,6 +36,7 @@ from pipeline.ray_train import (
 from pipeline.tracking import EpochLogger, Tracking, connect, find_or_create_run
 from sat_model.config import MlflowConfig, load_params
 from sat_model.train.batching import LengthGroupedBatchSampler
+from sat_model.train.run import load_training_state
 
 # Ray workers cannot import this test module by name: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -235,25 +236,28 @@ def test_storage_path_must_be_absolute(tmp_path: Path) -> None:
 def test_train_with_ray_writes_the_model_folder_and_logs_each_epoch(
     ray_local: object, tiny_project: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    params = load_params(tiny_project / "params.yaml")
+    # two likelihood epochs, then one self-critical epoch (the Flickr8k profile's phases)
+    scst = ["train.soft.scst_epochs=1", "train.soft.scst_samples=2", "train.soft.scst_batch_size=8"]
+    params = load_params(tiny_project / "params.yaml", scst)
     outcome = train_with_ray(params, "soft", project_root=tiny_project)
     # the driver printed one progress line per epoch, the last with nothing left to run
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train ")]
-    number = r"\d+\.\d+"
+    number = r"-?\d+\.\d+"
     pattern = (
-        rf"train soft  epoch (\d)/2  loss {number}  val BLEU-4 {number}  CIDEr {number}"
+        rf"train soft  epoch (\d)/3  loss {number}  val BLEU-4 {number}  CIDEr {number}"
         rf"  \d+ captions/s  ETA (\S+)"
     )
     matches = [re.fullmatch(pattern, line) for line in lines]
     assert all(matches), lines
-    assert [(m[1], m[2]) for m in matches if m][-1] == ("2", "0s")
-    assert [m[1] for m in matches if m] == ["1", "2"]
+    assert [(m[1], m[2]) for m in matches if m][-1] == ("3", "0s")
+    assert [m[1] for m in matches if m] == ["1", "2", "3"]
     model_dir = tiny_project / "models" / "soft"
     assert outcome.model_dir == model_dir
     files = ("model.pt", "config.json", "vocab.json", "train_metrics.json", "curves.csv")
     for name in (*files, "last_state.pt"):
         assert (model_dir / name).is_file(), name
-    assert outcome.metrics["epochs"] == 2
+    assert outcome.metrics["epochs"] == 3
+    assert load_training_state(model_dir / "last_state.pt")["phase"] == "self_critical"
     assert re.fullmatch(r"sat-soft-[0-9a-f]{12}-1", outcome.run_name)
     tracking = connect(params.mlflow, tiny_project)
     run = tracking.client().get_run(outcome.mlflow_run_id)
@@ -263,12 +267,12 @@ def test_train_with_ray_writes_the_model_folder_and_logs_each_epoch(
     assert run.data.params["train.soft.max_epochs"] == "2"
     for key in ("train_loss", "val_bleu_4", "val_cider", "lr"):  # the per-epoch set
         steps = [m.step for m in tracking.client().get_metric_history(run.info.run_id, key)]
-        assert sorted(steps) == [1, 2], key
+        assert sorted(steps) == [1, 2, 3], key
     # the same identity (params, code, data, versions): a re-run trains nothing
     again = train_with_ray(params, "soft", project_root=tiny_project)
     assert (again.run_name, again.mlflow_run_id) == (outcome.run_name, outcome.mlflow_run_id)
     steps = tracking.client().get_metric_history(run.info.run_id, "train_loss")
-    assert sorted(m.step for m in steps) == [1, 2]
+    assert sorted(m.step for m in steps) == [1, 2, 3]
 
 
 # ---------------------------------------------------- the real training loop, killed mid-epoch
