@@ -602,33 +602,29 @@ def _resume(directory: Path, setup: _Setup, phases: list[_Phase]) -> tuple[Resum
         )
     index = names.index(saved)
     ended = state["epoch"] >= phases[index].max_epochs or _stopped(state, setup.cfg.patience)
+    average = None
     if ended and index + 1 < len(phases):
         # the next phase starts from the best weights with its own optimiser
+        index += 1
         _load_into(directory, setup.model, best.model_state)
-        _restore_rng(state.get("rng_state"))
-        resume = ResumeState(
-            epoch=state["epoch"],
-            best_score=state.get("best_score"),
-            best_epoch=state.get("best_epoch"),
-            best_state=best.model_state,
-        )
-        return resume, index + 1
-    phase = phases[index]
-    train_state = state.get("train_state")
-    # with a moving average, model_state is the average of train_state
-    _load_into(directory, setup.model, train_state or state["model_state"])
-    _load_into(directory, phase.criterion, state.get("criterion_state") or {})
-    if state.get("optimizer_state") is not None:
-        _load_into(directory, phase.optimizer, state["optimizer_state"])
-    if state.get("scheduler_state") is not None:
-        _load_into(directory, phase.scheduler, state["scheduler_state"])
+    else:
+        phase = phases[index]
+        train_state = state.get("train_state")
+        # with a moving average, model_state is the average of train_state
+        _load_into(directory, setup.model, train_state or state["model_state"])
+        _load_into(directory, phase.criterion, state.get("criterion_state") or {})
+        if state.get("optimizer_state") is not None:
+            _load_into(directory, phase.optimizer, state["optimizer_state"])
+        if state.get("scheduler_state") is not None:
+            _load_into(directory, phase.scheduler, state["scheduler_state"])
+        average = state["model_state"] if train_state is not None else None
     _restore_rng(state.get("rng_state"))
     resume = ResumeState(
         epoch=state["epoch"],
         best_score=state.get("best_score"),
         best_epoch=state.get("best_epoch"),
         best_state=best.model_state,
-        average_state=state["model_state"] if train_state is not None else None,
+        average_state=average,
     )
     return resume, index
 
