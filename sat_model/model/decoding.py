@@ -129,11 +129,11 @@ def _sample(
     prev = torch.full((B * n,), START_ID, dtype=torch.long, device=device)
     finished = torch.zeros(B * n, dtype=torch.bool, device=device)
     tokens = [prev]
+    never_drawn = torch.tensor([PAD_ID, START_ID], device=device)
     for _ in range(max_length):
         out = model.step(prev, state, mode)
-        logits = out.logits.float()  # (B*n, K)
         # <pad> and <start> are never targets; a drawn <pad> would read as the caption's end
-        logits[:, PAD_ID] = logits[:, START_ID] = float("-inf")
+        logits = out.logits.float().index_fill(1, never_drawn, float("-inf"))  # (B*n, K)
         probs = torch.softmax(logits, dim=-1)
         drawn = torch.multinomial(probs, 1).squeeze(1)  # (B*n,)
         prev = torch.where(finished, PAD_ID, drawn)  # after <end>: padding

@@ -353,11 +353,12 @@ def train_model(
     if resume_from is not None:
         resume, first = _resume(Path(resume_from), setup, phases)
         curves = _read_curves(Path(resume_from) / CURVES_FILE, resume.epoch)
-    validate, writer = None, None
+    validate, writers = None, []
     if rank == 0:
         validate, writer = _rank_zero(params, setup, prepared_dir, features_dir, curves, identity)
+        writers = [writer]
     for phase in phases[first:]:
-        if writer is not None:
+        for writer in writers:
             writer.phase = phase.name
         result = fit(
             setup.model,
@@ -367,7 +368,7 @@ def train_model(
             phase.batches,
             validate,
             _fit_options(params, setup, rank, log_every, phase.max_epochs),
-            [*([writer] if writer is not None else []), *callbacks],
+            [*writers, *callbacks],
             resume=resume,
             wrap_model=wrap_model,
             step_loss=phase.step_loss,
@@ -479,7 +480,6 @@ def _self_critical_phase(params: Params, setup: _Setup) -> _Phase:
     """REINFORCE on CIDEr-D (``sat_model.train.self_critical``) with a new optimiser."""
     cfg = setup.cfg
     reward = CiderD(references_by_image(setup.dataset))
-    mode = params.eval.hard_decode if setup.attention == "hard" else "expected"
     optimizer = build_optimizer(setup.model.parameters(), cfg.optimizer, cfg.scst_lr)
 
     def batches(epoch: int) -> ImageBatches:
@@ -490,7 +490,6 @@ def _self_critical_phase(params: Params, setup: _Setup) -> _Phase:
             batch_size=cfg.scst_batch_size,
             num_samples=cfg.scst_samples,
             max_length=params.train.val_max_length,
-            mode=mode,
             seed=params.train.seed,
             epoch=epoch,
             rank=setup.sampler.rank,

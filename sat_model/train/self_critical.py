@@ -12,8 +12,9 @@ decode is needed and the advantages of one image's samples sum to zero:
 The captions are drawn by :func:`sat_model.model.decoding.sample` (no dropout) and scored against
 the training references; the gradient is taken by one teacher-forced pass over the drawn
 captions (the training recurrence), also without dropout, so it is the gradient of the policy
-that drew them. Hard attention is fine-tuned along the path it decodes with at test time (the
-expected context, ``eval.hard_decode: expected``).
+that drew them. Hard attention is fine-tuned along α's expected context, the path it decodes
+with by default (``eval.hard_decode: expected``) and the only one both the drawing and the pass
+can follow: a sampled s̃ would be drawn anew by the pass.
 
 The reward, :class:`CiderD`, is CIDEr-D as pycocoevalcap computes it (n-grams 1-4, clipped
 counts, a Gaussian length penalty with σ = 6, times 10), with two differences that every SCST
@@ -141,19 +142,17 @@ def leave_one_out_advantages(rewards: Tensor, num_samples: int) -> Tensor:
 
 @dataclass(frozen=True)
 class SampledBatch:
-    """Captions a model drew for a batch of images, with their rewards (training layout)."""
+    """Captions a model drew for a batch of images, with their advantages (training layout)."""
 
     annotations: Tensor  # (B*n, L, D) float32, each image's row repeated for its n samples
     captions: Tensor  # (B*n, T+1) long: <start> w_1 .. w_k <end> <pad>..
-    advantages: Tensor  # (B*n,) float32, r_i - mean_{j≠i} r_j
-    rewards: Tensor  # (B*n,) float32, CIDEr-D
+    advantages: Tensor  # (B*n,) float32, r_i - mean_{j≠i} r_j (r: CIDEr-D)
 
     def to(self, device: torch.device | str) -> SampledBatch:
         return SampledBatch(
             self.annotations.to(device, non_blocking=True),
             self.captions.to(device, non_blocking=True),
             self.advantages.to(device, non_blocking=True),
-            self.rewards.to(device, non_blocking=True),
         )
 
 
@@ -172,14 +171,13 @@ class ImageBatches:
         batch_size: int,
         num_samples: int,
         max_length: int,
-        mode: str,
         seed: int,
         epoch: int,
         rank: int = 0,
         num_replicas: int = 1,
     ) -> None:
         self.dataset, self.model, self.reward = dataset, model, reward
-        self.num_samples, self.max_length, self.mode = num_samples, max_length, mode
+        self.num_samples, self.max_length = num_samples, max_length
         images = np.array(sorted(reward.references), dtype=np.int64)
         order = np.random.default_rng([seed, epoch, 2]).permutation(images)
         batches = [order[i : i + batch_size].tolist() for i in range(0, order.size, batch_size)]
@@ -193,7 +191,8 @@ class ImageBatches:
         for rows in self.batches:
             feats = self.dataset.store.get_batch(rows)  # (B, L, D) float16
             annotations = torch.from_numpy(feats).to(device, torch.float32)  # (B, L, D)
-            captions = sample(self.model, annotations, self.num_samples, self.max_length, self.mode)
+            # the path self_critical_step back-propagates through: α's expected context
+            captions = sample(self.model, annotations, self.num_samples, self.max_length)
             images = np.repeat(rows, self.num_samples)  # (B*n,)
             drawn = captions.cpu().tolist()
             rewards = torch.tensor(
@@ -203,7 +202,6 @@ class ImageBatches:
                 annotations=annotations.repeat_interleave(self.num_samples, dim=0),
                 captions=captions,
                 advantages=leave_one_out_advantages(rewards, self.num_samples).to(device),
-                rewards=rewards.to(device),
             )
 
 

@@ -24,7 +24,6 @@ the start of every epoch, so a run resumed at epoch k repeats the uninterrupted 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import time
@@ -245,8 +244,9 @@ def fit(
     batch)``, when given, replaces each step's ``criterion(model(batch.annotations,
     batch.captions), batch.captions)`` (self-critical batches carry their advantages).
     """
-    loop = _start(model, criterion, optimizer, scheduler, callbacks, options, resume, wrap_model)
-    loop = dataclasses.replace(loop, step_loss=step_loss)
+    loop = _start(
+        model, criterion, optimizer, scheduler, callbacks, options, resume, wrap_model, step_loss
+    )
     resumed_best = dict(resume.best_state) if resume.best_state else None
     progress = _Progress(resume.best_score, resume.best_epoch, resumed_best)
     completed, stopped_early = resume.epoch, False
@@ -281,6 +281,7 @@ def _start(
     options: FitOptions,
     resume: ResumeState,
     wrap_model: Callable[[nn.Module], nn.Module] | None,
+    step_loss: Callable[[nn.Module, nn.Module, Any], Any] | None,
 ) -> _Loop:
     """Move to the device, wrap, and set up the moving average."""
     model.to(options.device)
@@ -289,7 +290,7 @@ def _start(
     return _Loop(
         model=model,
         train_model=wrap_model(model) if wrap_model is not None else model,
-        step_loss=None,
+        step_loss=step_loss,
         eval_model=average.module if average is not None else model,
         average=average,
         criterion=criterion,

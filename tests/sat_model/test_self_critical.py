@@ -137,7 +137,6 @@ def test_a_self_critical_step_raises_the_better_caption_and_lowers_the_worse(
         annotations=annotations[:1].repeat(2, 1, 1),
         captions=captions[:2],
         advantages=torch.tensor([1.0, -1.0]),
-        rewards=torch.tensor([1.0, 0.0]),
     )
 
     def log_probs() -> list[float]:
