@@ -216,6 +216,9 @@ class _OptimFields(_Section):
     scst_lr: float = Field(5e-4, gt=0)  # a new optimiser's rate for those epochs, on lr_schedule
     scst_samples: int = Field(5, ge=2)  # captions drawn per image, each against the others' mean
     scst_batch_size: int = Field(32, ge=1)  # images a self-critical step
+    # the reward is CIDEr-D plus this times the caption's own BLEU-4 (pycocoevalcap's per-caption
+    # BLEU against its image's references; 0 = CIDEr-D alone, as Rennie et al.)
+    scst_bleu_weight: float = Field(0.0, ge=0)
 
 
 class SoftTrainConfig(_OptimFields):

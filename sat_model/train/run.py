@@ -57,8 +57,8 @@ from sat_model.train.batching import (
     mirror_draws,
 )
 from sat_model.train.self_critical import (
-    CiderD,
     ImageBatches,
+    Reward,
     references_by_image,
     self_critical_step,
 )
@@ -477,9 +477,10 @@ def _likelihood_phase(setup: _Setup) -> _Phase:
 
 
 def _self_critical_phase(params: Params, setup: _Setup) -> _Phase:
-    """REINFORCE on CIDEr-D (``sat_model.train.self_critical``) with a new optimiser."""
+    """REINFORCE on CIDEr-D, plus BLEU-4 if asked (``sat_model.train.self_critical``), with a
+    new optimiser."""
     cfg = setup.cfg
-    reward = CiderD(references_by_image(setup.dataset))
+    reward = Reward(references_by_image(setup.dataset), cfg.scst_bleu_weight)
     optimizer = build_optimizer(setup.model.parameters(), cfg.optimizer, cfg.scst_lr)
 
     def batches(epoch: int) -> ImageBatches:

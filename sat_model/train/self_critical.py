@@ -23,6 +23,12 @@ once, not from the scored batch's own references; and captions are scored on voc
 with their ``<end>`` token, so an unfinished ending ("a dog in the") loses the n-grams that a
 finished reference has. pycocoevalcap recomputes its frequencies from the references it is
 given on every call and offers no way to fix them, hence this implementation.
+
+:class:`Reward` may add the caption's own BLEU-4 to CIDEr-D (``scst_bleu_weight``): CIDEr-D
+alone shortens the captions (docs/REALDATA.md), and BLEU's brevity penalty and its precisions of
+the common n-grams pull the other way. BLEU is pycocoevalcap's own per-caption score
+(``BleuScorer``, the closest reference's length), on the words without ``<end>``, as the
+evaluation scores them.
 """
 
 from __future__ import annotations
@@ -45,10 +51,12 @@ from sat_model.train.batching import CaptionDataset, split_to_multiple
 __all__ = [
     "CiderD",
     "ImageBatches",
+    "Reward",
     "SampledBatch",
     "leave_one_out_advantages",
     "references_by_image",
     "self_critical_step",
+    "sentence_bleu_4",
 ]
 
 _Vector = tuple[list[dict[tuple[int, ...], float]], list[float], int]  # per-n tf-idf, norms, length
@@ -109,6 +117,47 @@ class CiderD:
         return 10.0 * sum(self._similarity(hyp, r) for r in refs) / len(refs)
 
 
+def sentence_bleu_4(
+    references: Sequence[Sequence[Sequence[int]]], captions: Sequence[Sequence[int]]
+) -> list[float]:
+    """pycocoevalcap's BLEU-4 of each caption (ids) against its own references (ids), the
+    words only: ``<end>`` is not a word of the evaluated captions."""
+    from pycocoevalcap.bleu.bleu_scorer import BleuScorer
+
+    def words(tokens: Sequence[int]) -> str:
+        return " ".join(str(t) for t in tokens if t != END_ID)
+
+    scorer = BleuScorer(n=4)
+    for refs, caption in zip(references, captions, strict=True):
+        scorer += (words(caption), [words(r) for r in refs])
+    _, per_caption = scorer.compute_score(option="closest")
+    return [float(b) for b in per_caption[3]]
+
+
+class Reward:
+    """The reward of drawn captions: CIDEr-D (:class:`CiderD`), plus ``bleu_weight`` times
+    their BLEU-4 (:func:`sentence_bleu_4`) when it is above 0."""
+
+    def __init__(
+        self, references: Mapping[int, Sequence[Sequence[int]]], bleu_weight: float = 0.0
+    ) -> None:
+        if bleu_weight < 0:
+            raise ValueError(f"bleu_weight must be >= 0, got {bleu_weight}")
+        self.references = references
+        self.cider = CiderD(references)
+        self.bleu_weight = bleu_weight
+
+    def __call__(self, images: Sequence[int], captions: Sequence[Sequence[int]]) -> Tensor:
+        """The rewards of ``captions`` (token ids as drawn, ``<start>`` and padding allowed),
+        ``images[i]`` being the store row of caption i: (len(captions),) float32."""
+        scored = [_scored(c) for c in captions]
+        rewards = [self.cider.score(i, c) for i, c in zip(images, scored, strict=True)]
+        if self.bleu_weight > 0:
+            bleu = sentence_bleu_4([self.references[i] for i in images], scored)
+            rewards = [r + self.bleu_weight * b for r, b in zip(rewards, bleu, strict=True)]
+        return torch.tensor(rewards, dtype=torch.float32)
+
+
 def references_by_image(dataset: CaptionDataset) -> dict[int, list[tuple[int, ...]]]:
     """Each store row's reference captions as scored ids: ``<start>`` dropped, ``<end>`` kept."""
     refs: dict[int, list[tuple[int, ...]]] = {}
@@ -146,7 +195,7 @@ class SampledBatch:
 
     annotations: Tensor  # (B*n, L, D) float32, each image's row repeated for its n samples
     captions: Tensor  # (B*n, T+1) long: <start> w_1 .. w_k <end> <pad>..
-    advantages: Tensor  # (B*n,) float32, r_i - mean_{j≠i} r_j (r: CIDEr-D)
+    advantages: Tensor  # (B*n,) float32, r_i - mean_{j≠i} r_j (r: the Reward)
 
     def to(self, device: torch.device | str) -> SampledBatch:
         return SampledBatch(
@@ -166,7 +215,7 @@ class ImageBatches:
         self,
         dataset: CaptionDataset,
         model: ShowAttendTell,
-        reward: CiderD,
+        reward: Reward,
         *,
         batch_size: int,
         num_samples: int,
@@ -193,11 +242,8 @@ class ImageBatches:
             annotations = torch.from_numpy(feats).to(device, torch.float32)  # (B, L, D)
             # the path self_critical_step back-propagates through: α's expected context
             captions = sample(self.model, annotations, self.num_samples, self.max_length)
-            images = np.repeat(rows, self.num_samples)  # (B*n,)
-            drawn = captions.cpu().tolist()
-            rewards = torch.tensor(
-                [self.reward.score(int(i), _scored(c)) for i, c in zip(images, drawn, strict=True)]
-            )  # (B*n,)
+            images = np.repeat(rows, self.num_samples).tolist()  # (B*n,)
+            rewards = self.reward(images, captions.cpu().tolist())  # (B*n,)
             yield SampledBatch(
                 annotations=annotations.repeat_interleave(self.num_samples, dim=0),
                 captions=captions,

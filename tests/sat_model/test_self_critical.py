@@ -12,9 +12,11 @@ from sat_model.model.decoding import sample
 from sat_model.model.losses import SelfCriticalLoss
 from sat_model.train.self_critical import (
     CiderD,
+    Reward,
     SampledBatch,
     leave_one_out_advantages,
     self_critical_step,
+    sentence_bleu_4,
 )
 from tests.sat_model.test_model import K, tiny_batch, tiny_model
 
@@ -60,6 +62,51 @@ def test_cider_d_keeps_the_corpus_frequencies_for_any_batch() -> None:
     assert reward.score(3, hyps[3]) == alone
     with pytest.raises(ValueError, match="at least one"):
         CiderD({})
+
+
+def test_sentence_bleu_4_by_hand() -> None:
+    """All four n-gram precisions 1 and 5 words against the closest reference's 6: BLEU-4 is
+    the brevity penalty exp(1 - 6/5); a reference itself scores 1; <end> is not a word."""
+    refs = [(5, 6, 7, 8, 9, 10, END_ID), (11, 12, END_ID)]
+    got = sentence_bleu_4([refs, refs, refs], [(5, 6, 7, 8, 9, END_ID), refs[0], (5, 6, 7, 8, 9)])
+    np.testing.assert_allclose(got, [np.exp(1 - 6 / 5), 1.0, np.exp(1 - 6 / 5)], rtol=1e-6)
+    # one word of two matches and no 2-gram: the 4-gram score is pycocoevalcap's ~0
+    assert sentence_bleu_4([refs], [(11, 4, END_ID)])[0] < 1e-3
+
+
+def test_sentence_bleu_4_equals_pycocoevalcap_per_caption_on_word_strings() -> None:
+    from pycocoevalcap.bleu.bleu import Bleu
+
+    refs, hyps = _corpus(2)
+
+    def words(tokens: tuple[int, ...]) -> str:
+        return " ".join(f"w{t}" for t in tokens if t != END_ID)
+
+    gts = {i: [words(r) for r in rs] for i, rs in refs.items()}
+    res = {i: [words(h)] for i, h in hyps.items()}
+    _, expected = Bleu(4).compute_score(gts, res, verbose=0)
+    got = sentence_bleu_4([refs[i] for i in sorted(refs)], [hyps[i] for i in sorted(refs)])
+    np.testing.assert_allclose(got, expected[3], rtol=1e-12)
+    assert max(got) > 0.1
+
+
+def test_the_reward_adds_the_weighted_bleu_4_to_cider_d() -> None:
+    """Captions as drawn (<start>, padding after <end>) are scored on their words and <end>."""
+    refs, hyps = _corpus(3)
+    images = [0, 0, 5, 7]
+    longest = max(refs[0], key=len)  # 4 words or more: it has a 4-gram to match
+    assert len(longest) > 4
+    words = [hyps[0], longest, hyps[5], hyps[7]]  # each ends with <end>
+    drawn = [(START_ID, *w, *[PAD_ID] * k) for k, w in enumerate(words)]
+    cider = CiderD(refs)
+    plain = torch.tensor([cider.score(i, w) for i, w in zip(images, words, strict=True)])
+    bleu = torch.tensor(sentence_bleu_4([refs[i] for i in images], words))
+    torch.testing.assert_close(Reward(refs)(images, drawn), plain)
+    torch.testing.assert_close(Reward(refs, bleu_weight=0.5)(images, drawn), plain + 0.5 * bleu)
+    assert bleu[1].item() == pytest.approx(1.0)  # a reference drawn word for word
+    assert bleu.min() < bleu.max() < 2 * bleu.max()  # the captions' BLEU-4 differ
+    with pytest.raises(ValueError, match="bleu_weight"):
+        Reward(refs, bleu_weight=-1.0)
 
 
 def test_leave_one_out_advantages_subtract_the_mean_of_the_other_samples() -> None:

@@ -539,7 +539,7 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
     """`scst_epochs` adds self-critical epochs after `max_epochs`, from the best likelihood
     epoch, at `scst_lr`; a run killed in them resumes in them and ends where the uninterrupted
     run ends; a likelihood run that had finished goes on into them; a self-critical state is
-    refused by a run without them."""
+    refused by a run without them; `scst_bleu_weight` reaches the reward."""
     import csv
     import json
 
@@ -550,8 +550,9 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
     prepared, features = write_tiny_run(tmp_path)
     (tmp_path / "params.yaml").write_text("{}\n")
 
-    def train(name: str, scst_epochs: int, **kwargs: object) -> Path:
-        params = load_params(tmp_path / "params.yaml", _scst_overrides(2, scst_epochs))
+    def train(name: str, scst_epochs: int, extra: tuple[str, ...] = (), **kwargs: object) -> Path:
+        overrides = [*_scst_overrides(2, scst_epochs), *extra]
+        params = load_params(tmp_path / "params.yaml", overrides)
         run.train_model(params, "soft", prepared, features, tmp_path / name, **kwargs)
         return tmp_path / name / "soft"
 
@@ -568,6 +569,14 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
     assert best.epoch == 1
     moved = [not torch.equal(best.model_state[k], v) for k, v in state["model_state"].items()]
     assert sum(moved) > len(moved) // 2
+
+    # BLEU-4 in the reward changes the self-critical gradient, not the likelihood epochs
+    mixed = train("mixed", 2, ("train.soft.scst_bleu_weight=1.0",), device="cpu")
+    mixed_state = run.load_training_state(mixed / run.LAST_STATE_FILE)["model_state"]
+    assert any(not torch.equal(mixed_state[k], v) for k, v in state["model_state"].items())
+    assert load_checkpoint(mixed).epoch == 1
+    for name, value in best.model_state.items():
+        torch.testing.assert_close(load_checkpoint(mixed).model_state[name], value, msg=name)
 
     with pytest.raises(_Killed):
         train("killed", 2, device="cpu", callbacks=[_KillAfter(3)])
