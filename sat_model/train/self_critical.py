@@ -143,9 +143,13 @@ class Reward:
     ) -> None:
         if bleu_weight < 0:
             raise ValueError(f"bleu_weight must be >= 0, got {bleu_weight}")
-        self.references = references
         self.cider = CiderD(references)
         self.bleu_weight = bleu_weight
+
+    @property
+    def references(self) -> Mapping[int, Sequence[Sequence[int]]]:
+        """Each training image's references (ids), the ones CIDEr-D holds."""
+        return self.cider.references
 
     def __call__(self, images: Sequence[int], captions: Sequence[Sequence[int]]) -> Tensor:
         """The rewards of ``captions`` (token ids as drawn, ``<start>`` and padding allowed),

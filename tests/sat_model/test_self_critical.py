@@ -104,7 +104,7 @@ def test_the_reward_adds_the_weighted_bleu_4_to_cider_d() -> None:
     torch.testing.assert_close(Reward(refs)(images, drawn), plain)
     torch.testing.assert_close(Reward(refs, bleu_weight=0.5)(images, drawn), plain + 0.5 * bleu)
     assert bleu[1].item() == pytest.approx(1.0)  # a reference drawn word for word
-    assert bleu.min() < bleu.max() < 2 * bleu.max()  # the captions' BLEU-4 differ
+    assert 0 <= bleu.min() < bleu.max()  # the captions' BLEU-4 differ
     with pytest.raises(ValueError, match="bleu_weight"):
         Reward(refs, bleu_weight=-1.0)
 
