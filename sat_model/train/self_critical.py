@@ -29,6 +29,11 @@ alone shortens the captions (docs/REALDATA.md), and BLEU's brevity penalty and i
 the common n-grams pull the other way. BLEU is pycocoevalcap's own per-caption score
 (``BleuScorer``, the closest reference's length), on the words without ``<end>``, as the
 evaluation scores them.
+
+A drawn ``<unk>`` matches nothing, as in the evaluation: there the references are the words
+themselves, and the rare word that a training reference holds as ``<unk>`` is never the string
+"<unk>". Scored on ids, a drawn ``<unk>`` would match every reference ``<unk>`` and be rewarded
+for a word the evaluation counts wrong.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from sat_model.data.vocab import END_ID, PAD_ID, START_ID
+from sat_model.data.vocab import END_ID, PAD_ID, START_ID, UNK_ID
 from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.decoding import sample
 from sat_model.model.losses import LossOutput
@@ -59,6 +64,7 @@ __all__ = [
     "sentence_bleu_4",
 ]
 
+_NO_MATCH = -1  # what a drawn <unk> becomes: an id that no reference holds
 _Vector = tuple[list[dict[tuple[int, ...], float]], list[float], int]  # per-n tf-idf, norms, length
 
 
@@ -153,8 +159,9 @@ class Reward:
 
     def __call__(self, images: Sequence[int], captions: Sequence[Sequence[int]]) -> Tensor:
         """The rewards of ``captions`` (token ids as drawn, ``<start>`` and padding allowed),
-        ``images[i]`` being the store row of caption i: (len(captions),) float32."""
-        scored = [_scored(c) for c in captions]
+        ``images[i]`` being the store row of caption i: (len(captions),) float32. A drawn
+        ``<unk>`` matches no reference word (the module's docstring says why)."""
+        scored = [tuple(_NO_MATCH if t == UNK_ID else t for t in _scored(c)) for c in captions]
         rewards = [self.cider.score(i, c) for i, c in zip(images, scored, strict=True)]
         if self.bleu_weight > 0:
             bleu = sentence_bleu_4([self.references[i] for i in images], scored)

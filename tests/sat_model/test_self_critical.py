@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from sat_model.data.vocab import END_ID, PAD_ID, START_ID
+from sat_model.data.vocab import END_ID, PAD_ID, START_ID, UNK_ID
 from sat_model.model.decoding import sample
 from sat_model.model.losses import SelfCriticalLoss
 from sat_model.train.self_critical import (
@@ -107,6 +107,23 @@ def test_the_reward_adds_the_weighted_bleu_4_to_cider_d() -> None:
     assert 0 <= bleu.min() < bleu.max()  # the captions' BLEU-4 differ
     with pytest.raises(ValueError, match="bleu_weight"):
         Reward(refs, bleu_weight=-1.0)
+
+
+def test_a_drawn_unk_matches_no_reference_unk() -> None:
+    """The evaluation scores words, and a reference's rare word is never "<unk>": a drawn <unk>
+    must score as a word that no reference holds, not as a match of the references' <unk>."""
+    refs, _ = _corpus(4)
+    refs[0] = [(4, 5, UNK_ID, 6, 7, END_ID)] * 2 + refs[0][2:]  # a rare word, held as <unk>
+    absent = 99  # in no reference of the corpus
+    assert all(absent not in r for rs in refs.values() for r in rs)
+    drawn, stranger = [(START_ID, 4, 5, w, 6, 7, END_ID) for w in (UNK_ID, absent)]
+    for weight in (0.0, 1.0):
+        reward = Reward(refs, bleu_weight=weight)
+        torch.testing.assert_close(reward([0], [drawn]), reward([0], [stranger]))
+    # scored on ids, the <unk> would have matched two references word for word
+    reward = Reward(refs, bleu_weight=1.0)
+    as_ids = CiderD(refs).score(0, drawn[1:]) + sentence_bleu_4([refs[0]], [drawn[1:]])[0]
+    assert as_ids > reward([0], [drawn]).item() + 1.0
 
 
 def test_leave_one_out_advantages_subtract_the_mean_of_the_other_samples() -> None:
