@@ -11,7 +11,10 @@ prints them, one line per epoch::
 Both validation scores are shown, since ``train.monitor`` picks the shipped epoch by either.
 Throughput is the captions every rank trained on, summed, over the slowest rank's training
 seconds (validation excluded); the ETA is the epochs still allowed by ``max_epochs`` times the
-mean epoch time so far (early stopping may end the run sooner). In a Ray Job the driver's
+mean epoch time so far, each phase's own: a self-critical epoch (``scst_epochs``, after the
+likelihood ones) draws and scores captions and takes about twice a likelihood epoch, so until
+one has been timed the line counts them instead (``ETA 6m40s + 10 self-critical epochs``).
+Early stopping may end the run sooner. In a Ray Job the driver's
 output is the job's log, so the lines reach ``sat ... --address`` too.
 
 :func:`trial_table` is the Tune counterpart, a Tune callback on the driver: a header, then one
@@ -36,6 +39,7 @@ __all__ = [
     "epoch_progress",
     "format_duration",
     "format_epoch_line",
+    "remaining_time",
     "trial_table",
 ]
 
@@ -89,11 +93,36 @@ def format_duration(seconds: float) -> str:
     return f"{s}s"
 
 
-def format_epoch_line(label: str, report: EpochReport, max_epochs: int, eta_s: float) -> str:
+def remaining_time(
+    reports: Sequence[EpochReport], max_epochs: int, likelihood_epochs: int | None = None
+) -> tuple[float, int]:
+    """(seconds, untimed): the epochs after the last report, each at its phase's mean epoch
+    time so far, and the self-critical epochs left when none has been timed yet. Epochs after
+    ``likelihood_epochs`` (default: all of them are likelihood epochs) are self-critical."""
+    boundary = max_epochs if likelihood_epochs is None else likelihood_epochs
+    last = reports[-1].epoch
+    seconds, untimed = 0.0, 0
+    for first, end in ((1, boundary), (boundary + 1, max_epochs)):
+        left = max(end - max(last, first - 1), 0)
+        timed = [r.seconds for r in reports if first <= r.epoch <= end]
+        if timed:
+            seconds += left * sum(timed) / len(timed)
+        else:  # a phase with no report so far is all ahead: the self-critical one
+            untimed = left
+    return seconds, untimed
+
+
+def format_epoch_line(
+    label: str, report: EpochReport, max_epochs: int, eta_s: float, untimed: int = 0
+) -> str:
+    """The line of one epoch; ``untimed``: self-critical epochs left that ``eta_s`` lacks."""
     bleu, cider = ("-" if v is None else f"{v:.4f}" for v in (report.val_bleu_4, report.val_cider))
+    eta = [format_duration(eta_s)] if eta_s > 0 or not untimed else []
+    if untimed:
+        eta.append(f"{untimed} self-critical epoch{'s' if untimed > 1 else ''}")
     return (
         f"{label}  epoch {report.epoch}/{max_epochs}  loss {report.loss:.3f}  val BLEU-4 {bleu}"
-        f"  CIDEr {cider}  {report.captions_per_s:.0f} captions/s  ETA {format_duration(eta_s)}"
+        f"  CIDEr {cider}  {report.captions_per_s:.0f} captions/s  ETA {' + '.join(eta)}"
     )
 
 
@@ -126,10 +155,15 @@ class EpochProgress:
 
 @contextlib.contextmanager
 def epoch_progress(
-    label: str, max_epochs: int, *, out: TextIO | None = None
+    label: str,
+    max_epochs: int,
+    *,
+    likelihood_epochs: int | None = None,
+    out: TextIO | None = None,
 ) -> Iterator[EpochProgress]:
     """Print one line per epoch of the Ray Train run(s) fitted in the block with
-    ``callbacks=[progress.callback]``; Ray must be initialised. ``out``: default stderr."""
+    ``callbacks=[progress.callback]``; Ray must be initialised. ``likelihood_epochs``: where
+    the self-critical epochs begin (:func:`remaining_time`). ``out``: default stderr."""
     import ray
     from ray.exceptions import RayActorError
     from ray.util.queue import Queue
@@ -149,9 +183,8 @@ def epoch_progress(
         while (metrics := queue.get()) is not None:
             report = EpochReport.from_ranks(metrics)
             progress.reports.append(report)
-            mean = sum(r.seconds for r in progress.reports) / len(progress.reports)
-            eta = mean * max(max_epochs - report.epoch, 0)
-            line = format_epoch_line(label, report, max_epochs, eta)
+            eta, untimed = remaining_time(progress.reports, max_epochs, likelihood_epochs)
+            line = format_epoch_line(label, report, max_epochs, eta, untimed)
             print(line, file=out or sys.stderr, flush=True)
 
     thread = threading.Thread(target=pump, name="sat-epoch-progress", daemon=True)

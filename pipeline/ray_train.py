@@ -568,7 +568,9 @@ def _fit_run(
     try:
         with (
             ray_session(params.ray, address=address),
-            epoch_progress(f"train {attention}", max_epochs) as progress,
+            epoch_progress(
+                f"train {attention}", max_epochs, likelihood_epochs=cfg.max_epochs
+            ) as progress,
         ):
             outcome = fit_on_ray(
                 sat_train_fn,

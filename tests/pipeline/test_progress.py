@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.progress import EpochReport, format_duration, format_epoch_line
+from pipeline.progress import EpochReport, format_duration, format_epoch_line, remaining_time
 
 
 def _rank(captions: int, train_s: float, epoch_s: float, loss: float, **val: float) -> dict:
@@ -45,3 +45,30 @@ def test_an_epoch_without_validation_shows_a_dash() -> None:
 )
 def test_durations_read_at_the_etas_resolution(seconds: float, text: str) -> None:
     assert format_duration(seconds) == text
+
+
+def _epoch(epoch: int, seconds: float) -> EpochReport:
+    return EpochReport(epoch, 1.0, None, None, 100, seconds, seconds)
+
+
+def test_the_eta_counts_the_self_critical_epochs_until_one_is_timed() -> None:
+    # the Flickr8k profile: 5 likelihood epochs (~100 s here), then 10 self-critical (~200 s)
+    likelihood = [_epoch(e, 100.0) for e in (1, 2, 3)]
+    assert remaining_time(likelihood, 15, likelihood_epochs=5) == (200.0, 10)
+    line = format_epoch_line("train soft", likelihood[-1], 15, 200.0, 10)
+    assert line.endswith("ETA 3m20s + 10 self-critical epochs")
+    at_the_boundary = [*likelihood, _epoch(4, 100.0), _epoch(5, 100.0)]
+    assert remaining_time(at_the_boundary, 15, likelihood_epochs=5) == (0.0, 10)
+    assert format_epoch_line("t", at_the_boundary[-1], 15, 0.0, 10).endswith(
+        "ETA 10 self-critical epochs"
+    )
+    # once one is timed, the rest go at the self-critical mean, not the whole run's
+    critical = [*at_the_boundary, _epoch(6, 190.0), _epoch(7, 210.0)]
+    assert remaining_time(critical, 15, likelihood_epochs=5) == (8 * 200.0, 0)
+
+
+def test_without_self_critical_epochs_the_eta_is_the_mean_epoch_times_the_epochs_left() -> None:
+    reports = [_epoch(1, 90.0), _epoch(2, 110.0)]
+    assert remaining_time(reports, 10) == (800.0, 0)
+    assert remaining_time(reports, 10, likelihood_epochs=10) == (800.0, 0)
+    assert format_epoch_line("t", reports[-1], 10, 800.0).endswith("ETA 13m20s")
