@@ -104,6 +104,7 @@ def _stage_rate(
         encoder,
         resize=cfg.resize,
         crop=cfg.crop,
+        keep_aspect=cfg.keep_aspect,
         batch_size=batch_size,
         num_workers=workers,
         max_image_pixels=50_000_000,
@@ -120,7 +121,14 @@ def _throughput(
     items = read_image_table(table, _root(table))["train"]
     images = torch.stack(
         [
-            preprocess(load_image(i.path, min_side=cfg.resize), cfg.resize, cfg.crop, d.mean, d.std)
+            preprocess(
+                load_image(i.path, min_side=cfg.resize),
+                cfg.resize,
+                cfg.crop,
+                d.mean,
+                d.std,
+                cfg.keep_aspect,
+            )
             for i in items
         ]
     )  # (N, 3, S, S): pre-decoded, so forward-only pays no decoding
@@ -231,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 "load_average_at_start": os.getloadavg(),
             },
             "image_source": source,
-            "encoder": cfg.model_dump(include={"name", "layer", "resize", "crop"}),
+            "encoder": cfg.model_dump(include={"name", "layer", "resize", "crop", "keep_aspect"}),
             "batch_size": args.batch_size,
             "throughput": _throughput(table, work, cfg, args.batch_size, configs, args.rounds),
         }

@@ -112,7 +112,10 @@ class SatCaptionerModel(PythonModel):
             for i in range(start, min(start + step, len(values))):
                 try:
                     batch[i] = decode_request_image(
-                        values[i], self.image_limits, side=self.captioner.resize
+                        values[i],
+                        self.image_limits,
+                        side=self.captioner.resize,
+                        keep_aspect=self.captioner.keep_aspect,
                     )
                 except ImageError as e:
                     errors[i] = f"row {i}: {e.reason}"

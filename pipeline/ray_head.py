@@ -8,6 +8,13 @@ stage (README, "Timings"). The head is ``ray start --head --block`` on loopback,
 stopped by that group's id when the command ends, fails or is interrupted (SIGINT, SIGTERM,
 SIGHUP), never with ``ray stop`` (which would stop every Ray on the machine).
 
+The head runs with token authentication (``RAY_AUTH_MODE=token``, as do the command's drivers).
+``ray start`` turns it on only when a token exists already (``RAY_AUTH_TOKEN``,
+``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``); on a machine that has never run Ray there is
+none, the head would start without authentication and every stage's driver would be refused. So
+a missing token is created first, by ``ray get-auth-token --generate`` (readable by its owner
+only).
+
 When an address is already given (``RAY_ADDRESS`` or ``ray.address``) nothing is started: the
 command runs against that cluster as it would without this wrapper.
 """
@@ -22,7 +29,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -79,6 +86,42 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=10)
 
 
+def _ray_cli() -> str:
+    ray = Path(sys.executable).with_name("ray")
+    return str(ray if ray.exists() else "ray")
+
+
+def _token_file(env: Mapping[str, str]) -> Path:
+    """Where Ray looks for the token when ``RAY_AUTH_TOKEN`` is not set (its own order)."""
+    given = env.get("RAY_AUTH_TOKEN_PATH")
+    return (
+        Path(given).expanduser()
+        if given
+        else Path(env.get("HOME", "~")).expanduser() / ".ray/auth_token"
+    )
+
+
+def _ensure_auth_token(env: Mapping[str, str]) -> None:
+    """Create Ray's authentication token when none exists (module docstring)."""
+    token_file = _token_file(env)
+    if env.get("RAY_AUTH_TOKEN") or token_file.is_file():
+        return
+    result = subprocess.run(
+        [_ray_cli(), "get-auth-token", "--generate"],
+        env=dict(env),
+        stdout=subprocess.DEVNULL,  # the token itself: never printed
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    if result.returncode != 0 or not token_file.is_file():
+        raise RayHeadError(
+            f"could not create a Ray authentication token at {token_file}: "
+            f"{result.stderr.strip()[-500:]}"
+        )
+    token_file.chmod(0o600)
+    print(f"ray_head: created Ray's authentication token, {token_file} (owner only)", flush=True)
+
+
 def _wait_until_up(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
     deadline = time.monotonic() + _START_TIMEOUT_S
     while not _port_open(port):  # the GCS port answers once the head is up
@@ -96,9 +139,10 @@ def ray_head(num_cpus: int, temp_root: Path | None = None) -> Iterator[str]:
     temp_dir = (temp_root or Path("/tmp")) / f"sat-ray-{port}"
     temp_dir.mkdir(parents=True, exist_ok=True)
     log = temp_dir / "head.log"
-    ray = Path(sys.executable).with_name("ray")
+    env = {**loopback_env(), "RAY_AUTH_MODE": "token"}
+    _ensure_auth_token(env)
     cmd = [
-        str(ray if ray.exists() else "ray"),
+        _ray_cli(),
         "start",
         "--head",
         "--block",
@@ -111,7 +155,7 @@ def ray_head(num_cpus: int, temp_root: Path | None = None) -> Iterator[str]:
     ]
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            cmd, env=loopback_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
         _wait_until_up(proc, port, log)
@@ -135,7 +179,7 @@ def run_with_head(command: Sequence[str], num_cpus: int, address: str | None) ->
     started = time.perf_counter()
     with ray_head(num_cpus) as head:
         print(f"ray_head: Ray head on {head} ({time.perf_counter() - started:.1f} s)", flush=True)
-        env.update(RAY_ADDRESS=head, RAY_AUTH_MODE="token")  # `ray start` turns token auth on
+        env.update(RAY_ADDRESS=head, RAY_AUTH_MODE="token")  # as the head runs
         code = subprocess.run(list(command), env=env).returncode
         stopping = time.perf_counter()
     print(f"ray_head: Ray head stopped ({time.perf_counter() - stopping:.1f} s)", flush=True)

@@ -6,7 +6,8 @@ annotation size.
 Used by ``sat caption`` and by the MLflow pyfunc model. A model folder (``models/soft``) holds
 everything needed: ``model.pt``, ``vocab.json`` and ``config.json``, whose ``encoder`` section
 describes the frozen encoder the features came from (the feature store's metadata, or
-``EncoderDescription`` fields, plus ``resize``: when absent, the paper's 256/224 ratio). The
+``EncoderDescription`` fields, plus ``resize`` and ``keep_aspect``: when absent, the paper's
+256/224 ratio and the shorter side). The
 encoder is rebuilt from that description with :func:`sat_model.features.encoders.build_encoder` (its
 weights come from installed packages, never from the model folder), and its weights checksum
 must match the one recorded: the decoder never reads features of another network.
@@ -101,10 +102,12 @@ def find_image_files(inputs: Iterable[str | Path]) -> list[Path]:
 
 @dataclass(frozen=True)
 class RecordedEncoder:
-    """The encoder a model folder was trained on: its stored description and ``resize``."""
+    """The encoder a model folder was trained on: its stored description, ``resize`` and
+    ``keep_aspect`` (the photos' preprocessing, ``encoder`` params)."""
 
     meta: FeatureMeta
     resize: int
+    keep_aspect: bool = True
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], source: str | Path) -> RecordedEncoder:
@@ -118,7 +121,10 @@ class RecordedEncoder:
         except ValueError as e:
             raise EncoderError(f"{source}: config.json 'encoder' is invalid: {e}") from e
         resize = int(enc.get("resize") or round(meta.input_size * _DEFAULT_RESIZE_RATIO))
-        return cls(meta, resize)
+        keep_aspect = enc.get("keep_aspect", True)
+        if not isinstance(keep_aspect, bool):
+            raise EncoderError(f"{source}: config.json 'encoder' keep_aspect is not true/false")
+        return cls(meta, resize, keep_aspect)
 
     def build(self, weights: str | Path | None = None) -> Encoder:
         """Rebuild the encoder; its weights must be the ones recorded."""
@@ -172,6 +178,7 @@ class Captioner:
         encoder: Encoder,
         *,
         resize: int,
+        keep_aspect: bool = True,
         beam_size: int = 3,
         max_length: int = 20,
         length_normalization: bool = True,
@@ -183,6 +190,7 @@ class Captioner:
         self.vocab = vocab
         self.encoder = encoder.to(device).eval()
         self.resize = resize
+        self.keep_aspect = keep_aspect
         self.beam_size = beam_size
         self.max_length = max_length
         self.length_normalization = length_normalization
@@ -209,7 +217,15 @@ class Captioner:
                 f"{model_dir}: encoder gives L={encoder.description.num_locations} locations, "
                 f"the model expects {model.config.num_locations}"
             )
-        return cls(model, vocab, encoder, resize=recorded.resize, device=device, **options)
+        return cls(
+            model,
+            vocab,
+            encoder,
+            resize=recorded.resize,
+            keep_aspect=recorded.keep_aspect,
+            device=device,
+            **options,
+        )
 
     @property
     def crop_size(self) -> int:
@@ -282,7 +298,8 @@ class Captioner:
 
     def _preprocess(self, image: Image.Image) -> torch.Tensor:
         d = self.encoder.description
-        return preprocess(image.convert("RGB"), self.resize, d.input_size, d.mean, d.std)
+        rgb = image.convert("RGB")
+        return preprocess(rgb, self.resize, d.input_size, d.mean, d.std, self.keep_aspect)
 
     def _caption_batch(
         self,
@@ -307,7 +324,7 @@ class Captioner:
         out = []
         for image, caption in zip(images, captions, strict=True):
             words, alphas = caption.words(self.vocab)
-            crop = centre_crop(image, self.resize, d.input_size)
+            crop = centre_crop(image, self.resize, d.input_size, self.keep_aspect)
             out.append(ImageCaption(words, alphas, float(caption.score), crop, d.grid_h, d.grid_w))
         return out
 

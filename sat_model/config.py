@@ -158,6 +158,8 @@ class EncoderConfig(_Section):
     weights: str | None = None
     resize: int = Field(256, ge=32)  # shorter side, paper: 256
     crop: int = Field(224, ge=32)  # centre crop, paper: 224
+    # false: both sides to `resize` (aspect not kept), as the photos of a squeezed dataset were
+    keep_aspect: bool = True
     batch_size: int = Field(32, ge=1)
     num_workers: int = Field(2, ge=0)  # DataLoader decoding workers
     engine: Literal["local", "ray"] = "local"

@@ -29,6 +29,7 @@ def write_tiny_model(
     words: Sequence[str] = ("a", "red", "circle"),
     crop: int = 64,
     resize: int | None = None,
+    keep_aspect: bool | None = None,
     attention: str = "soft",
     seed: int = 0,
     real_words_only: bool = True,
@@ -38,7 +39,7 @@ def write_tiny_model(
 
     ``real_words_only``: the output bias rules out every special token, so each caption is
     ``max_length`` real words. ``config.json`` records the encoder (resize default
-    ``crop * 9 / 8``) or ``encoder_section`` as given.
+    ``crop * 9 / 8``; ``keep_aspect`` only when given) or ``encoder_section`` as given.
     """
     torch.manual_seed(seed)
     vocab = Vocab((*SPECIALS, *words), 1, 100, 20)
@@ -54,6 +55,8 @@ def write_tiny_model(
         with torch.no_grad():
             model.out.bias[: len(SPECIALS)] = -1e4
     section = encoder_section or {**d.to_dict(), "resize": resize or crop * 9 // 8}
+    if keep_aspect is not None:
+        section = {**section, "keep_aspect": keep_aspect}
     save_checkpoint(
         directory,
         model_config=model.config,

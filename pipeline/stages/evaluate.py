@@ -146,6 +146,7 @@ def _evaluate(ctx: StageContext, model: str, attention: str, split: str, out_dir
             beam_size=ev.beam_size,
             max_length=ev.max_length,
             resize=params.encoder.resize,
+            keep_aspect=params.encoder.keep_aspect,
             length_normalization=ev.length_normalization,
             hard_decode=ev.hard_decode,
             batch_size=ev.batch_size,
@@ -184,6 +185,7 @@ def _gallery(
         grid_w=grid_w,
         resize=ctx.params.encoder.resize,
         crop=crop,
+        keep_aspect=ctx.params.encoder.keep_aspect,
         title=f"{attention} attention, {split} split",
     )
 

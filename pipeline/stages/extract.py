@@ -60,6 +60,7 @@ def run_extract(params: Params, root: Path, progress: bool = True) -> ExtractRep
         encoder=encoder,
         resize=cfg.resize,
         crop=cfg.crop,
+        keep_aspect=cfg.keep_aspect,
         batch_size=cfg.batch_size,
         num_workers=cfg.num_workers,
         max_image_pixels=cfg.max_image_pixels,

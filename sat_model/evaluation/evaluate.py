@@ -162,6 +162,7 @@ def _grounding(
     grid_w: int,
     resize: int,
     crop: int,
+    keep_aspect: bool,
 ) -> PointingResult | None:
     samples = []
     for c in captions:
@@ -174,7 +175,9 @@ def _grounding(
         )
     if not samples:  # the source has no boxes: grounding is not measured
         return None
-    return pointing_accuracy(samples, grid_h=grid_h, grid_w=grid_w, resize=resize, crop=crop)
+    return pointing_accuracy(
+        samples, grid_h=grid_h, grid_w=grid_w, resize=resize, crop=crop, keep_aspect=keep_aspect
+    )
 
 
 def evaluate_model(
@@ -187,6 +190,7 @@ def evaluate_model(
     beam_size: int,
     max_length: int,
     resize: int,
+    keep_aspect: bool = True,
     length_normalization: bool = True,
     hard_decode: str = "expected",
     batch_size: int = 64,
@@ -230,6 +234,7 @@ def evaluate_model(
         grid_w=meta.grid_w,
         resize=resize,
         crop=meta.input_size,
+        keep_aspect=keep_aspect,
     )
     if grounding is not None:
         scores["pointing_words"] = float(grounding.total)
@@ -266,6 +271,7 @@ def write_attention_gallery(
     resize: int,
     crop: int,
     title: str,
+    keep_aspect: bool = True,
 ) -> tuple[Path, list[dict[str, str]]]:
     """Per-word overlays and ``index.html`` for the first ``count`` captions (by image id).
 
@@ -286,7 +292,7 @@ def write_attention_gallery(
             skipped.append({"item": c.image_id, "reason": record.refused})
             continue
         try:
-            photo = centre_crop(load_image(record.path), resize, crop)
+            photo = centre_crop(load_image(record.path), resize, crop, keep_aspect)
         except ImageError as e:
             skipped.append({"item": c.image_id, "reason": e.reason})
             continue

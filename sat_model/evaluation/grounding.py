@@ -67,18 +67,22 @@ class PointingResult:
         return self.hits / self.total if self.total else float("nan")
 
 
-def crop_geometry(width: int, height: int, resize: int, crop: int) -> CropGeometry:
+def crop_geometry(
+    width: int, height: int, resize: int, crop: int, keep_aspect: bool = True
+) -> CropGeometry:
     """The resize-shorter-side-then-centre-crop transform, computed as torchvision does it.
 
     ``Resize(resize)`` sets the short side to ``resize`` and the long side to
     ``int(resize * long / short)`` (truncated); ``CenterCrop(crop)`` offsets by
-    ``int(round((size - crop) / 2))``.
+    ``int(round((size - crop) / 2))``. Without ``keep_aspect`` both sides go to ``resize``.
     """
     if width <= 0 or height <= 0:
         raise ValueError(f"image size must be positive, got {width}x{height}")
     if crop > resize:
         raise ValueError(f"crop {crop} is larger than the resized short side {resize}")
-    if width <= height:
+    if not keep_aspect:
+        new_w = new_h = resize
+    elif width <= height:
         new_w, new_h = resize, int(resize * height / width)
     else:
         new_w, new_h = int(resize * width / height), resize
@@ -124,6 +128,7 @@ def pointing_accuracy(
     grid_w: int,
     resize: int,
     crop: int,
+    keep_aspect: bool = True,
 ) -> PointingResult:
     """Share of object-naming words whose α peak lies on the named object.
 
@@ -134,7 +139,7 @@ def pointing_accuracy(
     for sample in samples:
         if len(sample.targets) != len(sample.alphas):
             raise ValueError(f"{len(sample.targets)} word targets but {len(sample.alphas)} α rows")
-        geometry = crop_geometry(sample.width, sample.height, resize, crop)
+        geometry = crop_geometry(sample.width, sample.height, resize, crop, keep_aspect)
         for t, target in enumerate(sample.targets):
             if not target:
                 continue

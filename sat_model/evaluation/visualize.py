@@ -22,6 +22,7 @@ from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
 from sat_model.atomic import write_text_atomic
+from sat_model.features.images import encoder_view
 
 __all__ = [
     "GalleryEntry",
@@ -47,11 +48,12 @@ class GalleryEntry:
     overlay_files: tuple[Path, ...]
 
 
-def centre_crop(image: Image.Image, resize: int, crop: int) -> Image.Image:
-    """The crop the encoder saw: shorter side to ``resize``, then the centre ``crop × crop``."""
-    image = TF.resize(image.convert("RGB"), resize)
-    cropped: Image.Image = TF.center_crop(image, crop)
-    return cropped
+def centre_crop(
+    image: Image.Image, resize: int, crop: int, keep_aspect: bool = True
+) -> Image.Image:
+    """The crop the encoder saw: shorter side (without ``keep_aspect``, both sides) to
+    ``resize``, then the centre ``crop × crop``."""
+    return encoder_view(image.convert("RGB"), resize, crop, keep_aspect)
 
 
 def attention_map(

@@ -68,11 +68,12 @@ class Preprocessing:
     crop: int
     max_pixels: int
     mirror: bool = False  # left to right, after the centre crop (the crop of the mirrored photo)
+    keep_aspect: bool = True  # resize the shorter side (False: both sides) to ``resize``
 
     def pixels(self, path: str) -> torch.Tensor:
         """uint8 (3, S, S); :func:`encode_batch` normalises whole batches."""
         image = load_image(path, max_pixels=self.max_pixels, min_side=self.resize)
-        pixels = resize_crop(image, self.resize, self.crop)  # (3, S, S) uint8
+        pixels = resize_crop(image, self.resize, self.crop, self.keep_aspect)  # (3, S, S) uint8
         return pixels.flip(-1) if self.mirror else pixels
 
 
@@ -256,6 +257,7 @@ def extract_features(
     run_split: Callable[..., SplitResult] | None = None,
     engine: str = "local",
     mirrored_splits: Sequence[str] = (),
+    keep_aspect: bool = True,
 ) -> ExtractReport:
     """Extract every split of ``images_table`` (names under ``image_root``) into
     ``out_dir/{split}.arrow``, and each of ``mirrored_splits`` mirrored into
@@ -273,7 +275,7 @@ def extract_features(
     if not splits:
         raise ExtractError(f"{images_table} holds no image with status 'ok' in a split")
     d = encoder.description
-    prep = Preprocessing(resize, crop, max_image_pixels)
+    prep = Preprocessing(resize, crop, max_image_pixels, keep_aspect=keep_aspect)
     jobs = [(split, items, prep) for split, items in splits.items()]
     jobs += [
         (split + MIRRORED_SUFFIX, splits[split], replace(prep, mirror=True))

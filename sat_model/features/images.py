@@ -4,6 +4,12 @@
 reason fit for a skip report; ``preprocess`` turns that image into the encoder's input tensor
 ``(3, crop, crop)``: shorter side resized to ``resize``, centre crop, per-channel normalisation
 (paper, Sec. 3.1.1 and 5: 256 then 224, ImageNet mean/std).
+
+``keep_aspect=False`` resizes both sides to ``resize`` instead (the aspect ratio is not kept),
+then centre-crops as before: with ``resize == crop`` the encoder sees the whole photo, squeezed
+into a square. That is how the photos of a dataset distributed already squeezed were made
+(Flickr8k's here: every train photo 224×224), so a photo of another shape meets the encoder as
+the training photos did, and nothing at its edges is cut away (``encoder.keep_aspect``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ __all__ = [
     "IMAGENET_STD",
     "ImageError",
     "decode_image_bytes",
+    "encoder_view",
     "load_image",
     "normalize_pixels",
     "preprocess",
@@ -222,30 +229,45 @@ def decode_image_bytes(
             raise ImageError(label, "truncated or corrupt image data") from None
 
 
-def square_thumbnail(image: Image.Image, side: int) -> Image.Image:
-    """The centred square of ``image`` resized to ``side`` x ``side`` (bilinear).
+def square_thumbnail(image: Image.Image, side: int, keep_aspect: bool = True) -> Image.Image:
+    """The part of ``image`` that :func:`preprocess` with ``resize=side`` uses, at side x side
+    (bilinear): its centred square, or the whole image when ``keep_aspect`` is false.
 
-    What :func:`preprocess` with ``resize=side`` sees of an image, at a size that no longer
-    depends on the input: a 16-megapixel photo (or a 16,000,000 x 1 strip) becomes side².
+    A size that no longer depends on the input: a 16-megapixel photo (or a 16,000,000 x 1 strip)
+    becomes side².
     """
     width, height = image.size
+    if not keep_aspect:
+        return image.resize((side, side), Image.Resampling.BILINEAR)
     s = min(width, height)
     left, top = (width - s) // 2, (height - s) // 2
     return image.resize((side, side), Image.Resampling.BILINEAR, box=(left, top, left + s, top + s))
 
 
-def resize_crop(image: Image.Image, resize: int = 256, crop: int = 224) -> torch.Tensor:
-    """Resize the shorter side to ``resize``, centre-crop ``crop``: uint8 pixels (3, crop, crop).
+def encoder_view(
+    image: Image.Image, resize: int = 256, crop: int = 224, keep_aspect: bool = True
+) -> Image.Image:
+    """The ``crop × crop`` picture the encoder sees: the shorter side (or, without
+    ``keep_aspect``, both sides) resized to ``resize``, then the centre ``crop × crop``."""
+    if crop > resize:
+        raise ValueError(f"crop {crop} is larger than resize {resize}")
+    size = [resize] if keep_aspect else [resize, resize]
+    resized = TF.resize(image, size, interpolation=TF.InterpolationMode.BILINEAR)
+    view: Image.Image = TF.center_crop(resized, [crop, crop])
+    return view
+
+
+def resize_crop(
+    image: Image.Image, resize: int = 256, crop: int = 224, keep_aspect: bool = True
+) -> torch.Tensor:
+    """:func:`encoder_view` as uint8 pixels (3, crop, crop).
 
     The decoding half of :func:`preprocess`; extraction workers stop here and hand a quarter of
     the bytes of a float image to the process that runs the encoder.
     """
-    if crop > resize:
-        raise ValueError(f"crop {crop} is larger than resize {resize}")
     if image.mode != "RGB":
         raise ValueError(f"preprocess expects an RGB image, got mode {image.mode!r}")
-    resized = TF.resize(image, resize, interpolation=TF.InterpolationMode.BILINEAR)
-    pixels: torch.Tensor = TF.pil_to_tensor(TF.center_crop(resized, [crop, crop]))
+    pixels: torch.Tensor = TF.pil_to_tensor(encoder_view(image, resize, crop, keep_aspect))
     return pixels  # (3, S, S) uint8
 
 
@@ -269,6 +291,9 @@ def preprocess(
     crop: int = 224,
     mean: tuple[float, float, float] = IMAGENET_MEAN,
     std: tuple[float, float, float] = IMAGENET_STD,
+    keep_aspect: bool = True,
 ) -> torch.Tensor:
-    """Resize the shorter side to ``resize``, centre-crop ``crop``, normalise: (3, crop, crop)."""
-    return normalize_pixels(resize_crop(image, resize, crop), mean, std)  # (3, S, S)
+    """Resize the shorter side (both sides without ``keep_aspect``) to ``resize``, centre-crop
+    ``crop``, normalise: (3, crop, crop)."""
+    pixels = resize_crop(image, resize, crop, keep_aspect)  # (3, S, S) uint8
+    return normalize_pixels(pixels, mean, std)

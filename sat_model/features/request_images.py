@@ -85,8 +85,11 @@ def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def decode_request_image(value: Any, limits: ImageLimits, side: int | None = None) -> Image.Image:
-    """One request value as an RGB image; with ``side``, its centred square at side x side.
+def decode_request_image(
+    value: Any, limits: ImageLimits, side: int | None = None, keep_aspect: bool = True
+) -> Image.Image:
+    """One request value as an RGB image; with ``side``, the part the encoder sees at side x
+    side: its centred square, or the whole image without ``keep_aspect`` (``square_thumbnail``).
 
     Raises:
         ImageError: a value that is not an image in an accepted format within the limits.
@@ -110,4 +113,4 @@ def decode_request_image(value: Any, limits: ImageLimits, side: int | None = Non
         min_side=side,
         label="<request>",
     )
-    return square_thumbnail(image, side) if side is not None else image
+    return square_thumbnail(image, side, keep_aspect) if side is not None else image

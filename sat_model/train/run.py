@@ -555,7 +555,11 @@ def _rank_zero(
         "attention": setup.attention,
         # the store records the crop (input_size); the shorter-side resize that preceded it is
         # needed to preprocess new images the same way (sat caption, the served model)
-        "encoder": {**asdict(setup.train_store.meta), "resize": params.encoder.resize},
+        "encoder": {
+            **asdict(setup.train_store.meta),
+            "resize": params.encoder.resize,
+            "keep_aspect": params.encoder.keep_aspect,
+        },
         "train": {"seed": params.train.seed, **setup.cfg.model_dump()},
     }
     if identity is not None:

@@ -60,6 +60,40 @@ def test_head_is_stopped_when_the_command_fails(tmp_path: Path) -> None:
     assert "Ray head stopped" in out.stdout
 
 
+_CONNECTING_STAGE = """
+import ray
+ray.init()  # RAY_ADDRESS and RAY_AUTH_MODE=token from the wrapper
+print("answer", ray.get(ray.remote(lambda: 41 + 1).remote()))
+"""
+
+
+@pytest.mark.ray
+def test_a_machine_that_never_ran_ray_gets_a_token_and_the_stages_connect(tmp_path: Path) -> None:
+    # a fresh machine: no ~/.ray/auth_token. `ray start` would then start the head without
+    # authentication and a driver with RAY_AUTH_MODE=token would be refused (a fresh clone's
+    # first `make run` failed at its first train stage so)
+    params = tmp_path / "params.yaml"
+    params.write_text("ray:\n  num_cpus: 1\n")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**loopback_env(), "HOME": str(home)}
+    for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(key, None)
+    command = [sys.executable, "-m", "pipeline.ray_head", "--params", str(params), "--"]
+    out = subprocess.run(
+        [*command, sys.executable, "-c", _CONNECTING_STAGE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "answer 42" in out.stdout
+    token = home / ".ray" / "auth_token"
+    assert token.stat().st_mode & 0o777 == 0o600
+    assert token.read_text().strip() not in out.stdout + out.stderr  # never printed
+
+
 def test_a_given_address_starts_no_head(tmp_path: Path) -> None:
     params = tmp_path / "params.yaml"
     params.write_text("ray:\n  address: 127.0.0.1:1\n")

@@ -22,12 +22,16 @@ import urllib.request
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from PIL import Image
 
 from pipeline.packaging import log_and_register
+from pipeline.pyfunc_model import CHECKPOINT_ARTIFACT, SatCaptionerModel
 from pipeline.registry import promote_if_better
+from sat_model.captioner import Captioner
 from sat_model.paths import shared_data
 from tests.factories import write_tiny_model
 
@@ -215,6 +219,11 @@ def _photos(n: int) -> list[Path]:
     found = [p for p in sorted(PHOTOS.glob("*.jpg")) if p.stat().st_size >= 20_000][:n]
     assert len(found) == n, f"fewer than {n} photos of 20 KB or more in {PHOTOS}"
     return found
+
+
+def _size(path: Path) -> tuple[int, int]:
+    with Image.open(path) as image:
+        return image.size
 
 
 def _b64(path: Path) -> str:
@@ -434,6 +443,30 @@ def test_base64_with_line_breaks_and_data_urls_are_images(model):
     out = model.predict(pd.DataFrame({"image": rows}))
     assert out["error"].isna().all(), list(out["error"])
     assert len(set(out["caption"])) == 1  # the same photo, the same caption
+
+
+def test_a_model_trained_on_squeezed_photos_is_served_a_photo_whole(tmp_path):
+    # the served predict (no server needed: the same class MLflow loads) against `sat caption`'s
+    # file path, for a model recorded with encoder.keep_aspect false: a real 500x375 JPEG sent
+    # as base64 is squeezed whole, not centre-cropped, exactly as the file is
+    import pandas as pd
+
+    if not PHOTOS.is_dir():
+        pytest.skip(f"the Flickr8k sample is absent ({PHOTOS})")
+    photo = next(p for p in sorted(PHOTOS.glob("*.jpg")) if _size(p) == (500, 375))
+    model_dir = write_tiny_model(
+        tmp_path / "model", words=sorted(WORDS), crop=64, resize=64, keep_aspect=False
+    )
+    served = SatCaptionerModel()
+    served.load_context(SimpleNamespace(artifacts={CHECKPOINT_ARTIFACT: str(model_dir)}))
+    request = pd.DataFrame({"image": [_b64(photo)]})
+    (row,) = served.predict(None, request, {"return_attention": True}).to_dict("records")
+    (local,) = Captioner.from_dir(model_dir, batch_size=8).caption_files([photo])
+    assert row["error"] is None and local.caption is not None
+    assert row["caption"] == local.caption.text
+    attention = json.loads(row["attention"])
+    assert np.allclose(attention["alphas"], local.caption.alphas, atol=1e-5)
+    assert served.captioner.keep_aspect is False
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from sat_model.captioner import (
 )
 from sat_model.features.encoders import EncoderError, build_encoder
 from sat_model.features.images import ImageError
+from sat_model.paths import shared_data
 from tests.factories import write_tiny_model
 
 WORDS = ["a", "red", "blue", "circle", "square", "left", "of"]
@@ -187,3 +188,45 @@ def test_find_image_files_walks_folders_and_keeps_files_named_explicitly(tmp_pat
         "a/notes.txt",
         "absent.jpg",
     ]
+
+
+def _photo_of_another_shape():
+    root = shared_data("flickr8k-sample") / "Flickr8k_Dataset"
+    if not root.is_dir():
+        pytest.skip(f"Flickr8k sample not found at {root}")
+    for path in sorted(root.glob("*.jpg")):
+        with Image.open(path) as image:
+            if image.width != image.height:
+                return path
+    pytest.skip("no photo of the sample is other than square")
+
+
+def test_a_model_trained_on_squeezed_photos_sees_a_real_photo_whole(tmp_path):
+    # the same weights recorded with keep_aspect false and without it (the shorter side): a real
+    # 500x375 JPEG reaches the encoder squeezed whole by one, centre-cropped by the other
+    path = _photo_of_another_shape()
+    common = dict(words=WORDS, crop=64, resize=64)
+    squeezed = write_tiny_model(tmp_path / "squeezed", keep_aspect=False, **common)
+    cropped = write_tiny_model(tmp_path / "cropped", **common)
+    assert RecordedEncoder.from_config(_config(squeezed), squeezed).keep_aspect is False
+    assert RecordedEncoder.from_config(_config(cropped), cropped).keep_aspect is True
+    (whole,) = Captioner.from_dir(squeezed).caption_files([path])
+    (centre,) = Captioner.from_dir(cropped).caption_files([path])
+    assert whole.caption is not None and centre.caption is not None
+    with Image.open(path) as photo:
+        expected = np.asarray(photo.convert("RGB").resize((64, 64), Image.Resampling.BILINEAR))
+    seen = np.asarray(whole.caption.crop, np.float32)
+    assert np.abs(seen - expected).mean() < 3  # α is drawn over the whole photo
+    assert np.abs(np.asarray(centre.caption.crop, np.float32) - expected).mean() > 10
+    assert not np.allclose(whole.caption.alphas[:1], centre.caption.alphas[:1], atol=1e-4)
+
+
+def test_keep_aspect_other_than_true_or_false_is_refused(tmp_path):
+    config = _config(write_tiny_model(tmp_path / "m", keep_aspect=False))
+    config["encoder"]["keep_aspect"] = "no"
+    with pytest.raises(EncoderError, match="keep_aspect is not true/false"):
+        RecordedEncoder.from_config(config, tmp_path)
+
+
+def _config(model_dir):
+    return json.loads((model_dir / "config.json").read_text())

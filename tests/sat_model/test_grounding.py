@@ -42,6 +42,16 @@ def test_landscape_image_crops_the_long_side():
     assert g.scale_y == pytest.approx(256 / 375)
 
 
+def test_without_keep_aspect_both_sides_scale_to_resize_and_nothing_is_cut():
+    # 500x375 squeezed to 256x256, crop 224: the scales differ per axis, both offsets are 16
+    g = crop_geometry(500, 375, resize=256, crop=224, keep_aspect=False)
+    assert (g.scale_x, g.scale_y) == pytest.approx((256 / 500, 256 / 375))
+    assert (g.left, g.top) == (16, 16)
+    whole = crop_geometry(500, 375, resize=224, crop=224, keep_aspect=False)
+    b = box_to_crop(Box(0, 0, 500, 375), whole)  # the whole photo is the whole crop
+    assert (b.x0, b.y0, b.x1, b.y1) == pytest.approx((0.0, 0.0, 224.0, 224.0))
+
+
 def test_geometry_matches_torchvision_resize_and_centre_crop():
     # independent reference: put one white pixel in a portrait image, run torchvision's own
     # transforms and check it lands where crop_geometry says

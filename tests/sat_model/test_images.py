@@ -13,9 +13,12 @@ from sat_model.features.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     ImageError,
+    encoder_view,
     load_image,
     preprocess,
+    square_thumbnail,
 )
+from sat_model.paths import shared_data
 
 
 def _save(image: Image.Image, path: Path, **kwargs) -> Path:
@@ -124,6 +127,57 @@ def test_preprocess_resizes_shorter_side_then_centre_crops() -> None:
     assert x.shape == (3, 32, 32) and x.dtype == torch.float32
     column_mean = x[0].mean(0)  # (32,)
     assert column_mean[15:17].min() > 0.9 and column_mean[:5].max() < 0.05
+
+
+def test_without_keep_aspect_the_edges_of_a_wide_photo_are_kept() -> None:
+    # 300×200 with white bands in its first and last 15 columns: the centre crop of the shorter
+    # side cuts both bands away; resizing both sides keeps each in the crop's outer columns
+    pixels = np.zeros((200, 300, 3), np.uint8)
+    pixels[:, :15] = pixels[:, -15:] = 255
+    image = Image.fromarray(pixels)
+    kept = preprocess(image, resize=32, crop=32, mean=(0,) * 3, std=(1,) * 3)
+    whole = preprocess(image, resize=32, crop=32, mean=(0,) * 3, std=(1,) * 3, keep_aspect=False)
+    assert kept[0].max() < 0.05  # the bands were outside the centre square
+    assert whole[0, :, 0].min() > 0.9 and whole[0, :, -1].min() > 0.9
+    assert whole[0, :, 8:24].max() < 0.05
+    # resize then the centre crop as before: 40×40, then the middle 32 (band: 2 of 40 columns)
+    inner = preprocess(image, resize=40, crop=32, mean=(0,) * 3, std=(1,) * 3, keep_aspect=False)
+    assert inner[0].max() < 0.05
+
+
+def _first_photo_of_another_shape() -> Path:
+    root = shared_data("flickr8k-sample") / "Flickr8k_Dataset"
+    if not root.is_dir():
+        pytest.skip(f"Flickr8k sample not found at {root}")
+    for path in sorted(root.glob("*.jpg")):
+        with Image.open(path) as image:
+            if image.width != image.height:
+                return path
+    pytest.skip("no photo of the sample is other than square")
+
+
+@pytest.mark.parametrize("keep_aspect", [True, False])
+def test_a_thumbnail_is_what_the_encoder_would_see_of_the_photo(keep_aspect: bool) -> None:
+    # a real 500×375 JPEG: the served path (square_thumbnail at side = resize, then preprocess)
+    # and the file path (preprocess of the decoded photo) give the encoder the same picture
+    photo = load_image(_first_photo_of_another_shape(), min_side=64)
+    thumb = square_thumbnail(photo, 64, keep_aspect)
+    assert thumb.size == (64, 64)
+    direct = preprocess(photo, 64, 56, keep_aspect=keep_aspect)
+    served = preprocess(thumb, 64, 56, keep_aspect=keep_aspect)
+    assert (direct - served).abs().mean() < 0.05  # ~2 grey levels: bilinear once or twice
+    other = preprocess(photo, 64, 56, keep_aspect=not keep_aspect)
+    assert (direct - other).abs().mean() > 5 * (direct - served).abs().mean()
+
+
+def test_encoder_view_without_keep_aspect_is_the_whole_photo_squeezed() -> None:
+    photo = load_image(_first_photo_of_another_shape())
+    view = np.asarray(encoder_view(photo, 96, 96, keep_aspect=False), np.float32)
+    squeezed = np.asarray(photo.resize((96, 96), Image.Resampling.BILINEAR), np.float32)
+    centre = np.asarray(encoder_view(photo, 96, 96), np.float32)
+    assert view.shape == centre.shape == (96, 96, 3)
+    assert np.abs(view - squeezed).mean() < 3  # of 255: the same picture
+    assert np.abs(view - centre).mean() > 10
 
 
 def test_preprocess_normalises_with_given_mean_and_std() -> None:
