@@ -1,4 +1,5 @@
-"""Tiny artefacts the tests share: a saved model folder and a hand-made ``captions.parquet``.
+"""Tiny artefacts the tests share: a saved model folder, a hand-made ``captions.parquet`` and a
+real photo of the Flickr8k sample that is not square.
 
 Plain functions (``from tests.factories import ...``) rather than fixtures: module-scoped
 fixtures and helpers that build whole projects call them too.
@@ -12,15 +13,31 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
+from PIL import Image
 
 from sat_model.config import ModelParams
 from sat_model.data.vocab import SPECIALS, Vocab
 from sat_model.features.encoders import build_encoder
 from sat_model.model.checkpoint import save_checkpoint
 from sat_model.model.decoder import build_model
+from sat_model.paths import shared_data
 
-__all__ = ["write_captions", "write_references", "write_tiny_model"]
+__all__ = ["photo_of_another_shape", "write_captions", "write_references", "write_tiny_model"]
+
+
+def photo_of_another_shape() -> Path:
+    """The first photo (by name) of the Flickr8k sample that is not square: a JPEG of 90-160 KB
+    at its original size, mostly 500×375 (the test skips when the sample is absent)."""
+    root = shared_data("flickr8k-sample") / "Flickr8k_Dataset"
+    if not root.is_dir():
+        pytest.skip(f"the Flickr8k sample is absent ({root})")
+    for path in sorted(root.glob("*.jpg")):
+        with Image.open(path) as image:
+            if image.width != image.height:
+                return path
+    pytest.skip(f"no photo of {root} is other than square")
 
 
 def write_tiny_model(

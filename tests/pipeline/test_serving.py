@@ -33,7 +33,7 @@ from pipeline.pyfunc_model import CHECKPOINT_ARTIFACT, SatCaptionerModel
 from pipeline.registry import promote_if_better
 from sat_model.captioner import Captioner
 from sat_model.paths import shared_data
-from tests.factories import write_tiny_model
+from tests.factories import photo_of_another_shape, write_tiny_model
 
 pytestmark = [pytest.mark.mlflow, pytest.mark.slow]
 SAT = Path(sys.executable).with_name("sat")
@@ -219,11 +219,6 @@ def _photos(n: int) -> list[Path]:
     found = [p for p in sorted(PHOTOS.glob("*.jpg")) if p.stat().st_size >= 20_000][:n]
     assert len(found) == n, f"fewer than {n} photos of 20 KB or more in {PHOTOS}"
     return found
-
-
-def _size(path: Path) -> tuple[int, int]:
-    with Image.open(path) as image:
-        return image.size
 
 
 def _b64(path: Path) -> str:
@@ -447,13 +442,11 @@ def test_base64_with_line_breaks_and_data_urls_are_images(model):
 
 def test_a_model_trained_on_squeezed_photos_is_served_a_photo_whole(tmp_path):
     # the served predict (no server needed: the same class MLflow loads) against `sat caption`'s
-    # file path, for a model recorded with encoder.keep_aspect false: a real 500x375 JPEG sent
-    # as base64 is squeezed whole, not centre-cropped, exactly as the file is
+    # file path, for a model recorded with encoder.keep_aspect false: a real JPEG of another shape
+    # sent as base64 is squeezed whole, not centre-cropped, exactly as the file is
     import pandas as pd
 
-    if not PHOTOS.is_dir():
-        pytest.skip(f"the Flickr8k sample is absent ({PHOTOS})")
-    photo = next(p for p in sorted(PHOTOS.glob("*.jpg")) if _size(p) == (500, 375))
+    photo = photo_of_another_shape()
     model_dir = write_tiny_model(
         tmp_path / "model", words=sorted(WORDS), crop=64, resize=64, keep_aspect=False
     )

@@ -18,8 +18,7 @@ from sat_model.captioner import (
 )
 from sat_model.features.encoders import EncoderError, build_encoder
 from sat_model.features.images import ImageError
-from sat_model.paths import shared_data
-from tests.factories import write_tiny_model
+from tests.factories import photo_of_another_shape, write_tiny_model
 
 WORDS = ["a", "red", "blue", "circle", "square", "left", "of"]
 
@@ -190,21 +189,10 @@ def test_find_image_files_walks_folders_and_keeps_files_named_explicitly(tmp_pat
     ]
 
 
-def _photo_of_another_shape():
-    root = shared_data("flickr8k-sample") / "Flickr8k_Dataset"
-    if not root.is_dir():
-        pytest.skip(f"Flickr8k sample not found at {root}")
-    for path in sorted(root.glob("*.jpg")):
-        with Image.open(path) as image:
-            if image.width != image.height:
-                return path
-    pytest.skip("no photo of the sample is other than square")
-
-
 def test_a_model_trained_on_squeezed_photos_sees_a_real_photo_whole(tmp_path):
     # the same weights recorded with keep_aspect false and without it (the shorter side): a real
     # 500x375 JPEG reaches the encoder squeezed whole by one, centre-cropped by the other
-    path = _photo_of_another_shape()
+    path = photo_of_another_shape()
     common = dict(words=WORDS, crop=64, resize=64)
     squeezed = write_tiny_model(tmp_path / "squeezed", keep_aspect=False, **common)
     cropped = write_tiny_model(tmp_path / "cropped", **common)

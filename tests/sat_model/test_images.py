@@ -18,7 +18,7 @@ from sat_model.features.images import (
     preprocess,
     square_thumbnail,
 )
-from sat_model.paths import shared_data
+from tests.factories import photo_of_another_shape
 
 
 def _save(image: Image.Image, path: Path, **kwargs) -> Path:
@@ -145,22 +145,11 @@ def test_without_keep_aspect_the_edges_of_a_wide_photo_are_kept() -> None:
     assert inner[0].max() < 0.05
 
 
-def _first_photo_of_another_shape() -> Path:
-    root = shared_data("flickr8k-sample") / "Flickr8k_Dataset"
-    if not root.is_dir():
-        pytest.skip(f"Flickr8k sample not found at {root}")
-    for path in sorted(root.glob("*.jpg")):
-        with Image.open(path) as image:
-            if image.width != image.height:
-                return path
-    pytest.skip("no photo of the sample is other than square")
-
-
 @pytest.mark.parametrize("keep_aspect", [True, False])
 def test_a_thumbnail_is_what_the_encoder_would_see_of_the_photo(keep_aspect: bool) -> None:
     # a real 500×375 JPEG: the served path (square_thumbnail at side = resize, then preprocess)
     # and the file path (preprocess of the decoded photo) give the encoder the same picture
-    photo = load_image(_first_photo_of_another_shape(), min_side=64)
+    photo = load_image(photo_of_another_shape(), min_side=64)
     thumb = square_thumbnail(photo, 64, keep_aspect)
     assert thumb.size == (64, 64)
     direct = preprocess(photo, 64, 56, keep_aspect=keep_aspect)
@@ -171,7 +160,7 @@ def test_a_thumbnail_is_what_the_encoder_would_see_of_the_photo(keep_aspect: boo
 
 
 def test_encoder_view_without_keep_aspect_is_the_whole_photo_squeezed() -> None:
-    photo = load_image(_first_photo_of_another_shape())
+    photo = load_image(photo_of_another_shape())
     view = np.asarray(encoder_view(photo, 96, 96, keep_aspect=False), np.float32)
     squeezed = np.asarray(photo.resize((96, 96), Image.Resampling.BILINEAR), np.float32)
     centre = np.asarray(encoder_view(photo, 96, 96), np.float32)
