@@ -30,9 +30,8 @@ import torch
 from PIL import Image
 
 from sat_model.data.vocab import Vocab
-from sat_model.evaluation.visualize import centre_crop
 from sat_model.features.encoders import Encoder, EncoderError, EncoderSpec
-from sat_model.features.images import ImageError, load_image, preprocess
+from sat_model.features.images import ImageError, encoder_view, load_image, preprocess
 from sat_model.features.store import FeatureMeta
 from sat_model.model.checkpoint import load_checkpoint, model_from_checkpoint
 from sat_model.model.decoder import ShowAttendTell
@@ -324,7 +323,8 @@ class Captioner:
         out = []
         for image, caption in zip(images, captions, strict=True):
             words, alphas = caption.words(self.vocab)
-            crop = centre_crop(image, self.resize, d.input_size, self.keep_aspect)
+            rgb = image.convert("RGB")
+            crop = encoder_view(rgb, self.resize, d.input_size, self.keep_aspect)
             out.append(ImageCaption(words, alphas, float(caption.score), crop, d.grid_h, d.grid_w))
         return out
 

@@ -38,11 +38,10 @@ from sat_model.evaluation.grounding import (
 from sat_model.evaluation.metrics import DEFAULT_METRICS, score_captions
 from sat_model.evaluation.visualize import (
     GalleryEntry,
-    centre_crop,
     write_gallery,
     write_word_overlays,
 )
-from sat_model.features.images import ImageError, load_image
+from sat_model.features.images import ImageError, encoder_view, load_image
 from sat_model.features.store import FeatureStore
 from sat_model.model.checkpoint import load_model
 from sat_model.model.decoder import ShowAttendTell
@@ -292,7 +291,7 @@ def write_attention_gallery(
             skipped.append({"item": c.image_id, "reason": record.refused})
             continue
         try:
-            photo = centre_crop(load_image(record.path), resize, crop, keep_aspect)
+            photo = encoder_view(load_image(record.path), resize, crop, keep_aspect)
         except ImageError as e:
             skipped.append({"item": c.image_id, "reason": e.reason})
             continue

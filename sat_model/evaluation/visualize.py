@@ -22,12 +22,10 @@ from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
 from sat_model.atomic import write_text_atomic
-from sat_model.features.images import encoder_view
 
 __all__ = [
     "GalleryEntry",
     "attention_map",
-    "centre_crop",
     "overlay",
     "write_gallery",
     "write_word_overlays",
@@ -46,14 +44,6 @@ class GalleryEntry:
     image_file: Path
     words: tuple[str, ...]
     overlay_files: tuple[Path, ...]
-
-
-def centre_crop(
-    image: Image.Image, resize: int, crop: int, keep_aspect: bool = True
-) -> Image.Image:
-    """The crop the encoder saw: shorter side (without ``keep_aspect``, both sides) to
-    ``resize``, then the centre ``crop × crop``."""
-    return encoder_view(image.convert("RGB"), resize, crop, keep_aspect)
 
 
 def attention_map(

@@ -12,11 +12,11 @@ from PIL import Image
 from sat_model.evaluation.visualize import (
     GalleryEntry,
     attention_map,
-    centre_crop,
     overlay,
     write_gallery,
     write_word_overlays,
 )
+from sat_model.features.images import encoder_view
 
 
 def _one_hot(index: int, size: int = 49) -> np.ndarray:
@@ -66,7 +66,7 @@ def test_centre_crop_keeps_the_middle_of_a_landscape_photo():
     # image resized to short side 30 (no change) is all green
     arr = np.zeros((30, 90, 3), dtype=np.uint8)
     arr[:, :30, 0] = arr[:, 30:60, 1] = arr[:, 60:, 2] = 255
-    crop = np.asarray(centre_crop(Image.fromarray(arr), resize=30, crop=30))
+    crop = np.asarray(encoder_view(Image.fromarray(arr), resize=30, crop=30))
     assert crop.shape == (30, 30, 3)
     assert (crop[..., 1] == 255).all() and (crop[..., 0] == 0).all()
 
