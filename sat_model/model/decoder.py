@@ -158,6 +158,8 @@ class DecoderState:
     projected: Tensor  # (B, A, L), 2(W_a a_i + b) (Eq. 4, scaled for σ(2u)), once per image
     # where the steps' backward passes add up the gradient for ``projected`` (training only)
     projected_grad: ProjectedGradient | None = None
+    # e^{-projected} for the decoding kernel (``native.exp_of_projected``), once per image
+    exp_projected: Tensor | None = None
 
     def reorder(self, index: Tensor) -> DecoderState:
         """Select rows of the LSTM state (beam search: each image's one row to its first k
@@ -235,10 +237,12 @@ class SoftAttention(nn.Module):
         hidden: Tensor,
         mode: str = "expected",
         sink: ProjectedGradient | None = None,
+        exp_projected: Tensor | None = None,
     ) -> AttentionOutput:
+        """``exp_projected``: ``DecoderState.exp_projected``, for the decoding kernel."""
         decoding = mode == "expected" and not torch.is_grad_enabled()
         if decoding and native.available(annotations, projected, hidden):  # one kernel a step
-            attended = self._attend_natively(annotations, projected, hidden)
+            attended = self._attend_natively(annotations, projected, hidden, exp_projected)
             if attended is not None:
                 return attended
         alpha = torch.softmax(self.scores(projected, hidden, sink), dim=-1)  # (B, L), Eq. 5
@@ -248,7 +252,11 @@ class SoftAttention(nn.Module):
         return AttentionOutput(alpha=alpha, context=gather_location(annotations, location))
 
     def _attend_natively(
-        self, annotations: Tensor, projected: Tensor, hidden: Tensor
+        self,
+        annotations: Tensor,
+        projected: Tensor,
+        hidden: Tensor,
+        exp_projected: Tensor | None = None,
     ) -> AttentionOutput | None:
         """α and Σ_i α_i a_i through ``native.attend_forward``: the scores, the softmax and
         the expected context of the k rows of each image in one pass; None where the kernels
@@ -258,7 +266,7 @@ class SoftAttention(nn.Module):
         alpha = query.new_empty(rows, projected.size(2))
         context = query.new_empty(rows, D)
         if not native.attend_forward(
-            projected, query, self.score.weight, annotations, alpha, context
+            projected, query, self.score.weight, annotations, alpha, context, exp_projected
         ):
             return None
         return AttentionOutput(alpha=alpha, context=context)
@@ -373,12 +381,15 @@ class ShowAttendTell(nn.Module):
         self.feature_std.copy_(torch.where(std > 1e-6, std, torch.ones_like(std)))
 
     def init_state(self, annotations: Tensor) -> DecoderState:
-        """h_0, c_0 (Sec. 3.1.2) and W_a a, computed once per image."""
+        """h_0, c_0 (Sec. 3.1.2) and W_a a, computed once per image; without autograd, for
+        soft attention's decoding kernel, also e^{-W_a a} (``native.exp_of_projected``)."""
         annotations, mean, projected = self._prepare(annotations)
-        sink = None
+        sink, exp_projected = None, None
         if projected.requires_grad:
             sink = ProjectedGradient()
             projected = CollectProjected.apply(projected, sink)
+        elif not isinstance(self.attention, HardAttention) and not torch.is_grad_enabled():
+            exp_projected = native.exp_of_projected(projected)
         h, c = self._initial_state(mean)
         return DecoderState(
             h=h,
@@ -386,6 +397,7 @@ class ShowAttendTell(nn.Module):
             annotations=annotations,
             projected=projected,
             projected_grad=sink,
+            exp_projected=exp_projected,
         )
 
     def _initial_state(self, mean: Tensor) -> tuple[Tensor, Tensor]:
@@ -555,7 +567,12 @@ class ShowAttendTell(nn.Module):
             )
         else:
             att = self.attention(
-                state.annotations, state.projected, state.h, mode, state.projected_grad
+                state.annotations,
+                state.projected,
+                state.h,
+                mode,
+                state.projected_grad,
+                state.exp_projected,
             )
         if self.gate is not None:
             beta = torch.sigmoid(self.gate(state.h)).squeeze(1)  # (B,), β_t = σ(f_β(h_{t-1}))

@@ -42,12 +42,14 @@ from torch import Tensor
 
 __all__ = [
     "ENV_SWITCH",
+    "EXP_BOUND",
     "NativeKernels",
     "attend_backward",
     "attend_forward",
     "available",
     "cache_dir",
     "cpu_vendor",
+    "exp_of_projected",
     "hard_recurrence_backward",
     "hard_recurrence_forward",
     "load",
@@ -61,6 +63,7 @@ __all__ = [
 ]
 
 ENV_SWITCH = "SAT_NATIVE_KERNELS"  # "0" turns the kernels off
+EXP_BOUND = 40.0  # kExpBound of the source: |projected| and |query| for the e^{-p} e^{-q} form
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 # compiled with -ffast-math, so that the loops vectorise, and linked without it (see the source)
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
@@ -71,7 +74,7 @@ _log = logging.getLogger(__name__)
 _SIGNATURES = {
     "scores_forward": (4, 5),
     "scores_backward": (7, 6),
-    "attend_forward": (6, 7),
+    "attend_forward": (7, 7),
     "attend_backward": (10, 6),
     "lstm_forward": (5, 4),
     "lstm_backward": (7, 3),
@@ -353,21 +356,28 @@ def attend_forward(
     annotations: Tensor,
     alpha: Tensor,
     context: Tensor,
+    exp_projected: Tensor | None = None,
 ) -> bool:
     """Soft attention's step for k rows per image: the scores (``scores_forward``), α =
     softmax into ``alpha`` (B*k, L) and Σ_i α_i a_i into ``context`` (B*k, D; rows of any
-    stride). False, with nothing written, where the kernels cannot run."""
+    stride). ``exp_projected``, from ``exp_of_projected``, spares the exponential of every
+    (row, a, l): the scores then read σ(p + q) as 1 / (1 + e^{-p} e^{-q}). False, with nothing
+    written, where the kernels cannot run."""
     if not _usable(projected, query, weight, annotations, alpha, context):
         return False
+    if exp_projected is not None and not _usable(exp_projected):
+        exp_projected = None
     if not alpha.is_contiguous() or context.stride(1) != 1 or (kernels := load()) is None:
         return False
     B, A, L = projected.shape
     k, D = query.size(0) // B, annotations.size(2)
     projected, query, annotations = (t.contiguous() for t in (projected, query, annotations))
+    if exp_projected is not None:
+        exp_projected = exp_projected.contiguous()
     weight2 = 2.0 * weight.reshape(A)
     _call(
         kernels.attend_forward,
-        [projected, query, weight2, annotations, alpha, context],
+        [projected, exp_projected, query, weight2, annotations, alpha, context],
         context.stride(0),
         B,
         k,
@@ -377,6 +387,17 @@ def attend_forward(
         torch.get_num_threads(),
     )
     return True
+
+
+def exp_of_projected(projected: Tensor) -> Tensor | None:
+    """e^{-projected} (B, A, L) for ``attend_forward``, computed once per image where the
+    kernels run and every value lies within the kernel's bound (``kExpBound``, 40: the product
+    e^{-p} e^{-q} then stays finite); None otherwise, and the kernel evaluates σ(p + q) whole."""
+    if not available(projected) or projected.numel() == 0:
+        return None
+    if float(projected.abs().max()) > EXP_BOUND:
+        return None
+    return torch.exp(-projected)
 
 
 def attend_backward(

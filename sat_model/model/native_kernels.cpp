@@ -62,6 +62,36 @@ void row_scores(const float* p_image, const float* q_row, const float* weight2, 
   }
 }
 
+// The rows of exp(-projected) (``sat_attend_forward``'s ``exp_projected``) and of a query are
+// within these bounds, so that e^{-p} e^{-q} <= e^80 stays finite (no inf in the fast-math
+// loops): with e^{-p} computed once per image, σ(p + q) = 1 / (1 + e^{-p} e^{-q}) needs one
+// exponential per (row, a) instead of one per (row, a, l).
+constexpr float kExpBound = 40.0f;
+
+bool within_bound(const float* q_row, int64_t A) {
+  for (int64_t a = 0; a < A; ++a)
+    if (!(std::fabs(q_row[a]) <= kExpBound)) return false;
+  return true;
+}
+
+// row_scores for the k rows of one image at once, from e_image = e^{-p_image} (A, L): the
+// same scores without an exponential in the inner loop, each row of e_image read once for the
+// k rows; for rows whose queries (k, A) are ``within_bound``. out: (k, L).
+void rows_scores_exp(const float* e_image, const float* queries, const float* weight2,
+                     float* out, int64_t k, int64_t A, int64_t L) {
+  for (int64_t i = 0; i < k * L; ++i) out[i] = 0.0f;
+  for (int64_t a = 0; a < A; ++a) {
+    const float* e = e_image + a * L;
+    const float w = weight2[a];
+    for (int64_t j = 0; j < k; ++j) {
+      const float eq = fast_exp(-queries[j * A + a]);
+      float* o = out + j * L;
+#pragma omp simd
+      for (int64_t l = 0; l < L; ++l) o[l] += w / (1.0f + e[l] * eq);
+    }
+  }
+}
+
 // One row's share of the scores' backward for its ∂/∂scores g (L): with s = σ(p + q) and
 // u = s (1 - s) g, adds (or, when ``write``, writes) weight2 u into gp_image (A, L), and writes
 // grad_q (A) = weight2 Σ_l u and weight_row (A) = Σ_l s g.
@@ -130,17 +160,23 @@ void sat_scores_backward(const float* grad, const float* projected, const float*
 // Soft attention's step (Eq. 4-5 and the expected context of Sec. 4.2): the scores of the k
 // rows of each image, α = softmax over the L locations into ``alpha`` (B*k, L), and
 // φ = Σ_l α_l a_l into ``context`` (B*k, D) with rows ``context_stride`` apart. The k rows
-// of an image read its annotations (B, L, D) together, once.
-void sat_attend_forward(const float* projected, const float* query, const float* weight2,
-                        const float* annotations, float* alpha, float* context,
-                        int64_t context_stride, int64_t B, int64_t k, int64_t A, int64_t L,
-                        int64_t D, int64_t threads) {
+// of an image read its annotations (B, L, D) together, once. ``exp_projected`` (B, A, L), when
+// not null, is e^{-projected} with every |projected| <= kExpBound: the images whose queries
+// are within it take rows_scores_exp (decoding computes it once per image for all its steps).
+void sat_attend_forward(const float* projected, const float* exp_projected, const float* query,
+                        const float* weight2, const float* annotations, float* alpha,
+                        float* context, int64_t context_stride, int64_t B, int64_t k, int64_t A,
+                        int64_t L, int64_t D, int64_t threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t b = 0; b < B; ++b) {
+    const bool exp_form = exp_projected != nullptr && within_bound(query + b * k * A, k * A);
+    if (exp_form)
+      rows_scores_exp(exp_projected + b * A * L, query + b * k * A, weight2, alpha + b * k * L, k,
+                      A, L);
     for (int64_t j = 0; j < k; ++j) {
       const int64_t r = b * k + j;
       float* al = alpha + r * L;
-      row_scores(projected + b * A * L, query + r * A, weight2, al, A, L);
+      if (!exp_form) row_scores(projected + b * A * L, query + r * A, weight2, al, A, L);
       float top = al[0];
       for (int64_t l = 1; l < L; ++l) top = al[l] > top ? al[l] : top;
       float total = 0.0f;
@@ -385,8 +421,8 @@ void sat_soft_recurrence_forward(sgemm_fn sgemm, const float* projected,
     float* query = queries + t * B * A;
     float* context = contexts + t * B * D;
     step.query(input, hidden2, query);
-    sat_attend_forward(projected, query, weight2, annotations, alphas + t * B * L, context, D, B,
-                       1, A, L, D, threads);
+    sat_attend_forward(projected, nullptr, query, weight2, annotations, alphas + t * B * L,
+                       context, D, B, 1, A, L, D, threads);
     step.gate(gate_weight, gate_bias, context, input, betas + t * B);
     float* next = t + 1 < T ? inputs + (t + 1) * B * step.row() + D : nullptr;
     step.lstm(input_gates + t * B * 4 * n, lstm, input, gates + t * B * 4 * n, cells + t * B * n,

@@ -263,6 +263,57 @@ def test_native_attention_step_matches_pytorch_in_float64(k: int) -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_decoding_attention_from_exp_of_projected_matches_pytorch_in_float64(k: int) -> None:
+    """Decoding's form of the step, σ(p + q) = 1 / (1 + e^{-p} e^{-q}) with e^{-p} computed
+    once per image: the same α and context as PyTorch's ops in float64. An image with a query
+    beyond the bound (one of its rows at 60) takes the exact form for its rows, the others the
+    fast one, in the same call."""
+    B, A, L, D = 4, 16, 49, 9
+    projected, query, weight, _ = _scores_inputs(B, k, A, L)
+    query[k, 3] = 60.0  # image 1's first row: e^{-60} is beyond the product's bound
+    annotations = torch.randn(B, L, D, generator=torch.Generator().manual_seed(5))
+    alpha64 = torch.softmax(
+        fused.fused_scores(projected.double(), query.double(), weight.double()), dim=-1
+    )
+    context64 = fused.expected_context(annotations.double(), alpha64)
+
+    exp_projected = native.exp_of_projected(projected)
+    assert exp_projected is not None
+    alpha, context = torch.empty(B * k, L), torch.empty(B * k, D)
+    assert native.attend_forward(
+        projected, query, weight, annotations, alpha, context, exp_projected
+    )
+    torch.testing.assert_close(alpha.double(), alpha64, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(context.double(), context64, rtol=1e-5, atol=1e-6)
+
+
+@needs_compiler
+def test_projections_beyond_the_bound_leave_decoding_on_the_exact_form() -> None:
+    """e^{-p} e^{-q} must stay finite inside the kernel's fast-math loops: a projection beyond
+    ±EXP_BOUND gives no e^{-p}, and the step then evaluates σ(p + q) whole (still finite and
+    equal to float64's saturated values)."""
+    B, A, L, D = 2, 8, 49, 5
+    projected = torch.zeros(B, A, L)
+    projected[1, 2, 7] = -(native.EXP_BOUND + 1.0)
+    assert native.exp_of_projected(projected) is None
+    projected[1, 2, 7] = -native.EXP_BOUND
+    exp_projected = native.exp_of_projected(projected)
+    assert exp_projected is not None and torch.isfinite(exp_projected).all()
+    query, weight = torch.full((B, A), native.EXP_BOUND), torch.ones(1, A)
+    annotations = torch.randn(B, L, D)
+    alpha64 = torch.softmax(
+        fused.fused_scores(projected.double(), query.double(), weight.double()), dim=-1
+    )
+    alpha, context = torch.empty(B, L), torch.empty(B, D)
+    assert native.attend_forward(
+        projected, query, weight, annotations, alpha, context, exp_projected
+    )
+    torch.testing.assert_close(alpha.double(), alpha64, rtol=1e-5, atol=1e-7)
+    assert torch.isfinite(context).all()
+
+
+@needs_compiler
 @pytest.mark.parametrize("with_grad_alpha", [True, False])
 def test_native_attention_backward_matches_autograd_in_float64(with_grad_alpha: bool) -> None:
     """From ∂/∂φ and the loss's ∂/∂α to the gradients for P, q and w_att, against autograd
