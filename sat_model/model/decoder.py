@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from sat_model.config import ModelParams
 
 __all__ = [
+    "GATE_TABLE_MAX_ELEMENTS",
     "MODES",
     "ONEDNN_LSTM_MIN_ROWS",
     "SEMI_SAMPLING_PER",
@@ -70,6 +71,9 @@ SEMI_SAMPLING_PER = ("image", "batch")
 # (native.lstm_forward), and at the paper's sizes 41 ms against 28 ms; there decoding always
 # takes the BLAS and the kernel (``_blas_lstm_step``).
 ONEDNN_LSTM_MIN_ROWS = 128
+# Decoding takes the embedding's share of the LSTM's gates from a (K, 4n) table when it has at
+# most this many elements (64 MB in float32; the Flickr8k profile's is ~6 M, the paper's 72 M).
+GATE_TABLE_MAX_ELEMENTS = 16_000_000
 
 
 def _fast_blas() -> bool:
@@ -367,6 +371,9 @@ class ShowAttendTell(nn.Module):
         self.dropout = Dropout(config.dropout)
         self.input_dropout = Dropout(config.input_dropout)
         self.out = nn.Linear(m, K)  # L_o (Eq. 7)
+        # decoding's embedding share of Eq. 1 over the vocabulary, with what it was computed
+        # from (``_embedding_gate_table``); not part of the state dict
+        self._gate_table: tuple[tuple[object, ...], Tensor] | None = None
 
     @torch.no_grad()
     def set_feature_statistics(self, mean: Tensor, std: Tensor) -> None:
@@ -534,7 +541,8 @@ class ShowAttendTell(nn.Module):
         """One decoding step from y_{t-1} (B,) and the state at t-1."""
         _check_mode(mode)
         embedded = self.embedding(prev_tokens)  # (B, m)
-        adv = self._advance(embedded, state, mode, None, None)
+        lstm_inputs = self._decoding_lstm_inputs(prev_tokens)
+        adv = self._advance(embedded, state, mode, None, None, lstm_inputs)
         return StepOutput(
             logits=self._deep_output(embedded, adv.state.h, adv.context),  # (B, K)
             alpha=adv.attention.alpha,
@@ -586,6 +594,41 @@ class ShowAttendTell(nn.Module):
             h, c = _lstm_from_gates(*lstm_inputs, context, state.h, state.c)
         new_state = dataclasses.replace(state, h=h, c=c)
         return _Advance(state=new_state, context=context, attention=att, beta=beta)
+
+    def _decoding_lstm_inputs(self, prev_tokens: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Without autograd, the embedding's share of Eq. 1 as rows of a table over the
+        vocabulary (``_embedding_gate_table``), for ``_lstm_from_gates``: the step's product
+        then spans ẑ_t and h_{t-1} only (at the default sizes 306 of the 402 input columns).
+        None under autograd or autocast, where the table would exceed
+        ``GATE_TABLE_MAX_ELEMENTS`` (the paper's K × 4n is 72 M), or where ``_lstm`` would hand
+        the step to oneDNN (its RNN primitive takes the whole input)."""
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(prev_tokens.device.type):
+            return None
+        on_cpu = prev_tokens.device.type == "cpu"
+        if on_cpu and prev_tokens.size(0) >= ONEDNN_LSTM_MIN_ROWS and not _fast_blas():
+            return None
+        table = self._embedding_gate_table()
+        if table is None:
+            return None
+        m, lstm = self.config.embed_dim, self.lstm
+        return table.index_select(0, prev_tokens), lstm.weight_ih[:, m:].t(), lstm.weight_hh.t()
+
+    def _embedding_gate_table(self) -> Tensor | None:
+        """E W_ih[:, :m]^T + b_ih + b_hh (K, 4n), computed again only when one of these
+        parameters changed (an optimiser step, a loaded state dict, a move to a device)."""
+        lstm, K = self.lstm, self.config.vocab_size
+        if K * lstm.weight_ih.size(0) > GATE_TABLE_MAX_ELEMENTS:
+            return None
+        sources = (self.embedding.weight, lstm.weight_ih, lstm.bias_ih, lstm.bias_hh)
+        key = tuple((t.data_ptr(), t._version, t.device, t.dtype) for t in sources)
+        cached = self._gate_table
+        if cached is None or cached[0] != key:
+            m = self.config.embed_dim
+            with torch.no_grad():  # as ``_embedding_gates`` without its dropout, as in ``step``
+                bias = lstm.bias_ih + lstm.bias_hh
+                table = torch.addmm(bias, self.embedding.weight, lstm.weight_ih[:, :m].t())
+            cached = self._gate_table = (key, table)
+        return cached[1]
 
     def _lstm(self, x: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
         """Eq. 1-3, one step for (rows, m + D) inputs: ``nn.LSTMCell``, or without autograd on
@@ -639,7 +682,13 @@ def _lstm_from_gates(
 ) -> tuple[Tensor, Tensor]:
     """Eq. 1-3 as ``nn.LSTMCell`` computes them (gates i, f, g, o), from the embedding's share
     of the gates with both biases (rows, 4n) and the transposed weights for ẑ_t (D, 4n) and
-    h_{t-1} (n, 4n): (rows, n) x 2."""
+    h_{t-1} (n, 4n): (rows, n) x 2. Without autograd on CPU, Eq. 2-3 in the compiled kernel."""
+    if not torch.is_grad_enabled() and native.available(gates, z, h, c):
+        # ``gates`` is this step's own tensor here (rows of decoding's table): added to in place
+        gates = gates.addmm_(z, weight_z).addmm_(h, weight_h)  # (rows, 4n)
+        h_next, c_next = torch.empty_like(h), torch.empty_like(c)
+        if native.lstm_forward(gates, c, c_next, h_next, None):
+            return h_next, c_next
     gates = torch.addmm(torch.addmm(gates, z, weight_z), h, weight_h)  # (rows, 4n)
     n = h.size(1)
     i, f, _, o = torch.sigmoid(gates).chunk(4, dim=1)

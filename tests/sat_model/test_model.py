@@ -166,19 +166,30 @@ def test_a_decoding_step_is_the_same_through_each_lstm_kernel(
     model = tiny_model(attention).eval()
     assert model.lstm.input_size == model.lstm.hidden_size
     annotations, captions = tiny_batch()
-    calls: dict[str, int] = {"torch.lstm": 0, "blas": 0}
+    calls: dict[str, int] = {"torch.lstm": 0, "blas": 0, "table": 0}
     lstm, blas = torch.lstm, model_module._blas_lstm_step
+    from_gates = model_module._lstm_from_gates
 
     def count(name: str, function: Any) -> Any:
         return lambda *args: calls.__setitem__(name, calls[name] + 1) or function(*args)
 
     monkeypatch.setattr(torch, "lstm", count("torch.lstm", lstm))
     monkeypatch.setattr(model_module, "_blas_lstm_step", count("blas", blas))
+    monkeypatch.setattr(model_module, "_lstm_from_gates", count("table", from_gates))
     monkeypatch.setattr(model_module, "_fast_blas", lambda: False)
     outputs = []
-    # every step through torch.lstm, then nn.LSTMCell (kernels off), then the BLAS + kernel
-    for min_rows, kernels in ((1, True), (10**9, False), (10**9, True)):
+    # every step through torch.lstm; then, with the embedding's gates from decoding's table
+    # and without it (a table limit of 0): the kernels off (the table's rows and PyTorch's ops,
+    # or nn.LSTMCell), then on (the BLAS products and the compiled kernel)
+    for min_rows, kernels, table in (
+        (1, True, True),
+        (10**9, False, True),
+        (10**9, True, True),
+        (10**9, False, False),
+        (10**9, True, False),
+    ):
         monkeypatch.setattr(model_module, "ONEDNN_LSTM_MIN_ROWS", min_rows)
+        monkeypatch.setattr(model_module, "GATE_TABLE_MAX_ELEMENTS", 10**9 if table else 0)
         with torch.inference_mode(), contextlib.ExitStack() as stack:
             if not kernels:
                 stack.enter_context(native.turned_off())
@@ -187,8 +198,9 @@ def test_a_decoding_step_is_the_same_through_each_lstm_kernel(
                 out = model.step(captions[:, t], state)
                 state = out.state
         outputs.append(out)
-    # the first three steps, and only those; the last three where the kernels build
-    assert calls == {"torch.lstm": 3, "blas": 3 if native.load() is not None else 0}
+    # three steps each; the BLAS ones only where the kernels build
+    want_blas = 3 if native.load() is not None else 0
+    assert calls == {"torch.lstm": 3, "blas": want_blas, "table": 6}
     for other in outputs[1:]:
         torch.testing.assert_close(outputs[0].state.h, other.state.h)
         torch.testing.assert_close(outputs[0].state.c, other.state.c)
@@ -406,3 +418,37 @@ def test_input_dropout_drops_the_lstms_embedding_input_in_training_only(attentio
 def test_input_dropout_must_be_a_probability_below_one() -> None:
     with pytest.raises(ValueError, match="input_dropout"):
         tiny_model(input_dropout=1.0)
+
+
+@pytest.mark.parametrize("change", ["optimiser step", "load_state_dict"])
+def test_decodings_gate_table_follows_the_weights(
+    change: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decoding takes the embedding's share of the gates from a table over the vocabulary,
+    kept between calls: after an optimiser step or a loaded state dict, a step decodes with
+    the new weights, as the same step without the table does."""
+    model = tiny_model("soft").eval()
+    annotations, captions = tiny_batch()
+
+    def first_step() -> torch.Tensor:
+        with torch.inference_mode():
+            return model.step(captions[:, 0], model.init_state(annotations)).logits
+
+    before = first_step()  # builds the table
+    if change == "optimiser step":
+        optimiser = torch.optim.SGD(model.parameters(), lr=0.5)
+        model.train()
+        model(annotations, captions).logits.square().mean().backward()
+        optimiser.step()
+        model.eval()
+    else:
+        other = tiny_model("soft")
+        with torch.no_grad():
+            for parameter in other.parameters():
+                parameter.add_(0.3)
+        model.load_state_dict(other.state_dict())
+    with_table = first_step()
+    monkeypatch.setattr(model_module, "GATE_TABLE_MAX_ELEMENTS", 0)
+    without_table = first_step()
+    assert not torch.allclose(before, without_table)
+    torch.testing.assert_close(with_table, without_table)
