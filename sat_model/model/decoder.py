@@ -387,10 +387,11 @@ class ShowAttendTell(nn.Module):
         # a constant channel (std 0) is only centred, not blown up
         self.feature_std.copy_(torch.where(std > 1e-6, std, torch.ones_like(std)))
 
-    def init_state(self, annotations: Tensor) -> DecoderState:
-        """h_0, c_0 (Sec. 3.1.2) and W_a a, computed once per image; without autograd, for
-        soft attention's decoding kernel, also e^{-W_a a} (``native.exp_of_projected``)."""
-        annotations, mean, projected = self._prepare(annotations)
+    def init_state(self, annotations: Tensor, rows_per_image: int = 1) -> DecoderState:
+        """h_0, c_0 (Sec. 3.1.2) and W_a a, computed once per image (and repeated for
+        ``forward``'s ``rows_per_image``); without autograd, for soft attention's decoding
+        kernel, also e^{-W_a a} (``native.exp_of_projected``)."""
+        annotations, mean, projected = self._prepare(annotations, rows_per_image)
         sink, exp_projected = None, None
         if projected.requires_grad:
             sink = ProjectedGradient()
@@ -428,16 +429,25 @@ class ShowAttendTell(nn.Module):
             lstm.weight_ih[:, :m].t(),
         ).view(T, B, -1)
 
-    def _prepare(self, annotations: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _prepare(
+        self, annotations: Tensor, rows_per_image: int = 1
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """The annotations attended over (B, L, D): standardised, with cell coordinates; their
-        mean over locations (B, D); and ``SoftAttention.project``'s W_a a (B, A, L)."""
+        mean over locations (B, D); and ``SoftAttention.project``'s W_a a (B, A, L); each
+        computed once per image and then repeated for its ``rows_per_image`` captions
+        (B*k first dimensions; autograd adds their gradients up over the k)."""
         self._check_annotations(annotations)
         if self.feature_mean is not None:
             annotations = (annotations - self.feature_mean) / self.feature_std  # (B, L, D)
         if self.coords is not None:
             coords = self.coords.to(annotations.dtype).expand(annotations.size(0), -1, -1)
             annotations = torch.cat([annotations, coords], dim=2)  # (B, L, D + 2)
-        return annotations, annotations.mean(dim=1), self.attention.project(annotations)
+        prepared = (annotations, annotations.mean(dim=1), self.attention.project(annotations))
+        if rows_per_image == 1:
+            return prepared
+        repeated = (t.repeat_interleave(rows_per_image, dim=0) for t in prepared)
+        annotations, mean, projected = repeated
+        return annotations, mean, projected
 
     def forward(
         self,
@@ -446,19 +456,27 @@ class ShowAttendTell(nn.Module):
         *,
         mode: str | None = None,
         locations: Tensor | None = None,
+        rows_per_image: int = 1,
     ) -> ForwardOutput:
         """Teacher-forced pass: inputs ``captions[:, :-1]`` (B, T), one step per input token.
 
         ``mode`` defaults to "train" in training mode and "expected" in eval mode.
         ``locations`` (B, T) forces the hard-attention path s̃ (no semi-sampling).
+        ``rows_per_image`` k: ``annotations`` holds B/k images, each for k consecutive captions
+        (self-critical training's samples); what depends on the image alone is computed once.
         """
         mode = mode or ("train" if self.training else "expected")
         _check_mode(mode)
         inputs = captions[:, :-1]  # (B, T)
+        if rows_per_image < 1 or annotations.size(0) * rows_per_image != inputs.size(0):
+            raise ValueError(
+                f"{inputs.size(0)} captions for {annotations.size(0)} images at "
+                f"rows_per_image={rows_per_image}"
+            )
         if self._fused_pass(annotations, mode, locations):
-            return self._fused_forward(annotations, inputs, mode, locations)
+            return self._fused_forward(annotations, inputs, mode, locations, rows_per_image)
         B, T = inputs.shape
-        state = self.init_state(annotations)
+        state = self.init_state(annotations, rows_per_image)
         embedded = self.embedding(inputs)  # (B, T, m)
         use_expected = self._semi_sampling_mask(B, mode, locations, annotations.device)
         m = self.config.embed_dim
@@ -497,7 +515,12 @@ class ShowAttendTell(nn.Module):
         return mode in ("train", "expected") and locations is None
 
     def _fused_forward(
-        self, annotations: Tensor, inputs: Tensor, mode: str, locations: Tensor | None
+        self,
+        annotations: Tensor,
+        inputs: Tensor,
+        mode: str,
+        locations: Tensor | None,
+        rows_per_image: int = 1,
     ) -> ForwardOutput:
         """``forward`` through ``fused.recurrence``: the same numbers as the step loop up to
         float rounding (and the same draws of s̃), one autograd node for the T steps."""
@@ -510,7 +533,7 @@ class ShowAttendTell(nn.Module):
             else:  # mode "expected": α's expected context for every image, as at test time
                 use_expected = torch.ones(B, dtype=torch.bool, device=annotations.device)
             hard = HardPath(use_expected, None if locations is None else locations.t())
-        annotations, mean, projected = self._prepare(annotations)
+        annotations, mean, projected = self._prepare(annotations, rows_per_image)
         embedded = self.embedding(inputs)  # (B, T, m)
         m, lstm = self.config.embed_dim, self.lstm
         out = recurrence(

@@ -204,15 +204,17 @@ def leave_one_out_advantages(rewards: Tensor, num_samples: int) -> Tensor:
 class SampledBatch:
     """Captions a model drew for a batch of images, with their advantages (training layout)."""
 
-    annotations: Tensor  # (B*n, L, D) float32, each image's row repeated for its n samples
-    captions: Tensor  # (B*n, T+1) long: <start> w_1 .. w_k <end> <pad>..
+    annotations: Tensor  # (B, L, D) float32, once per image
+    captions: Tensor  # (B*n, T+1) long: <start> w_1 .. w_k <end> <pad>.., image i's n in a row
     advantages: Tensor  # (B*n,) float32, r_i - mean_{j≠i} r_j (r: the Reward)
+    num_samples: int = 1  # n
 
     def to(self, device: torch.device | str) -> SampledBatch:
         return SampledBatch(
             self.annotations.to(device, non_blocking=True),
             self.captions.to(device, non_blocking=True),
             self.advantages.to(device, non_blocking=True),
+            self.num_samples,
         )
 
 
@@ -256,18 +258,23 @@ class ImageBatches:
             images = np.repeat(rows, self.num_samples).tolist()  # (B*n,)
             rewards = self.reward(images, captions.cpu().tolist())  # (B*n,)
             yield SampledBatch(
-                annotations=annotations.repeat_interleave(self.num_samples, dim=0),
+                annotations=annotations,
                 captions=captions,
                 advantages=leave_one_out_advantages(rewards, self.num_samples).to(device),
+                num_samples=self.num_samples,
             )
 
 
 def self_critical_step(model: nn.Module, criterion: nn.Module, batch: SampledBatch) -> LossOutput:
     """The teacher-forced pass over the drawn captions, without dropout (the sampling policy),
-    and the loss; ``fit``'s ``step_loss`` for self-critical epochs."""
+    and the loss; ``fit``'s ``step_loss`` for self-critical epochs. Each image's annotations
+    are prepared once for its n captions (``rows_per_image``): ~10 % of the pass at the
+    Flickr8k profile's sizes with n = 5 (docs/EXPERIMENTS.md)."""
     model.eval()
     try:
-        output = model(batch.annotations, batch.captions, mode="expected")
+        output = model(
+            batch.annotations, batch.captions, mode="expected", rows_per_image=batch.num_samples
+        )
     finally:
         model.train()
     out: LossOutput = criterion(output, batch.captions, batch.advantages)

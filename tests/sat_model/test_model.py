@@ -452,3 +452,32 @@ def test_decodings_gate_table_follows_the_weights(
     without_table = first_step()
     assert not torch.allclose(before, without_table)
     torch.testing.assert_close(with_table, without_table)
+
+
+@pytest.mark.parametrize(
+    ("attention", "mode"), [("soft", "expected"), ("hard", "expected"), ("hard", "argmax")]
+)
+def test_images_prepared_once_for_their_captions_give_the_repeated_pass(
+    attention: str, mode: str
+) -> None:
+    """Self-critical training's pass: two images for six captions (``rows_per_image=3``) give
+    the logits and gradients of the same pass over each image's annotations repeated three
+    times, through the fused recurrence and the step loop (hard attention's argmax path)."""
+    annotations, captions = tiny_batch()
+    images, rows = annotations[:2], torch.cat([captions[:3], captions[1:]])
+    results = []
+    for repeated in (True, False):
+        torch.manual_seed(0)
+        model = tiny_model(attention).eval()
+        if repeated:
+            out = model(images.repeat_interleave(3, dim=0), rows, mode=mode)
+        else:
+            out = model(images, rows, mode=mode, rows_per_image=3)
+        out.logits.logsumexp(-1).mean().backward()
+        results.append((out.logits, [p.grad for p in model.parameters()]))
+    (want_logits, want_grads), (logits, grads) = results
+    torch.testing.assert_close(logits, want_logits)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="6 captions for 2 images at rows_per_image=2"):
+        tiny_model(attention)(images, rows, rows_per_image=2)

@@ -198,14 +198,15 @@ def test_a_self_critical_step_raises_the_better_caption_and_lowers_the_worse(
     model = tiny_model(attention, dropout=0.5).train()
     annotations, captions = tiny_batch()
     batch = SampledBatch(
-        annotations=annotations[:1].repeat(2, 1, 1),
+        annotations=annotations[:1],
         captions=captions[:2],
         advantages=torch.tensor([1.0, -1.0]),
+        num_samples=2,
     )
 
     def log_probs() -> list[float]:
         with torch.no_grad():
-            out = model.eval()(batch.annotations, batch.captions, mode="expected")
+            out = model.eval()(annotations[:1].repeat(2, 1, 1), batch.captions, mode="expected")
         model.train()
         logp = torch.log_softmax(out.logits, -1).gather(2, captions[:2, 1:, None]).squeeze(2)
         return (logp * (captions[:2, 1:] != PAD_ID)).sum(1).tolist()
