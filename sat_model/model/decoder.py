@@ -164,6 +164,8 @@ class DecoderState:
     projected_grad: ProjectedGradient | None = None
     # e^{-projected} for the decoding kernel (``native.exp_of_projected``), once per image
     exp_projected: Tensor | None = None
+    # decoding's embedding share of the LSTM's gates for every word (K, 4n), once per call
+    gate_table: Tensor | None = None
 
     def reorder(self, index: Tensor) -> DecoderState:
         """Select rows of the LSTM state (beam search: each image's one row to its first k
@@ -373,7 +375,7 @@ class ShowAttendTell(nn.Module):
         self.out = nn.Linear(m, K)  # L_o (Eq. 7)
         # decoding's embedding share of Eq. 1 over the vocabulary, with what it was computed
         # from (``_embedding_gate_table``); not part of the state dict
-        self._gate_table: tuple[tuple[object, ...], Tensor] | None = None
+        self._gate_table: tuple[tuple[Tensor, ...], Tensor] | None = None
 
     @torch.no_grad()
     def set_feature_statistics(self, mean: Tensor, std: Tensor) -> None:
@@ -390,7 +392,8 @@ class ShowAttendTell(nn.Module):
     def init_state(self, annotations: Tensor, rows_per_image: int = 1) -> DecoderState:
         """h_0, c_0 (Sec. 3.1.2) and W_a a, computed once per image (and repeated for
         ``forward``'s ``rows_per_image``); without autograd, for soft attention's decoding
-        kernel, also e^{-W_a a} (``native.exp_of_projected``)."""
+        kernel, also e^{-W_a a} (``native.exp_of_projected``), and for the decoding steps the
+        embedding's share of the gates (``_embedding_gate_table``)."""
         annotations, mean, projected = self._prepare(annotations, rows_per_image)
         sink, exp_projected = None, None
         if projected.requires_grad:
@@ -406,6 +409,7 @@ class ShowAttendTell(nn.Module):
             projected=projected,
             projected_grad=sink,
             exp_projected=exp_projected,
+            gate_table=self._embedding_gate_table(annotations.device),
         )
 
     def _initial_state(self, mean: Tensor) -> tuple[Tensor, Tensor]:
@@ -564,7 +568,7 @@ class ShowAttendTell(nn.Module):
         """One decoding step from y_{t-1} (B,) and the state at t-1."""
         _check_mode(mode)
         embedded = self.embedding(prev_tokens)  # (B, m)
-        lstm_inputs = self._decoding_lstm_inputs(prev_tokens)
+        lstm_inputs = self._decoding_lstm_inputs(prev_tokens, state.gate_table)
         adv = self._advance(embedded, state, mode, None, None, lstm_inputs)
         return StepOutput(
             logits=self._deep_output(embedded, adv.state.h, adv.context),  # (B, K)
@@ -618,40 +622,40 @@ class ShowAttendTell(nn.Module):
         new_state = dataclasses.replace(state, h=h, c=c)
         return _Advance(state=new_state, context=context, attention=att, beta=beta)
 
-    def _decoding_lstm_inputs(self, prev_tokens: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-        """Without autograd, the embedding's share of Eq. 1 as rows of a table over the
-        vocabulary (``_embedding_gate_table``), for ``_lstm_from_gates``: the step's product
-        then spans ẑ_t and h_{t-1} only (at the default sizes 306 of the 402 input columns).
-        None under autograd or autocast, where the table would exceed
-        ``GATE_TABLE_MAX_ELEMENTS`` (the paper's K × 4n is 72 M), or where ``_lstm`` would hand
-        the step to oneDNN (its RNN primitive takes the whole input)."""
-        if torch.is_grad_enabled() or torch.is_autocast_enabled(prev_tokens.device.type):
+    def _decoding_lstm_inputs(
+        self, prev_tokens: Tensor, table: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The embedding's share of Eq. 1 as rows of ``DecoderState.gate_table``, for
+        ``_lstm_from_gates``: the step's product then spans ẑ_t and h_{t-1} only (at the
+        default sizes 306 of the 402 input columns). None without a table, or where ``_lstm``
+        would hand the step to oneDNN (its RNN primitive takes the whole input)."""
+        if table is None:
             return None
         on_cpu = prev_tokens.device.type == "cpu"
         if on_cpu and prev_tokens.size(0) >= ONEDNN_LSTM_MIN_ROWS and not _fast_blas():
             return None
-        table = self._embedding_gate_table()
-        if table is None:
-            return None
         m, lstm = self.config.embed_dim, self.lstm
         return table.index_select(0, prev_tokens), lstm.weight_ih[:, m:].t(), lstm.weight_hh.t()
 
-    def _embedding_gate_table(self) -> Tensor | None:
-        """E W_ih[:, :m]^T + b_ih + b_hh (K, 4n), computed again only when one of these
-        parameters changed (an optimiser step, a loaded state dict, a move to a device)."""
-        lstm, K = self.lstm, self.config.vocab_size
+    def _embedding_gate_table(self, device: torch.device) -> Tensor | None:
+        """For decoding without autograd or autocast: E W_ih[:, :m]^T + b_ih + b_hh (K, 4n),
+        the embedding's share of Eq. 1 for every word. Kept for the next decoding call with
+        copies of what it was computed from, and computed again unless these are equal to the
+        parameters now: exact comparison, because an optimiser step need not bump a
+        parameter's version counter (fused Adam does not). None under autograd or autocast,
+        or beyond ``GATE_TABLE_MAX_ELEMENTS`` (the paper's K × 4n is 72 M)."""
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(device.type):
+            return None
+        lstm, K, m = self.lstm, self.config.vocab_size, self.config.embed_dim
         if K * lstm.weight_ih.size(0) > GATE_TABLE_MAX_ELEMENTS:
             return None
-        sources = (self.embedding.weight, lstm.weight_ih, lstm.bias_ih, lstm.bias_hh)
-        key = tuple((t.data_ptr(), t._version, t.device, t.dtype) for t in sources)
+        sources = (self.embedding.weight, lstm.weight_ih[:, :m], lstm.bias_ih, lstm.bias_hh)
         cached = self._gate_table
-        if cached is None or cached[0] != key:
-            m = self.config.embed_dim
-            with torch.no_grad():  # as ``_embedding_gates`` without its dropout, as in ``step``
-                bias = lstm.bias_ih + lstm.bias_hh
-                table = torch.addmm(bias, self.embedding.weight, lstm.weight_ih[:, :m].t())
-            cached = self._gate_table = (key, table)
-        return cached[1]
+        if cached is not None and _equal(cached[0], sources):
+            return cached[1]
+        table = torch.addmm(lstm.bias_ih + lstm.bias_hh, sources[0], sources[1].t())
+        self._gate_table = (tuple(t.detach().clone() for t in sources), table)
+        return table
 
     def _lstm(self, x: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
         """Eq. 1-3, one step for (rows, m + D) inputs: ``nn.LSTMCell``, or without autograd on
@@ -698,6 +702,13 @@ class ShowAttendTell(nn.Module):
                 f"annotations must have shape (B, {expected[0]}, {expected[1]}), "
                 f"got {tuple(annotations.shape)}"
             )
+
+
+def _equal(kept: tuple[Tensor, ...], now: tuple[Tensor, ...]) -> bool:
+    return all(
+        a.shape == b.shape and a.device == b.device and a.dtype == b.dtype and torch.equal(a, b)
+        for a, b in zip(kept, now, strict=True)
+    )
 
 
 def _lstm_from_gates(
