@@ -92,21 +92,30 @@ void rows_scores_exp(const float* e_image, const float* queries, const float* we
   }
 }
 
+// σ(p + q) for the scores' loops: from p and q, or (``kExp``) from e = e^{-p} and qp = e^{-q}.
+template <bool kExp>
+inline float sigma_of(float p_or_e, float q_or_qp) {
+  if constexpr (kExp) return 1.0f / (1.0f + p_or_e * q_or_qp);
+  return sigmoid(p_or_e + q_or_qp);
+}
+
 // One row's share of the scores' backward for its ∂/∂scores g (L): with s = σ(p + q) and
 // u = s (1 - s) g, adds (or, when ``write``, writes) weight2 u into gp_image (A, L), and writes
-// grad_q (A) = weight2 Σ_l u and weight_row (A) = Σ_l s g.
-void row_scores_backward(const float* g, const float* p_image, const float* q_row,
-                         const float* weight2, float* gp_image, float* grad_q, float* weight_row,
-                         int64_t A, int64_t L, bool write) {
+// grad_q (A) = weight2 Σ_l u and weight_row (A) = Σ_l s g. With ``kExp``, src_image holds
+// e^{-p} (A, L) and the row's query is ``within_bound``.
+template <bool kExp>
+void row_scores_backward_from(const float* g, const float* src_image, const float* q_row,
+                              const float* weight2, float* gp_image, float* grad_q,
+                              float* weight_row, int64_t A, int64_t L, bool write) {
   for (int64_t a = 0; a < A; ++a) {
-    const float* p = p_image + a * L;
+    const float* p = src_image + a * L;
     float* gp = gp_image + a * L;
-    const float q = q_row[a], w = weight2[a];
+    const float q = kExp ? fast_exp(-q_row[a]) : q_row[a], w = weight2[a];
     float sum_sg = 0.0f, sum_u = 0.0f;
     if (write) {
 #pragma omp simd reduction(+ : sum_sg, sum_u)
       for (int64_t l = 0; l < L; ++l) {
-        const float s = sigmoid(p[l] + q), sg = s * g[l], u = sg - sg * s;
+        const float s = sigma_of<kExp>(p[l], q), sg = s * g[l], u = sg - sg * s;
         sum_sg += sg;
         sum_u += u;
         gp[l] = w * u;
@@ -114,7 +123,7 @@ void row_scores_backward(const float* g, const float* p_image, const float* q_ro
     } else {
 #pragma omp simd reduction(+ : sum_sg, sum_u)
       for (int64_t l = 0; l < L; ++l) {
-        const float s = sigmoid(p[l] + q), sg = s * g[l], u = sg - sg * s;
+        const float s = sigma_of<kExp>(p[l], q), sg = s * g[l], u = sg - sg * s;
         sum_sg += sg;
         sum_u += u;
         gp[l] += w * u;
@@ -125,17 +134,55 @@ void row_scores_backward(const float* g, const float* p_image, const float* q_ro
   }
 }
 
+// row_scores_backward_from, from e^{-p} where the image has one (``exp_image`` not null) and
+// the row's query is within the bound, else from p.
+void row_scores_backward(const float* g, const float* p_image, const float* exp_image,
+                         const float* q_row, const float* weight2, float* gp_image,
+                         float* grad_q, float* weight_row, int64_t A, int64_t L, bool write) {
+  if (exp_image != nullptr && within_bound(q_row, A))
+    row_scores_backward_from<true>(g, exp_image, q_row, weight2, gp_image, grad_q, weight_row,
+                                   A, L, write);
+  else
+    row_scores_backward_from<false>(g, p_image, q_row, weight2, gp_image, grad_q, weight_row, A,
+                                    L, write);
+}
+
+// e^{-projected} (count values) for a training recurrence's T steps, or empty where a value
+// lies beyond kExpBound (then every step evaluates σ(p + q) whole).
+std::vector<float> exp_of_projected(const float* projected, int64_t count, int64_t threads) {
+  bool within = true;
+  for (int64_t i = 0; i < count && within; ++i) within = std::fabs(projected[i]) <= kExpBound;
+  if (!within) return {};
+  std::vector<float> out(count);
+#pragma omp parallel for simd schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < count; ++i) out[i] = fast_exp(-projected[i]);
+  return out;
+}
+
 }  // namespace
 
 extern "C" {
 
 // scores (B*k, L) = Σ_a weight2_a σ(projected[b, a, :] + query[r, a]), b = r / k.
+// With ``exp_projected`` (e^{-projected}, every value within kExpBound; or null), the rows
+// whose query is within the bound take rows_scores_exp.
+void sat_scores_forward_from(const float* projected, const float* exp_projected,
+                             const float* query, const float* weight2, float* scores, int64_t B,
+                             int64_t k, int64_t A, int64_t L, int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t r = 0; r < B * k; ++r) {
+    const int64_t image = (r / k) * A * L;
+    if (exp_projected != nullptr && within_bound(query + r * A, A))
+      rows_scores_exp(exp_projected + image, query + r * A, weight2, scores + r * L, 1, A, L);
+    else
+      row_scores(projected + image, query + r * A, weight2, scores + r * L, A, L);
+  }
+}
+
 void sat_scores_forward(const float* projected, const float* query, const float* weight2,
                         float* scores, int64_t B, int64_t k, int64_t A, int64_t L,
                         int64_t threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t r = 0; r < B * k; ++r)
-    row_scores(projected + (r / k) * A * L, query + r * A, weight2, scores + r * L, A, L);
+  sat_scores_forward_from(projected, nullptr, query, weight2, scores, B, k, A, L, threads);
 }
 
 // From ∂/∂scores (B*k, L): with s = σ(projected + query), u = s (1 - s) ∂scores,
@@ -143,18 +190,28 @@ void sat_scores_forward(const float* projected, const float* query, const float*
 //   grad_query (B*k, A)      = weight2 Σ_l u,
 //   weight_rows (B*k, A)     = Σ_l s ∂scores           (the caller sums the rows: ∂/∂weight2).
 // One image per thread at a time, so its k rows add into grad_projected without a race.
-void sat_scores_backward(const float* grad, const float* projected, const float* query,
-                         const float* weight2, float* grad_projected, float* grad_query,
-                         float* weight_rows, int64_t B, int64_t k, int64_t A, int64_t L,
-                         int64_t threads, int64_t accumulate) {
+void sat_scores_backward_from(const float* grad, const float* projected,
+                              const float* exp_projected, const float* query,
+                              const float* weight2, float* grad_projected, float* grad_query,
+                              float* weight_rows, int64_t B, int64_t k, int64_t A, int64_t L,
+                              int64_t threads, int64_t accumulate) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j = 0; j < k; ++j) {
       const int64_t r = b * k + j;
-      row_scores_backward(grad + r * L, projected + b * A * L, query + r * A, weight2,
+      const float* exp_image = exp_projected == nullptr ? nullptr : exp_projected + b * A * L;
+      row_scores_backward(grad + r * L, projected + b * A * L, exp_image, query + r * A, weight2,
                           grad_projected + b * A * L, grad_query + r * A, weight_rows + r * A, A,
                           L, j == 0 && !accumulate);
     }
+}
+
+void sat_scores_backward(const float* grad, const float* projected, const float* query,
+                         const float* weight2, float* grad_projected, float* grad_query,
+                         float* weight_rows, int64_t B, int64_t k, int64_t A, int64_t L,
+                         int64_t threads, int64_t accumulate) {
+  sat_scores_backward_from(grad, projected, nullptr, query, weight2, grad_projected, grad_query,
+                           weight_rows, B, k, A, L, threads, accumulate);
 }
 
 // Soft attention's step (Eq. 4-5 and the expected context of Sec. 4.2): the scores of the k
@@ -208,11 +265,12 @@ void sat_attend_forward(const float* projected, const float* exp_projected, cons
 // from ∂/∂φ (B, D) and the loss's own ∂/∂α (B, L; null when none), ∂/∂α = ∂φ · a + ∂α, the
 // softmax's backward to ∂/∂scores, then the scores' backward as in sat_scores_backward
 // (grad_projected written or, with accumulate, added to; grad_query and weight_rows written).
-void sat_attend_backward(const float* grad_context, const float* grad_alpha, const float* alpha,
-                         const float* annotations, const float* projected, const float* query,
-                         const float* weight2, float* grad_projected, float* grad_query,
-                         float* weight_rows, int64_t B, int64_t A, int64_t L, int64_t D,
-                         int64_t threads, int64_t accumulate) {
+void sat_attend_backward_from(const float* grad_context, const float* grad_alpha,
+                              const float* alpha, const float* annotations,
+                              const float* projected, const float* exp_projected,
+                              const float* query, const float* weight2, float* grad_projected,
+                              float* grad_query, float* weight_rows, int64_t B, int64_t A,
+                              int64_t L, int64_t D, int64_t threads, int64_t accumulate) {
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> grad_scores(L);
@@ -232,11 +290,22 @@ void sat_attend_backward(const float* grad_context, const float* grad_alpha, con
       }
 #pragma omp simd
       for (int64_t l = 0; l < L; ++l) gs[l] = al[l] * (gs[l] - weighted);
-      row_scores_backward(gs, projected + b * A * L, query + b * A, weight2,
+      const float* exp_image = exp_projected == nullptr ? nullptr : exp_projected + b * A * L;
+      row_scores_backward(gs, projected + b * A * L, exp_image, query + b * A, weight2,
                           grad_projected + b * A * L, grad_query + b * A, weight_rows + b * A, A,
                           L, !accumulate);
     }
   }
+}
+
+void sat_attend_backward(const float* grad_context, const float* grad_alpha, const float* alpha,
+                         const float* annotations, const float* projected, const float* query,
+                         const float* weight2, float* grad_projected, float* grad_query,
+                         float* weight_rows, int64_t B, int64_t A, int64_t L, int64_t D,
+                         int64_t threads, int64_t accumulate) {
+  sat_attend_backward_from(grad_context, grad_alpha, alpha, annotations, projected, nullptr,
+                           query, weight2, grad_projected, grad_query, weight_rows, B, A, L, D,
+                           threads, accumulate);
 }
 
 // Eq. 1-3 after the gates' product, step t of the training recurrence: ``gates`` (B, 4n) holds
@@ -416,12 +485,14 @@ void sat_soft_recurrence_forward(sgemm_fn sgemm, const float* projected,
                                  float* hidden, int64_t T, int64_t B, int64_t A, int64_t L,
                                  int64_t D, int64_t n, int64_t threads) {
   const Step step{sgemm, B, A, L, D, n, threads};
+  const std::vector<float> exp_projected = exp_of_projected(projected, B * A * L, threads);
+  const float* exp_or_null = exp_projected.empty() ? nullptr : exp_projected.data();
   for (int64_t t = 0; t < T; ++t) {
     float* input = inputs + t * B * step.row();
     float* query = queries + t * B * A;
     float* context = contexts + t * B * D;
     step.query(input, hidden2, query);
-    sat_attend_forward(projected, nullptr, query, weight2, annotations, alphas + t * B * L,
+    sat_attend_forward(projected, exp_or_null, query, weight2, annotations, alphas + t * B * L,
                        context, D, B, 1, A, L, D, threads);
     step.gate(gate_weight, gate_bias, context, input, betas + t * B);
     float* next = t + 1 < T ? inputs + (t + 1) * B * step.row() + D : nullptr;
@@ -447,6 +518,8 @@ void sat_soft_recurrence_backward(
     float* dphi, int64_t T, int64_t B, int64_t A, int64_t L, int64_t D, int64_t n,
     int64_t threads) {
   const Step step{sgemm, B, A, L, D, n, threads};
+  const std::vector<float> exp_projected = exp_of_projected(projected, B * A * L, threads);
+  const float* exp_or_null = exp_projected.empty() ? nullptr : exp_projected.data();
   for (int64_t t = T - 1; t >= 0; --t) {
     float* grad_query = grad_queries + t * B * A;
     step.lstm_and_gate_backward(gates + t * B * 4 * n, cells + t * B * n, cells + (t + 1) * B * n,
@@ -454,9 +527,10 @@ void sat_soft_recurrence_backward(
                                 contexts + t * B * D, betas + t * B, d_betas + t * B,
                                 gate_weight, grad_h, grad_c, grad_gates + t * B * 4 * n,
                                 gate_pre + t * B, dz, dphi);
-    sat_attend_backward(dphi, d_alpha + t * B * L, alphas + t * B * L, annotations, projected,
-                        queries + t * B * A, weight2, grad_projected, grad_query,
-                        weight_rows + t * B * A, B, A, L, D, threads, t != T - 1);
+    sat_attend_backward_from(dphi, d_alpha + t * B * L, alphas + t * B * L, annotations,
+                             projected, exp_or_null, queries + t * B * A, weight2,
+                             grad_projected, grad_query, weight_rows + t * B * A, B, A, L, D,
+                             threads, t != T - 1);
     step.query_backward(grad_query, hidden2, grad_h);
   }
 }
@@ -478,6 +552,8 @@ void sat_hard_recurrence_forward(
     float* betas, float* hidden, float* log_alphas, float* log_probs, float* entropy, int64_t T,
     int64_t B, int64_t A, int64_t L, int64_t D, int64_t n, int64_t threads) {
   const Step step{sgemm, B, A, L, D, n, threads};
+  const std::vector<float> exp_projected = exp_of_projected(projected, B * A * L, threads);
+  const float* exp_or_null = exp_projected.empty() ? nullptr : exp_projected.data();
   for (int64_t t = 0; t < T; ++t) {
     float* input = inputs + t * B * step.row();
     float* query = queries + t * B * A;
@@ -485,7 +561,8 @@ void sat_hard_recurrence_forward(
     float* alpha = alphas + t * B * L;
     float* log_alpha = log_alphas + t * B * L;
     step.query(input, hidden2, query);
-    sat_scores_forward(projected, query, weight2, log_alpha, B, 1, A, L, threads);
+    sat_scores_forward_from(projected, exp_or_null, query, weight2, log_alpha, B, 1, A, L,
+                            threads);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < B; ++b) {
       float* la = log_alpha + b * L;
@@ -554,6 +631,8 @@ void sat_hard_recurrence_backward(
     float* weight_rows, float* grad_projected, float* dz, float* dphi, float* grad_scores,
     int64_t T, int64_t B, int64_t A, int64_t L, int64_t D, int64_t n, int64_t threads) {
   const Step step{sgemm, B, A, L, D, n, threads};
+  const std::vector<float> exp_projected = exp_of_projected(projected, B * A * L, threads);
+  const float* exp_or_null = exp_projected.empty() ? nullptr : exp_projected.data();
   for (int64_t t = T - 1; t >= 0; --t) {
     float* grad_query = grad_queries + t * B * A;
     step.lstm_and_gate_backward(gates + t * B * 4 * n, cells + t * B * n, cells + (t + 1) * B * n,
@@ -585,8 +664,9 @@ void sat_hard_recurrence_backward(
         gs[l] = al[l] * (gs[l] - weighted) - d_h * al[l] * (la[l] + h) - d_lp * al[l];
       gs[locations[t * B + b]] += d_lp;
     }
-    sat_scores_backward(grad_scores, projected, queries + t * B * A, weight2, grad_projected,
-                        grad_query, weight_rows + t * B * A, B, 1, A, L, threads, t != T - 1);
+    sat_scores_backward_from(grad_scores, projected, exp_or_null, queries + t * B * A, weight2,
+                             grad_projected, grad_query, weight_rows + t * B * A, B, 1, A, L,
+                             threads, t != T - 1);
     step.query_backward(grad_query, hidden2, grad_h);
   }
 }
