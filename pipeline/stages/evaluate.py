@@ -15,6 +15,7 @@ import functools
 import json
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
@@ -97,7 +98,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     ctx = cli_context("evaluate", args)
-    return run(ctx, args.attention, model=args.model, split=args.split, out=args.out)
+    try:
+        return run(ctx, args.attention, model=args.model, split=args.split, out=args.out)
+    except Exception as e:  # a model or data the user named that cannot be evaluated: one line
+        if not isinstance(e, _input_errors()):
+            raise
+        print(f"evaluate: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _input_errors() -> tuple[type[Exception], ...]:
+    """What a model folder or URI, features or references that cannot be evaluated raise (as
+    ``sat evaluate`` reports them); MLflow's only where a model URI has loaded it."""
+    from sat_model.evaluation.evaluate import EvaluationError
+    from sat_model.evaluation.metrics import MetricError
+    from sat_model.features.store import FeatureStoreError
+    from sat_model.model.checkpoint import CheckpointError
+
+    errors: tuple[type[Exception], ...] = (
+        CheckpointError,
+        EvaluationError,
+        FeatureStoreError,
+        MetricError,
+        FileNotFoundError,
+    )
+    if "mlflow.exceptions" in sys.modules:
+        from mlflow.exceptions import MlflowException
+
+        errors += (MlflowException,)
+    return errors
 
 
 def run(

@@ -12,6 +12,8 @@ from pipeline.stages import evaluate, load_context, project_root
 from sat_model.config import ParamsError
 from sat_model.paths import absolute
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def test_the_project_root_is_the_params_files_folder_wherever_the_command_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -83,3 +85,20 @@ def test_a_bad_params_value_is_one_line_and_status_1_from_every_stage(
     assert err.startswith(f"{stage}: error: invalid params:")
     assert "encoder.name" in err and "efficientnet_lite2" in err and "train.soft.lr" in err
     assert "Traceback" not in err
+
+
+def test_the_evaluate_stage_reports_a_folder_that_is_no_model_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m pipeline.stages.evaluate --model <folder>`` (the stage's own command, as
+    its docstring offers it) on a folder without a checkpoint: one line and status 1, as
+    ``sat evaluate`` says it, not a traceback."""
+    params = tmp_path / "params.yaml"
+    params.write_text((REPO / "params.yaml").read_text(encoding="utf-8"))
+    (tmp_path / "not_a_model").mkdir()
+    argv = ["--params", str(params), "--model", str(tmp_path / "not_a_model")]
+    assert evaluate.main([*argv, "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"evaluate: error: no checkpoint at {tmp_path}/not_a_model/model.pt"
+    ]
