@@ -42,7 +42,8 @@ from torch import Tensor
 
 __all__ = [
     "ENV_SWITCH",
-    "EXP_BOUND",
+    "PROJECTED_CLAMP",
+    "QUERY_BOUND",
     "NativeKernels",
     "attend_backward",
     "attend_forward",
@@ -63,7 +64,8 @@ __all__ = [
 ]
 
 ENV_SWITCH = "SAT_NATIVE_KERNELS"  # "0" turns the kernels off
-EXP_BOUND = 40.0  # kExpBound of the source: |projected| and |query| for the e^{-p} e^{-q} form
+# the source's kProjectedClamp and kQueryBound: e^{-p} of p clamped to ±52, for rows with |q| <= 34
+PROJECTED_CLAMP, QUERY_BOUND = 52.0, 34.0
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 # compiled with -ffast-math, so that the loops vectorise, and linked without it (see the source)
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
@@ -390,14 +392,12 @@ def attend_forward(
 
 
 def exp_of_projected(projected: Tensor) -> Tensor | None:
-    """e^{-projected} (B, A, L) for ``attend_forward``, computed once per image where the
-    kernels run and every value lies within the kernel's bound (``kExpBound``, 40: the product
-    e^{-p} e^{-q} then stays finite); None otherwise, and the kernel evaluates σ(p + q) whole."""
-    if not available(projected) or projected.numel() == 0:
+    """e^{-p} (B, A, L) of ``projected`` clamped to ±PROJECTED_CLAMP, for ``attend_forward``,
+    once per image where the kernels run (the source says why the clamp changes no float the
+    scores hold); None where they cannot run."""
+    if not available(projected):
         return None
-    if float(projected.abs().max()) > EXP_BOUND:
-        return None
-    return torch.exp(-projected)
+    return torch.exp(-projected.clamp(-PROJECTED_CLAMP, PROJECTED_CLAMP))
 
 
 def attend_backward(
