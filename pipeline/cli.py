@@ -21,6 +21,7 @@ from pathlib import Path
 from pipeline import serve
 from pipeline.quiet import quiet_mlflow
 from pipeline.stages import StageContext, add_params_args, evaluate, load_context, project_root
+from pipeline.user_errors import is_user_error, one_line
 from sat_model.config import ATTENTION_KINDS
 
 __all__ = ["CommandError", "main"]
@@ -437,53 +438,8 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_caption, quiet=True)
 
 
-# Exceptions that report what the user asked for or gave (params, files, models, stores), as
-# opposed to bugs. Named by module so that `sat --help` imports none of them.
-_USER_ERRORS = {
-    "sat_model.config": ("ParamsError",),
-    "sat_model.data.vocab": ("VocabError",),
-    "sat_model.features.images": ("ImageError",),
-    "sat_model.data.sources": ("SourceError",),
-    "sat_model.data.prepare": ("PrepareError",),
-    "sat_model.features.extract": ("ExtractError",),
-    "sat_model.features.store": ("FeatureStoreError",),
-    "sat_model.features.encoders": ("EncoderError",),
-    "sat_model.model.checkpoint": ("CheckpointError",),
-    "sat_model.train.batching": ("BatchingError",),
-    "sat_model.train.trainer": ("NonFiniteLossError",),
-    "sat_model.evaluation.metrics": ("MetricError",),
-    "sat_model.evaluation.evaluate": ("EvaluationError",),
-    "pipeline.registry": ("RegistryError",),
-    "pipeline.jobs": ("JobFailedError",),
-    "mlflow.exceptions": ("MlflowException",),
-}
-
-
 def _is_user_error(err: BaseException) -> bool:
-    if isinstance(err, CommandError | OSError):  # OSError: missing file, refused connection
-        return True
-    # a module never imported raised nothing
-    types = tuple(
-        getattr(sys.modules[module], name)
-        for module, names in _USER_ERRORS.items()
-        if module in sys.modules
-        for name in names
-    )
-    return isinstance(err, types)
-
-
-def _one_line(err: BaseException) -> str:
-    if "mlflow.exceptions" in sys.modules:
-        from mlflow.exceptions import MlflowException
-
-        if isinstance(err, MlflowException):
-            err = MlflowException(err.message)  # without MLflow's error-code prefix
-    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-    text = text or type(err).__name__
-    # tracking URIs (which may hold a token) reach messages only through pipeline.tracking;
-    # importing it (and MLflow) just to print a params error would cost seconds
-    tracking = sys.modules.get("pipeline.tracking")
-    return tracking.redact(text) if tracking else text
+    return isinstance(err, CommandError) or is_user_error(err)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -499,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         if args.verbose or not _is_user_error(e):
             raise
-        print(f"sat {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"sat {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 1
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from pipeline.model_uri import is_model_uri, resolve_model_dir
 from pipeline.stages import StageContext, cli_context, run_locked, stage_parser
+from pipeline.user_errors import is_user_error, one_line
 from sat_model.config import ATTENTION_KINDS
 
 if TYPE_CHECKING:
@@ -101,32 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(ctx, args.attention, model=args.model, split=args.split, out=args.out)
     except Exception as e:  # a model or data the user named that cannot be evaluated: one line
-        if not isinstance(e, _input_errors()):
+        if not is_user_error(e):
             raise
-        print(f"evaluate: error: {e}", file=sys.stderr)
+        print(f"evaluate: error: {one_line(e)}", file=sys.stderr)
         return 1
-
-
-def _input_errors() -> tuple[type[Exception], ...]:
-    """What a model folder or URI, features or references that cannot be evaluated raise (as
-    ``sat evaluate`` reports them); MLflow's only where a model URI has loaded it."""
-    from sat_model.evaluation.evaluate import EvaluationError
-    from sat_model.evaluation.metrics import MetricError
-    from sat_model.features.store import FeatureStoreError
-    from sat_model.model.checkpoint import CheckpointError
-
-    errors: tuple[type[Exception], ...] = (
-        CheckpointError,
-        EvaluationError,
-        FeatureStoreError,
-        MetricError,
-        FileNotFoundError,
-    )
-    if "mlflow.exceptions" in sys.modules:
-        from mlflow.exceptions import MlflowException
-
-        errors += (MlflowException,)
-    return errors
 
 
 def run(
