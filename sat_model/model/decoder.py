@@ -81,6 +81,12 @@ def _fast_blas() -> bool:
     return native.cpu_vendor() == "GenuineIntel"
 
 
+def _onednn_rows(rows: int) -> bool:
+    """Whether a CPU decoding step of ``rows`` rows goes to oneDNN (``torch_lstm_step``)
+    rather than the BLAS products and the compiled kernel (see ``ONEDNN_LSTM_MIN_ROWS``)."""
+    return rows >= ONEDNN_LSTM_MIN_ROWS and not _fast_blas()
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything needed to rebuild the model; saved in checkpoints as JSON (``asdict``)."""
@@ -631,8 +637,7 @@ class ShowAttendTell(nn.Module):
         would hand the step to oneDNN (its RNN primitive takes the whole input)."""
         if table is None:
             return None
-        on_cpu = prev_tokens.device.type == "cpu"
-        if on_cpu and prev_tokens.size(0) >= ONEDNN_LSTM_MIN_ROWS and not _fast_blas():
+        if prev_tokens.device.type == "cpu" and _onednn_rows(prev_tokens.size(0)):
             return None
         m, lstm = self.config.embed_dim, self.lstm
         return table.index_select(0, prev_tokens), lstm.weight_ih[:, m:].t(), lstm.weight_hh.t()
@@ -665,7 +670,7 @@ class ShowAttendTell(nn.Module):
         same gates in the same order (i, f, g, o)."""
         if x.device.type == "cpu" and not torch.is_grad_enabled():
             rows = x.size(0)
-            if (rows < ONEDNN_LSTM_MIN_ROWS or _fast_blas()) and native.available(x, h, c):
+            if not _onednn_rows(rows) and native.available(x, h, c):
                 return _blas_lstm_step(self.lstm, x, h, c)
             if rows >= ONEDNN_LSTM_MIN_ROWS:
                 return torch_lstm_step(self.lstm, x, h, c)
@@ -718,7 +723,8 @@ def _lstm_from_gates(
     of the gates with both biases (rows, 4n) and the transposed weights for ẑ_t (D, 4n) and
     h_{t-1} (n, 4n): (rows, n) x 2. Without autograd on CPU, Eq. 2-3 in the compiled kernel."""
     if not torch.is_grad_enabled() and native.available(gates, z, h, c):
-        # ``gates`` is this step's own tensor here (rows of decoding's table): added to in place
+        # ``gates`` is this step's own (rows of decoding's table, or ``forward``'s gates of
+        # this step, each read once): added to in place
         gates = gates.addmm_(z, weight_z).addmm_(h, weight_h)  # (rows, 4n)
         h_next, c_next = torch.empty_like(h), torch.empty_like(c)
         if native.lstm_forward(gates, c, c_next, h_next, None):

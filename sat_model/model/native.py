@@ -64,7 +64,8 @@ __all__ = [
 ]
 
 ENV_SWITCH = "SAT_NATIVE_KERNELS"  # "0" turns the kernels off
-# the source's kProjectedClamp and kQueryBound: e^{-p} of p clamped to ±52, for rows with |q| <= 34
+# the source's kProjectedClamp and kQueryBound (for tests and docs): e^{-p} of p clamped to ±52,
+# for rows with |q| <= 34
 PROJECTED_CLAMP, QUERY_BOUND = 52.0, 34.0
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 # compiled with -ffast-math, so that the loops vectorise, and linked without it (see the source)
@@ -77,6 +78,7 @@ _SIGNATURES = {
     "scores_forward": (4, 5),
     "scores_backward": (7, 6),
     "attend_forward": (7, 7),
+    "exp_of_projected": (2, 2),
     "attend_backward": (10, 6),
     "lstm_forward": (5, 4),
     "lstm_backward": (7, 3),
@@ -97,6 +99,7 @@ class NativeKernels:
     hard_recurrence_forward: Callable[..., None]
     hard_recurrence_backward: Callable[..., None]
     attend_forward: Callable[..., None]
+    exp_of_projected: Callable[..., None]
     attend_backward: Callable[..., None]
     lstm_forward: Callable[..., None]
     lstm_backward: Callable[..., None]
@@ -393,11 +396,14 @@ def attend_forward(
 
 def exp_of_projected(projected: Tensor) -> Tensor | None:
     """e^{-p} (B, A, L) of ``projected`` clamped to ±PROJECTED_CLAMP, for ``attend_forward``,
-    once per image where the kernels run (the source says why the clamp changes no float the
-    scores hold); None where they cannot run."""
-    if not available(projected):
+    once per image, computed by the kernel the training recurrences use (the source says why
+    the clamp changes no float the scores hold); None where the kernels cannot run."""
+    if not _usable(projected) or (kernels := load()) is None:
         return None
-    return torch.exp(-projected.clamp(-PROJECTED_CLAMP, PROJECTED_CLAMP))
+    projected = projected.contiguous()
+    out = torch.empty_like(projected)
+    _call(kernels.exp_of_projected, [projected, out], out.numel(), torch.get_num_threads())
+    return out
 
 
 def attend_backward(

@@ -151,19 +151,29 @@ void row_scores_backward(const float* g, const float* p_image, const float* exp_
                                     L, write);
 }
 
-// e^{-clamp(projected, ±kProjectedClamp)} (count values), once for a training recurrence's T
-// steps.
-std::vector<float> exp_of_projected(const float* projected, int64_t count, int64_t threads) {
-  std::vector<float> out(count);
+// e^{-clamp(projected, ±kProjectedClamp)} into out (count values).
+void write_exp_of_projected(const float* projected, float* out, int64_t count, int64_t threads) {
 #pragma omp parallel for simd schedule(static) num_threads(threads)
   for (int64_t i = 0; i < count; ++i)
     out[i] = fast_exp(-std::fmin(std::fmax(projected[i], -kProjectedClamp), kProjectedClamp));
+}
+
+// The same, once for a training recurrence's T steps.
+std::vector<float> exp_of_projected(const float* projected, int64_t count, int64_t threads) {
+  std::vector<float> out(count);
+  write_exp_of_projected(projected, out.data(), count, threads);
   return out;
 }
 
 }  // namespace
 
 extern "C" {
+
+// e^{-projected} as the scores' fast form reads it (see kProjectedClamp), for decoding, which
+// computes it once per image for all its steps (``native.exp_of_projected``).
+void sat_exp_of_projected(const float* projected, float* out, int64_t count, int64_t threads) {
+  write_exp_of_projected(projected, out, count, threads);
+}
 
 // scores (B*k, L) = Σ_a weight2_a σ(projected[b, a, :] + query[r, a]), b = r / k.
 // With ``exp_projected`` (``exp_of_projected``'s, or null), the rows whose query is within the
@@ -488,13 +498,12 @@ void sat_soft_recurrence_forward(sgemm_fn sgemm, const float* projected,
                                  int64_t D, int64_t n, int64_t threads) {
   const Step step{sgemm, B, A, L, D, n, threads};
   const std::vector<float> exp_projected = exp_of_projected(projected, B * A * L, threads);
-  const float* exp_or_null = exp_projected.empty() ? nullptr : exp_projected.data();
   for (int64_t t = 0; t < T; ++t) {
     float* input = inputs + t * B * step.row();
     float* query = queries + t * B * A;
     float* context = contexts + t * B * D;
     step.query(input, hidden2, query);
-    sat_attend_forward(projected, exp_or_null, query, weight2, annotations, alphas + t * B * L,
+    sat_attend_forward(projected, exp_projected.data(), query, weight2, annotations, alphas + t * B * L,
                        context, D, B, 1, A, L, D, threads);
     step.gate(gate_weight, gate_bias, context, input, betas + t * B);
     float* next = t + 1 < T ? inputs + (t + 1) * B * step.row() + D : nullptr;
@@ -521,7 +530,6 @@ void sat_soft_recurrence_backward(
     int64_t threads) {
   const Step step{sgemm, B, A, L, D, n, threads};
   const std::vector<float> exp_projected = exp_of_projected(projected, B * A * L, threads);
-  const float* exp_or_null = exp_projected.empty() ? nullptr : exp_projected.data();
   for (int64_t t = T - 1; t >= 0; --t) {
     float* grad_query = grad_queries + t * B * A;
     step.lstm_and_gate_backward(gates + t * B * 4 * n, cells + t * B * n, cells + (t + 1) * B * n,
@@ -530,7 +538,7 @@ void sat_soft_recurrence_backward(
                                 gate_weight, grad_h, grad_c, grad_gates + t * B * 4 * n,
                                 gate_pre + t * B, dz, dphi);
     sat_attend_backward_from(dphi, d_alpha + t * B * L, alphas + t * B * L, annotations,
-                             projected, exp_or_null, queries + t * B * A, weight2,
+                             projected, exp_projected.data(), queries + t * B * A, weight2,
                              grad_projected, grad_query, weight_rows + t * B * A, B, A, L, D,
                              threads, t != T - 1);
     step.query_backward(grad_query, hidden2, grad_h);
@@ -555,7 +563,6 @@ void sat_hard_recurrence_forward(
     int64_t B, int64_t A, int64_t L, int64_t D, int64_t n, int64_t threads) {
   const Step step{sgemm, B, A, L, D, n, threads};
   const std::vector<float> exp_projected = exp_of_projected(projected, B * A * L, threads);
-  const float* exp_or_null = exp_projected.empty() ? nullptr : exp_projected.data();
   for (int64_t t = 0; t < T; ++t) {
     float* input = inputs + t * B * step.row();
     float* query = queries + t * B * A;
@@ -563,7 +570,7 @@ void sat_hard_recurrence_forward(
     float* alpha = alphas + t * B * L;
     float* log_alpha = log_alphas + t * B * L;
     step.query(input, hidden2, query);
-    sat_scores_forward_from(projected, exp_or_null, query, weight2, log_alpha, B, 1, A, L,
+    sat_scores_forward_from(projected, exp_projected.data(), query, weight2, log_alpha, B, 1, A, L,
                             threads);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < B; ++b) {
@@ -634,7 +641,6 @@ void sat_hard_recurrence_backward(
     int64_t T, int64_t B, int64_t A, int64_t L, int64_t D, int64_t n, int64_t threads) {
   const Step step{sgemm, B, A, L, D, n, threads};
   const std::vector<float> exp_projected = exp_of_projected(projected, B * A * L, threads);
-  const float* exp_or_null = exp_projected.empty() ? nullptr : exp_projected.data();
   for (int64_t t = T - 1; t >= 0; --t) {
     float* grad_query = grad_queries + t * B * A;
     step.lstm_and_gate_backward(gates + t * B * 4 * n, cells + t * B * n, cells + (t + 1) * B * n,
@@ -666,7 +672,7 @@ void sat_hard_recurrence_backward(
         gs[l] = al[l] * (gs[l] - weighted) - d_h * al[l] * (la[l] + h) - d_lp * al[l];
       gs[locations[t * B + b]] += d_lp;
     }
-    sat_scores_backward_from(grad_scores, projected, exp_or_null, queries + t * B * A, weight2,
+    sat_scores_backward_from(grad_scores, projected, exp_projected.data(), queries + t * B * A, weight2,
                              grad_projected, grad_query, weight_rows + t * B * A, B, 1, A, L,
                              threads, t != T - 1);
     step.query_backward(grad_query, hidden2, grad_h);
