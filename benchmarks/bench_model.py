@@ -137,14 +137,22 @@ def _step_flops(d: Dims) -> int:
     )
 
 
-def _best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Fastest of ``repeats`` runs: the machine may be shared, and interference only adds."""
+def _best_time(fn: Callable[[], object], repeats: int, device: str = "cpu") -> float:
+    """Fastest of ``repeats`` runs: the machine may be shared, and interference only adds. On a
+    GPU each run is timed from an idle device to the end of its last kernel."""
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         start = time.perf_counter()
         fn()
+        _sync(device)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _captions(batch: int, steps: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
@@ -158,27 +166,42 @@ def _captions(batch: int, steps: int, vocab: int, gen: torch.Generator) -> torch
     return words
 
 
-def bench_training(d: Dims, attention: str, batch: int, steps: int, iters: int) -> dict:
+def bench_training(
+    d: Dims,
+    attention: str,
+    batch: int,
+    steps: int,
+    iters: int,
+    device: str = "cpu",
+    autocast: torch.dtype | None = None,
+) -> dict:
+    """The trainer's step (``sat_model.train.trainer._train_epoch``): forward and loss under
+    ``autocast`` where given (``train.mixed_precision``), backward, clipping, fused Adam."""
     gen = torch.Generator().manual_seed(0)
     params = ModelParams(embed_dim=d.m, hidden_dim=d.n, attention_dim=d.A)
     model = build_model(
         params, vocab_size=d.K, annotation_dim=d.D, num_locations=d.L, attention=attention
-    )
+    ).to(device)
     cfg = SoftTrainConfig() if attention == "soft" else HardTrainConfig()
-    criterion = build_criterion(attention, cfg)
+    criterion = build_criterion(attention, cfg).to(device)  # the hard loss keeps its baseline
     optimizer = build_optimizer(model.parameters(), "adam", lr=1e-4)
-    annotations = torch.randn(batch, d.L, d.D, generator=gen)
-    captions = _captions(batch, steps, d.K, gen)
+    annotations = torch.randn(batch, d.L, d.D, generator=gen).to(device)
+    captions = _captions(batch, steps, d.K, gen).to(device)
+    device_type = torch.device(device).type
 
     def one_step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        criterion(model(annotations, captions), captions).loss.backward()
+        with torch.autocast(device_type, autocast or torch.bfloat16, autocast is not None):
+            loss = criterion(model(annotations, captions), captions).loss
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
         optimizer.step()
 
     one_step()  # warm-up
-    seconds = _best_time(one_step, iters)
+    seconds = _best_time(one_step, iters, device)
     return {
+        "device": device,
+        "autocast": str(autocast).removeprefix("torch.") if autocast else None,
         "dims": d.name,
         "attention": attention,
         "batch": batch,
@@ -190,7 +213,7 @@ def bench_training(d: Dims, attention: str, batch: int, steps: int, iters: int) 
 
 
 def bench_against_reference(
-    d: Dims, batch: int, rounds: int, doubly_stochastic: float = 1.0
+    d: Dims, batch: int, rounds: int, doubly_stochastic: float = 1.0, device: str = "cpu"
 ) -> dict:
     """Training captions/s of the project's step and of the plain reference
     (benchmarks/reference_model.py) at the same sizes, soft attention with the doubly
@@ -207,17 +230,19 @@ def bench_against_reference(
         gate=True,
         attention="soft",
     )
-    ours, eager, theirs = ShowAttendTell(config), ShowAttendTell(config), ShowAttendTell(config)
+    ours, eager, theirs = (ShowAttendTell(config).to(device) for _ in range(3))
     eager.load_state_dict(ours.state_dict())
     theirs.load_state_dict(ours.state_dict())
-    criterion = build_criterion("soft", SoftTrainConfig(doubly_stochastic=doubly_stochastic))
+    criterion = build_criterion("soft", SoftTrainConfig(doubly_stochastic=doubly_stochastic)).to(
+        device
+    )
     # the project's optimizer (Adam, fused where torch has it) for its step, torch's default
     # Adam for the reference, as a plain implementation would write it
     opt_ours = build_optimizer(ours.parameters(), "adam", lr=1e-4)
     opt_eager = build_optimizer(eager.parameters(), "adam", lr=1e-4)
     opt_theirs = torch.optim.Adam(theirs.parameters(), lr=1e-4)
-    annotations = torch.randn(batch, d.L, d.D, generator=gen)
-    captions = _captions(batch, 20, d.K, gen)  # lengths 10-20 tokens after <start>
+    annotations = torch.randn(batch, d.L, d.D, generator=gen).to(device)
+    captions = _captions(batch, 20, d.K, gen).to(device)  # lengths 10-20 tokens after <start>
 
     def our_step() -> None:
         opt_ours.zero_grad(set_to_none=True)
@@ -239,10 +264,11 @@ def bench_against_reference(
     our_step(), eager_step(), reference_step()  # warm-up
     ours_s = eager_s = theirs_s = float("inf")
     for _ in range(rounds):
-        ours_s = min(ours_s, _best_time(our_step, 1))
-        eager_s = min(eager_s, _best_time(eager_step, 1))
-        theirs_s = min(theirs_s, _best_time(reference_step, 1))
+        ours_s = min(ours_s, _best_time(our_step, 1, device))
+        eager_s = min(eager_s, _best_time(eager_step, 1, device))
+        theirs_s = min(theirs_s, _best_time(reference_step, 1, device))
     return {
+        "device": device,
         "dims": d.name,
         "batch": batch,
         "native_kernels": native.load() is not None,
@@ -303,11 +329,13 @@ def bench_beam(
 
     # interleaved rounds, best of each: this machine's speed drifts by tens of percent over
     # seconds, and timing one way after the other would hand the drift to one side only
-    batched_s = eager_s = single_s = float("inf")
+    batched_s = single_s = float("inf")
+    eager_s = float("inf") if device == "cpu" else 0.0
     for _ in range(rounds):
-        batched_s = min(batched_s, _best_time(batched_run, 1))
-        eager_s = min(eager_s, _best_time(batched_eager_run, 1))
-        single_s = min(single_s, _best_time(single_run, 1))
+        batched_s = min(batched_s, _best_time(batched_run, 1, device))
+        if device == "cpu":  # the kernels are CPU code: elsewhere both runs are the same
+            eager_s = min(eager_s, _best_time(batched_eager_run, 1, device))
+        single_s = min(single_s, _best_time(single_run, 1, device))
     same = all(x.tokens == y.tokens for x, y in zip(batched, single, strict=True))
     # one row per image at the first step, then all B*k rows (<end> is unreachable here)
     row_steps = images * (1 + beam * (max_length - 1))
@@ -320,10 +348,10 @@ def bench_beam(
         "rounds": rounds,
         "native_kernels": native.load() is not None,
         "batched_captions_per_s": images / batched_s,
-        "batched_without_native_kernels_captions_per_s": images / eager_s,
+        "batched_without_native_kernels_captions_per_s": images / eager_s if eager_s else None,
         "one_at_a_time_captions_per_s": images / single_s,
         "speedup": single_s / batched_s,
-        "speedup_without_native_kernels": single_s / eager_s,
+        "speedup_without_native_kernels": single_s / eager_s if eager_s else None,
         "batched_matmul_flops_per_s": row_steps * _step_flops(d) / batched_s,
         "same_captions": same,
     }
@@ -336,11 +364,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--beam-images", type=int, default=None, help="images per batch (default eval.batch_size)"
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: the training and beam search rows on the GPU, float32 and bf16 autocast "
+        "(benchmarks/results/model_cuda.json)",
+    )
     args = parser.parse_args(argv)
     params = load_params(args.params)
     mp = params.model
     beam_images = args.beam_images or params.eval.batch_size
     dims = [Dims("default", 196, 112, mp.embed_dim, mp.hidden_dim, mp.attention_dim, 100)]
+    if args.device == "cuda":
+        return _main_cuda(dims[0], beam_images)
     if not args.quick:
         dims.append(Dims("paper", 196, 512, 512, 1800, 512, 10_000))
     backends = matmul_flops()
@@ -388,6 +425,57 @@ def main(argv: list[str] | None = None) -> dict:
         )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def cuda_matmul_flops(size: int = 8192, repeats: int = 5) -> dict[str, float]:
+    """Best FLOP/s of a (size x size) @ (size x size) product on the GPU: float32 (TF32 off, as
+    PyTorch's default leaves it) and bfloat16."""
+    out = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        a = torch.randn(size, size, device="cuda", dtype=dtype)
+        b = torch.randn(size, size, device="cuda", dtype=dtype)
+        torch.mm(a, b)  # warm-up
+        out[name] = 2 * size**3 / _best_time(lambda a=a, b=b: torch.mm(a, b), repeats, "cuda")
+    return out
+
+
+def _main_cuda(default: Dims, beam_images: int) -> dict:
+    """The GPU rows: training captions/s in float32 and under bf16 autocast
+    (``train.mixed_precision``), the reference comparison, and batched against per-image beam
+    search, at the default, the Flickr8k profile's, the tutorial's and the paper's sizes."""
+    # the Flickr8k profile (profiles/flickr8k/params.yaml): Lite2's head at 260 px, 9x9x1280
+    flickr8k = Dims("flickr8k", 81, 1280, 256, 512, 256, 2500)
+    tutorial = Dims("tutorial", 196, 512, 512, 512, 512, 2600)
+    paper = Dims("paper", 196, 512, 512, 1800, 512, 10_000)
+    peaks = cuda_matmul_flops()
+    training = []
+    for d in (default, flickr8k, tutorial, paper):
+        for attention in ATTENTION_KINDS:
+            for autocast in (None, torch.bfloat16):
+                row = bench_training(d, attention, 64, 16, 10, "cuda", autocast)
+                peak = peaks["bfloat16" if autocast else "float32"]
+                row["fraction_of_matmul_peak"] = row["matmul_flops_per_s"] / peak
+                training.append(row)
+    result = {
+        "device": "cuda",
+        "device_name": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "matmul_flops_per_s": peaks,
+        "training": training,
+        "training_against_reference": [
+            bench_against_reference(d, batch=64, rounds=5, device="cuda")
+            for d in (default, tutorial)
+        ],
+        "beam_search": [
+            bench_beam(d, images=beam_images, beam=3, max_length=20, device="cuda", rounds=3)
+            for d in (default, flickr8k, paper)
+        ],
+    }
+    path = RESULTS.with_name("model_cuda.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(result, indent=2))
     return result
 

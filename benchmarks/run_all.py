@@ -10,6 +10,7 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = (
     "bench_extract.py",
     "bench_model.py",
+    "bench_epoch.py",
     "bench_ray_train.py",
     "bench_eval.py",
     "bench_caption.py",

@@ -81,6 +81,7 @@ __all__ = [
     "load_training_state",
     "make_validator",
     "save_training_state",
+    "semi_sampling_options",
     "train_model",
 ]
 
@@ -422,7 +423,7 @@ def _set_up(
         num_locations=store.meta.L,
         grid_w=store.meta.grid_w,
         attention=attention,
-        **_semi_sampling(cfg),
+        **semi_sampling_options(cfg),
     )
     if model.config.normalize_features:
         mean, std = channel_statistics(store)
@@ -570,8 +571,9 @@ def _rank_zero(
     return validate, writer
 
 
-def _semi_sampling(cfg: Any) -> dict[str, Any]:
-    # only the hard section has the semi-sampling coin (Sec. 4.1)
+def semi_sampling_options(cfg: Any) -> dict[str, Any]:
+    """``build_model``'s semi-sampling arguments from a train section: only the hard section
+    has the semi-sampling coin (Sec. 4.1)."""
     if hasattr(cfg, "semi_sampling_p"):
         return {"semi_sampling_p": cfg.semi_sampling_p, "semi_sampling_per": cfg.semi_sampling_per}
     return {}
