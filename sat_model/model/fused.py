@@ -48,6 +48,7 @@ __all__ = [
     "gather_location",
     "recurrence",
     "sample_locations",
+    "score_chunks",
 ]
 
 # Elements of the (rows, A, L) attention tensor that ``FusedScores`` handles at a time (~4 MiB
@@ -117,7 +118,7 @@ def fused_scores(projected: Tensor, hidden: Tensor, weight: Tensor) -> Tensor:
     k = hidden.size(0) // B  # rows per image (beams)
     scores = projected.new_empty(B * k, L)
     weight2 = (2.0 * weight).view(1, 1, A)
-    for b0, b1 in _chunks(B, k * A * L):
+    for b0, b1 in score_chunks(B, k * A * L, projected.device):
         sig = _sigmoid_of_sum(projected, hidden, b0, b1)  # (rows, A, L)
         rows = sig.size(0)
         torch.bmm(weight2.expand(rows, 1, A), sig, out=scores[b0 * k : b1 * k].unsqueeze(1))
@@ -159,7 +160,7 @@ def fused_scores_backward(
     grad_hidden = hidden.new_empty(B * k, A)
     grad_weight = weight.new_zeros(A)
     weight2 = (2.0 * weight).view(1, A, 1)
-    for b0, b1 in _chunks(B, k * A * L):
+    for b0, b1 in score_chunks(B, k * A * L, projected.device):
         sig = _sigmoid_of_sum(projected, hidden, b0, b1)  # (rows, A, L)
         g = grad[b0 * k : b1 * k].unsqueeze(1)  # (rows, 1, L)
         # an elementwise product and a sum, not bmm(σ, g): MKL's batched matrix-vector
@@ -180,8 +181,16 @@ def fused_scores_backward(
     return out, grad_hidden, (2.0 * grad_weight).view(1, A)
 
 
-def _chunks(images: int, per_image: int) -> list[tuple[int, int]]:
-    """[start, stop) ranges of images of about ``SCORE_CHUNK_ELEMENTS`` elements each."""
+def score_chunks(
+    images: int, per_image: int, device: torch.device | str = "cpu"
+) -> list[tuple[int, int]]:
+    """[start, stop) ranges of images of about ``SCORE_CHUNK_ELEMENTS`` elements each on CPU,
+    where a chunk then stays in cache; one range elsewhere. On a GPU the step waits on its
+    kernels' launches, not on memory: at the tutorial's sizes (A 512, L 196) seven chunks a
+    step made the training step launch ~1.5x the kernels of a plain implementation
+    (docs/EXPERIMENTS.md, "On a GPU")."""
+    if torch.device(device).type != "cpu":
+        return [(0, images)]
     step = max(1, SCORE_CHUNK_ELEMENTS // per_image)
     return [(b0, min(b0 + step, images)) for b0 in range(0, images, step)]
 

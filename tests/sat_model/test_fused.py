@@ -172,3 +172,14 @@ def test_training_passes_without_autocast_take_the_fused_recurrence(
         out = tiny_model("soft")(annotations, captions)
     assert len(calls) == 4
     assert torch.isfinite(out.logits).all()
+
+
+def test_scores_are_chunked_for_the_cpu_cache_and_not_on_a_gpu() -> None:
+    images, per_image = 64, 512 * 196  # the tutorial's A x L: ~100 k elements an image
+    on_cpu = fused.score_chunks(images, per_image, "cpu")
+    # contiguous ranges covering every image, each within SCORE_CHUNK_ELEMENTS
+    assert [b0 for b0, _ in on_cpu] == [0] + [b1 for _, b1 in on_cpu[:-1]]
+    assert on_cpu[-1][1] == images and len(on_cpu) == 7
+    assert all((b1 - b0) * per_image <= fused.SCORE_CHUNK_ELEMENTS for b0, b1 in on_cpu)
+    # a GPU waits on launches, not memory: one range (torch.device needs no GPU to name one)
+    assert fused.score_chunks(images, per_image, torch.device("cuda")) == [(0, images)]
