@@ -9,6 +9,7 @@ twice the forward) with a large float32 matmul measured in the same run on the s
 through the BLAS and through oneDNN, whichever is faster (``matmul_flops``).
 
     .venv/bin/python benchmarks/bench_model.py [--quick]
+    .venv/bin/python benchmarks/bench_model.py --device cuda   # the GPU rows, model_cuda.json
 """
 
 from __future__ import annotations

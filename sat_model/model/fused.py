@@ -5,7 +5,8 @@ locations, ``D`` annotation size, ``n`` LSTM size, ``A`` attention-MLP size; ``k
 (beams).
 
 - ``FusedScores``: the attention scores 2 w_att^T σ(P + q) of ``SoftAttention.scores`` (Eq. 4
-  with tanh(u) = 2σ(2u) - 1), a few images at a time, its backward recomputing σ rather than
+  with tanh(u) = 2σ(2u) - 1), a few images at a time on CPU (``score_chunks``; all at once on a
+  GPU), its backward recomputing σ rather than
   keeping the (B*k, A, L) tensor. Used by every per-step pass (decoding, hard attention).
 - ``recurrence``: the whole teacher-forced recurrence of a training pass (Eq. 1-6 and the gate
   β, Sec. 4.2.1; soft attention's expected context, or hard attention's sampled one with
@@ -110,7 +111,7 @@ class FusedScores(torch.autograd.Function):
 
 def fused_scores(projected: Tensor, hidden: Tensor, weight: Tensor) -> Tensor:
     """The forward of ``FusedScores``: (B*k, L). Through the compiled kernel where it runs
-    (``native.py``), else a few images at a time in PyTorch's ops."""
+    (``native.py``), else in PyTorch's ops over the ranges of ``score_chunks``."""
     native_scores = native.scores_forward(projected, hidden, weight)
     if native_scores is not None:
         return native_scores
