@@ -6,8 +6,8 @@ locations, ``D`` annotation size, ``n`` LSTM size, ``A`` attention-MLP size; ``k
 
 - ``FusedScores``: the attention scores 2 w_att^T σ(P + q) of ``SoftAttention.scores`` (Eq. 4
   with tanh(u) = 2σ(2u) - 1), a few images at a time on CPU (``score_chunks``; all at once on a
-  GPU), its backward recomputing σ rather than
-  keeping the (B*k, A, L) tensor. Used by every per-step pass (decoding, hard attention).
+  GPU), its backward recomputing σ rather than keeping the (B*k, A, L) tensor. Used by every
+  per-step pass (decoding, hard attention).
 - ``recurrence``: the whole teacher-forced recurrence of a training pass (Eq. 1-6 and the gate
   β, Sec. 4.2.1; soft attention's expected context, or hard attention's sampled one with
   semi-sampling, Sec. 4.1) over T steps as one autograd node. Its forward runs the steps without
