@@ -24,7 +24,7 @@ import argparse
 import json
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,7 @@ import torch
 
 from sat_model.config import ATTENTION_KINDS, Params, load_params
 from sat_model.data.tables import read_caption_rows
-from sat_model.data.vocab import END_ID, load_vocab
+from sat_model.data.vocab import END_ID, Vocab, load_vocab
 from sat_model.features.store import FeatureStore
 from sat_model.model.decoder import build_model
 from sat_model.model.decoding import greedy
@@ -73,7 +73,9 @@ class RandomFeatures:
         return self.rows[np.asarray(indices, dtype=np.int64)]  # (B, L, D)
 
 
-def _split(params: Params, prepared: Path, split: str, grid: tuple[int, int, int]):
+def _split(
+    params: Params, prepared: Path, split: str, grid: tuple[int, int, int]
+) -> tuple[CaptionDataset, Vocab]:
     """The split's caption dataset over random features of ``grid``, and the vocabulary."""
     vocab = load_vocab(prepared / "vocab.json")
     rows = read_caption_rows(prepared / "captions.parquet", split, ["image_id", "tokens"])
@@ -89,7 +91,7 @@ def _split(params: Params, prepared: Path, split: str, grid: tuple[int, int, int
     return dataset, vocab
 
 
-def _seconds(device: torch.device, fn) -> tuple[float, object]:
+def _seconds(device: torch.device, fn: Callable[[], object]) -> tuple[float, object]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
