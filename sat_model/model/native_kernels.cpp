@@ -151,28 +151,17 @@ void row_scores_backward(const float* g, const float* p_image, const float* exp_
                                     L, write);
 }
 
-// e^{-clamp(projected, ±kProjectedClamp)} into out (count values).
-void write_exp_of_projected(const float* projected, float* out, int64_t count, int64_t threads) {
-#pragma omp parallel for simd schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < count; ++i)
-    out[i] = fast_exp(-std::fmin(std::fmax(projected[i], -kProjectedClamp), kProjectedClamp));
-}
-
-// The same, once for a training recurrence's T steps.
-std::vector<float> exp_of_projected(const float* projected, int64_t count, int64_t threads) {
-  std::vector<float> out(count);
-  write_exp_of_projected(projected, out.data(), count, threads);
-  return out;
-}
-
 }  // namespace
 
 extern "C" {
 
-// e^{-projected} as the scores' fast form reads it (see kProjectedClamp), for decoding, which
-// computes it once per image for all its steps (``native.exp_of_projected``).
+// e^{-clamp(projected, ±kProjectedClamp)} into out (count values), as the scores' fast form
+// reads it: once per image for all the steps of a decoding call (``native.exp_of_projected``)
+// or of a training recurrence.
 void sat_exp_of_projected(const float* projected, float* out, int64_t count, int64_t threads) {
-  write_exp_of_projected(projected, out, count, threads);
+#pragma omp parallel for simd schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < count; ++i)
+    out[i] = fast_exp(-std::fmin(std::fmax(projected[i], -kProjectedClamp), kProjectedClamp));
 }
 
 // scores (B*k, L) = Σ_a weight2_a σ(projected[b, a, :] + query[r, a]), b = r / k.
@@ -477,6 +466,13 @@ struct Step {
   }
 };
 
+// sat_exp_of_projected's values, once for a training recurrence's T steps.
+std::vector<float> exp_of_projected(const float* projected, int64_t count, int64_t threads) {
+  std::vector<float> out(count);
+  sat_exp_of_projected(projected, out.data(), count, threads);
+  return out;
+}
+
 }  // namespace
 
 extern "C" {
@@ -503,8 +499,8 @@ void sat_soft_recurrence_forward(sgemm_fn sgemm, const float* projected,
     float* query = queries + t * B * A;
     float* context = contexts + t * B * D;
     step.query(input, hidden2, query);
-    sat_attend_forward(projected, exp_projected.data(), query, weight2, annotations, alphas + t * B * L,
-                       context, D, B, 1, A, L, D, threads);
+    sat_attend_forward(projected, exp_projected.data(), query, weight2, annotations,
+                       alphas + t * B * L, context, D, B, 1, A, L, D, threads);
     step.gate(gate_weight, gate_bias, context, input, betas + t * B);
     float* next = t + 1 < T ? inputs + (t + 1) * B * step.row() + D : nullptr;
     step.lstm(input_gates + t * B * 4 * n, lstm, input, gates + t * B * 4 * n, cells + t * B * n,
@@ -672,9 +668,9 @@ void sat_hard_recurrence_backward(
         gs[l] = al[l] * (gs[l] - weighted) - d_h * al[l] * (la[l] + h) - d_lp * al[l];
       gs[locations[t * B + b]] += d_lp;
     }
-    sat_scores_backward_from(grad_scores, projected, exp_projected.data(), queries + t * B * A, weight2,
-                             grad_projected, grad_query, weight_rows + t * B * A, B, 1, A, L,
-                             threads, t != T - 1);
+    sat_scores_backward_from(grad_scores, projected, exp_projected.data(), queries + t * B * A,
+                             weight2, grad_projected, grad_query, weight_rows + t * B * A, B, 1,
+                             A, L, threads, t != T - 1);
     step.query_backward(grad_query, hidden2, grad_h);
   }
 }
