@@ -11,6 +11,7 @@ a byte-identical store.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from pipeline.stages import StageContext, cli_context, stage_parser
+from pipeline.user_errors import is_user_error, one_line
 from sat_model.atomic import write_text_atomic
 from sat_model.config import Params
 from sat_model.data.tables import IMAGES_FILE
@@ -85,7 +87,14 @@ def write_report(report: ExtractReport, out_dir: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = stage_parser(__name__, __doc__).parse_args(argv)
-    return run(cli_context("extract", args))
+    ctx = cli_context("extract", args)
+    try:
+        return run(ctx)
+    except Exception as e:  # photos, weights or a table the user's params name: one line
+        if not is_user_error(e):
+            raise
+        print(f"extract: error: {one_line(e)}", file=sys.stderr)
+        return 1
 
 
 def run(ctx: StageContext) -> int:

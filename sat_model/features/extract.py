@@ -19,6 +19,7 @@ original's features is no stand-in for it (docs/REALDATA.md).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -122,6 +123,18 @@ class ExtractReport:
         ]
         out["encoder"] = self.encoder.to_dict()
         return out
+
+    def skipped_summary(self, examples: int = 3) -> str:
+        """The skipped images in one short line: how many, each reason with its count, and the
+        first few of them (the full list is ``to_dict()["skipped"]``, thousands of entries when
+        a whole folder is missing)."""
+        skipped = [(s.split, item, reason) for s in self.splits for item, reason in s.skipped]
+        total = len(skipped) + sum(s.extracted for s in self.splits)
+        reasons = Counter(reason for _, _, reason in skipped)
+        counted = "; ".join(f"{reason} ({count})" for reason, count in reasons.most_common())
+        first = ", ".join(f"{split}/{image_id}" for split, image_id, _ in skipped[:examples])
+        more = ", ..." if len(skipped) > examples else ""
+        return f"{len(skipped)} of {total} images skipped: {counted}; first: {first}{more}"
 
 
 def read_image_table(path: str | Path, image_root: str | Path) -> dict[str, list[ImageItem]]:
@@ -299,5 +312,8 @@ def extract_features(
     ]
     report = ExtractReport(engine, d, results, time.perf_counter() - start)
     if not any(r.extracted for r in results):
-        raise ExtractError(f"no image could be extracted from {images_table}: {report.to_dict()}")
+        raise ExtractError(
+            f"no image could be extracted from {images_table} (photos read under "
+            f"{image_root}): {report.skipped_summary()}"
+        )
     return report

@@ -108,6 +108,26 @@ def test_stage_rejects_an_unknown_param_before_any_work(
     assert not (tmp_path / "data" / "features").exists()
 
 
+def test_photos_missing_is_one_short_line_naming_the_reason(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A photo folder moved after ``prepare`` (or ``data.root`` pointing elsewhere): every
+    image is skipped, the stage fails with one line that counts the reasons and names a few
+    images, not a traceback holding the whole skipped list."""
+    project = _project(tmp_path, "random", 32, 40)
+    monkeypatch.chdir(project)
+    images = project / "data" / "prepared" / "images"
+    images.rename(project / "data" / "prepared" / "moved")
+    assert main([]) == 1
+    err = capsys.readouterr().err.rsplit("\n", 2)[-2] + "\n"  # the line after the progress bars
+    assert err.startswith("extract: error: no image could be extracted")
+    summary = "7 of 7 images skipped: file not found (7); first: train/t0, train/t1, train/bad, ..."
+    assert summary in err
+    assert str(images) in err  # where the photos were looked for
+    assert len(err) < 600
+    assert not (project / "data" / "features" / "extract_report.json").exists()
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_ray_engine_writes_byte_identical_stores(tmp_path: Path, monkeypatch, ray_local) -> None:
