@@ -85,6 +85,15 @@ def matmul_flops(size: int = 2048, repeats: int = 5) -> dict[str, float]:
     return flops
 
 
+def cpu_bf16_matmul_flops(size: int = 2048, repeats: int = 5) -> float:
+    """Best FLOP/s of a (size x size) @ (size x size) bfloat16 product on the CPU (oneDNN;
+    Intel's AMX tiles where the CPU has them, ~5x the float32 rate on a Sapphire Rapids core)."""
+    a = torch.randn(size, size, dtype=torch.bfloat16)
+    b = torch.randn(size, size, dtype=torch.bfloat16)
+    torch.mm(a, b)  # warm-up
+    return 2 * size**3 / _best_time(lambda: torch.mm(a, b), repeats)
+
+
 def bench_lstm_kernels(d: Dims, rows: tuple[int, ...], repeats: int = 20) -> list[dict]:
     """One LSTM step (Eq. 1-3) through nn.LSTMCell (two BLAS matmuls) and through torch.lstm
     (oneDNN's RNN primitive, which repacks the weights on every call): the two kernels the
@@ -296,8 +305,18 @@ def bench_attention_nonlinearity(d: Dims, rows: int, repeats: int = 20) -> dict:
 
 
 def bench_beam(
-    d: Dims, images: int, beam: int, max_length: int, device: str = "cpu", rounds: int = 10
+    d: Dims,
+    images: int,
+    beam: int,
+    max_length: int,
+    device: str = "cpu",
+    rounds: int = 10,
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
+    """Batched beam search over ``images`` against one image at a time, same model and
+    annotations, interleaved rounds. ``dtype`` other than float32: the model and annotations
+    cast to it (the compiled kernels are float32-only, so both ways run PyTorch's ops); the row
+    then also counts the images whose batched caption equals the float32 model's."""
     torch.manual_seed(0)
     config = ModelConfig(
         vocab_size=d.K,
@@ -314,6 +333,10 @@ def bench_beam(
     with torch.no_grad():
         model.out.bias[END_ID] = -1e4  # every caption runs to max_length: equal work both ways
     annotations = torch.randn(images, d.L, d.D, device=device)
+    float32_captions = None
+    if dtype != torch.float32:
+        float32_captions = beam_search(model, annotations, beam, max_length)
+        model, annotations = model.to(dtype), annotations.to(dtype)
     beam_search(model, annotations[:2], beam, max_length)  # warm-up
     batched = beam_search(model, annotations, beam, max_length)
     single = [beam_search(model, a.unsqueeze(0), beam, max_length)[0] for a in annotations]
@@ -340,8 +363,17 @@ def bench_beam(
     same = all(x.tokens == y.tokens for x, y in zip(batched, single, strict=True))
     # one row per image at the first step, then all B*k rows (<end> is unreachable here)
     row_steps = images * (1 + beam * (max_length - 1))
-    return {
+    row: dict = {}
+    if float32_captions is not None:
+        row["images_with_the_same_caption_both_ways"] = sum(
+            x.tokens == y.tokens for x, y in zip(batched, single, strict=True)
+        )
+        row["images_with_the_float32_caption"] = sum(
+            x.tokens == y.tokens for x, y in zip(batched, float32_captions, strict=True)
+        )
+    return row | {
         "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
         "dims": d.name,
         "images": images,
         "beam_size": beam,
@@ -354,8 +386,17 @@ def bench_beam(
         "speedup": single_s / batched_s,
         "speedup_without_native_kernels": single_s / eager_s if eager_s else None,
         "batched_matmul_flops_per_s": row_steps * _step_flops(d) / batched_s,
+        "batched_matmul_flops": row_steps * _step_flops(d),
+        "one_at_a_time_s": single_s,
         "same_captions": same,
     }
+
+
+def speedup_bound(beam: dict, peak: float) -> float:
+    """The batched/one-at-a-time ratio if the batched search did nothing but its matrix
+    products, at ``peak`` FLOP/s, against the one-at-a-time time measured: an upper bound
+    for this machine (the attention, the softmax and the beams' bookkeeping add to it)."""
+    return float(beam["one_at_a_time_s"] / (beam["batched_matmul_flops"] / peak))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -420,6 +461,16 @@ def main(argv: list[str] | None = None) -> dict:
         if key in result:
             beam = result[key]
             beam["batched_fraction_of_matmul_peak"] = beam["batched_matmul_flops_per_s"] / peak
+            beam["speedup_bound_at_float32_matmul_peak"] = speedup_bound(beam, peak)
+    if not args.quick:  # bfloat16 (AMX where the CPU has it): faster products, other rounding
+        bf16_peak = cpu_bf16_matmul_flops()
+        result["matmul_bf16_flops_per_s"] = bf16_peak
+        result["beam_search_bf16"] = [
+            bench_beam(d, beam_images, 3, 20, rounds=3 if d is dims[0] else 1, dtype=torch.bfloat16)
+            for d in dims
+        ]
+        for beam in result["beam_search_bf16"]:
+            beam["speedup_bound_at_bf16_matmul_peak"] = speedup_bound(beam, bf16_peak)
     if torch.cuda.is_available():  # the same comparison where a GPU is present
         result["beam_search_gpu"] = bench_beam(
             dims[0], images=beam_images, beam=3, max_length=20, device="cuda"
