@@ -14,9 +14,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-# Re-install when the project's dependency list changes.
+# Re-install when the project's dependency list changes. setuptools' editable build warns, on
+# every install, to beware of folders named like the package in the working directory (this
+# repository is that directory): the filter keeps that notice off the user's terminal.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
 # `make run PROFILE=flickr8k`: the same pipeline on a dataset profile, profiles/<name>/ (its own
