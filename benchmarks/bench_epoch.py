@@ -162,7 +162,7 @@ def bench_epoch(
     }
 
     if cfg.scst_epochs > 0:
-        reward = Reward(references_by_image(dataset), cfg.scst_bleu_weight)
+        reward = Reward(references_by_image(dataset), cfg.scst_bleu_weight, cfg.scst_bleu1_weight)
         images = ImageBatches(
             dataset,
             model,

@@ -90,7 +90,7 @@ def _forward_rate(encoder, images: torch.Tensor, batch_size: int) -> float:
 
 def _root(table: Path) -> Path:
     # the benchmark wrote this table itself; the stage takes the root from params instead
-    return Path(pq.read_schema(table).metadata[b"image_root"].decode())
+    return table.parent / pq.read_schema(table).metadata[b"image_root"].decode()
 
 
 def _stage_rate(

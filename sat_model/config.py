@@ -221,6 +221,9 @@ class _OptimFields(_Section):
     # the reward is CIDEr-D plus this times the caption's own BLEU-4 (pycocoevalcap's per-caption
     # BLEU against its image's references; 0 = CIDEr-D alone, as Rennie et al.)
     scst_bleu_weight: float = Field(0.0, ge=0)
+    # plus this times its BLEU-1 (clipped unigram precision times the brevity penalty): a word
+    # that no reference of the photo holds costs reward, however common (docs/REALDATA.md)
+    scst_bleu1_weight: float = Field(0.0, ge=0)
 
 
 class SoftTrainConfig(_OptimFields):

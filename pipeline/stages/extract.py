@@ -1,6 +1,11 @@
 """DVC stage ``extract``: prepared images → ``data/features/{split}.arrow`` and a report
 (with ``encoder.mirror_train``, also ``train_mirrored.arrow``: the train photos mirrored).
 
+The report beside the stores says what was extracted and is the same on every run that writes
+the same stores, so the features' hash, and the trainings after them, stay as they were after a
+re-run. The run's engine and speed go to ``{eval.reports_dir}/extract_timing.json``, a metrics
+file outside the features (``dvc metrics show``).
+
     python -m pipeline.stages.extract [--params params.yaml] [-S encoder.engine=ray ...]
 
 ``encoder.engine: local`` runs ``sat_model.features.extract`` in this process (DataLoader decoding
@@ -27,9 +32,10 @@ from sat_model.features.encoders import EncoderSpec, build_encoder
 from sat_model.features.extract import ExtractReport, extract_features
 from sat_model.paths import absolute, image_root
 
-__all__ = ["main", "run", "run_extract", "write_report"]
+__all__ = ["main", "run", "run_extract", "write_report", "write_timing"]
 
 REPORT_NAME = "extract_report.json"
+TIMING_NAME = "extract_timing.json"
 
 
 def _ray_runner(params: Params, weights: str | None, num_cpus_hint: int):
@@ -85,6 +91,14 @@ def write_report(report: ExtractReport, out_dir: Path) -> Path:
     return path
 
 
+def write_timing(report: ExtractReport, reports_dir: Path) -> Path:
+    """Write ``extract_timing.json`` (engine, seconds, photos a second) atomically."""
+    path = reports_dir / TIMING_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(report.timing(), indent=2) + "\n")
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = stage_parser(__name__, __doc__).parse_args(argv)
     ctx = cli_context("extract", args)
@@ -98,10 +112,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(ctx: StageContext) -> int:
-    """Extract every split and write the report beside the stores."""
+    """Extract every split, write the report beside the stores and the timing apart."""
     report = run_extract(ctx.params, ctx.root)
     path = write_report(report, ctx.path(ctx.params.encoder.features_dir))
-    summary = {k: v for k, v in report.to_dict().items() if k not in ("skipped", "encoder")}
+    write_timing(report, ctx.path(ctx.params.eval.reports_dir))
+    counts = {k: v for k, v in report.to_dict().items() if k not in ("skipped", "encoder")}
+    summary = {**report.timing(), **counts}
     print(f"extract: {json.dumps(summary)} -> {path}")
     return 0
 

@@ -172,7 +172,9 @@ def _to_parquet(table: pa.Table) -> bytes:
     return buf.getvalue()
 
 
-def _images_table(src: SourceData, checks: list[ImageCheck], statuses: list[str]) -> pa.Table:
+def _images_table(
+    src: SourceData, checks: list[ImageCheck], statuses: list[str], out_dir: Path
+) -> pa.Table:
     order = sorted(range(len(src.images)), key=lambda i: (src.images[i].image_id, i))
     rows = [src.images[i] for i in order]
     columns = {
@@ -184,8 +186,18 @@ def _images_table(src: SourceData, checks: list[ImageCheck], statuses: list[str]
         "status": [statuses[i] for i in order],
         "boxes": [[asdict(b) for b in r.boxes] for r in rows],
     }
-    meta = {"image_root": str(src.image_root), "source": src.source}
+    # a record only (readers take the root from params), relative to the table's folder: an
+    # absolute path would differ between two checkouts of the same project, and with it the
+    # table's hash, so a dvc.lock made in one would re-run everything in the other
+    meta = {"image_root": _relative_to(src.image_root, out_dir), "source": src.source}
     return pa.table(columns, schema=IMAGES_SCHEMA.with_metadata(meta))
+
+
+def _relative_to(path: Path, start: Path) -> str:
+    try:
+        return Path(os.path.relpath(path, start)).as_posix()
+    except ValueError:  # another drive (Windows): no relative path exists
+        return str(path)
 
 
 def _captions_table(kept: list[_Kept], ok_rows: dict[str, SourceImage]) -> pa.Table:
@@ -258,7 +270,7 @@ def prepare_source(
     )
     report = _report(src, screen, vocab)
     _check_usable(report, required_splits, _bad_counts(src, screen), max_bad_fraction)
-    images = _images_table(src, screen.checks, screen.statuses)
+    images = _images_table(src, screen.checks, screen.statuses, out_dir)
     captions = _captions_table(screen.kept, screen.ok_rows)
     _write_outputs(out_dir, images, captions, vocab, report)
     return PrepareResult(out_dir, report, vocab)

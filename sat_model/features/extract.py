@@ -104,14 +104,13 @@ class ExtractReport:
     seconds: float
 
     def to_dict(self) -> dict[str, object]:
-        """Flat, stable keys for ``dvc metrics``, then the skipped list and the encoder."""
-        extracted = sum(s.extracted for s in self.splits)
+        """Flat, stable keys for ``dvc metrics``, then the skipped list and the encoder: what
+        was extracted, the same for the same photos and encoder, so a re-run that writes the
+        same stores leaves the features' hash (and the trainings after it) as they were. How
+        the run went (engine, seconds) is :meth:`timing`."""
         out: dict[str, object] = {
-            "engine": self.engine,
-            "images_extracted": extracted,
+            "images_extracted": self.extracted,
             "images_skipped": sum(len(s.skipped) for s in self.splits),
-            "seconds": round(self.seconds, 3),
-            "images_per_s": round(extracted / self.seconds, 2) if self.seconds > 0 else 0.0,
         }
         for s in self.splits:
             out[f"extracted_{s.split}"] = s.extracted
@@ -123,6 +122,20 @@ class ExtractReport:
         ]
         out["encoder"] = self.encoder.to_dict()
         return out
+
+    @property
+    def extracted(self) -> int:
+        return sum(s.extracted for s in self.splits)
+
+    def timing(self) -> dict[str, object]:
+        """The engine and the rate of this run, which differ between runs of the same
+        extraction: kept apart from :meth:`to_dict`."""
+        return {
+            "engine": self.engine,
+            "images_extracted": self.extracted,
+            "seconds": round(self.seconds, 3),
+            "images_per_s": round(self.extracted / self.seconds, 2) if self.seconds > 0 else 0.0,
+        }
 
     def skipped_summary(self, examples: int = 3) -> str:
         """The skipped images in one short line: how many, each reason with its count, and the

@@ -481,7 +481,7 @@ def _self_critical_phase(params: Params, setup: _Setup) -> _Phase:
     """REINFORCE on CIDEr-D, plus BLEU-4 if asked (``sat_model.train.self_critical``), with a
     new optimiser."""
     cfg = setup.cfg
-    reward = Reward(references_by_image(setup.dataset), cfg.scst_bleu_weight)
+    reward = Reward(references_by_image(setup.dataset), cfg.scst_bleu_weight, cfg.scst_bleu1_weight)
     optimizer = build_optimizer(setup.model.parameters(), cfg.optimizer, cfg.scst_lr)
 
     def batches(epoch: int) -> ImageBatches:

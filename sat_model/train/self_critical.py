@@ -26,9 +26,10 @@ given on every call and offers no way to fix them, hence this implementation.
 
 :class:`Reward` may add the caption's own BLEU-4 to CIDEr-D (``scst_bleu_weight``): CIDEr-D
 alone shortens the captions (docs/REALDATA.md), and BLEU's brevity penalty and its precisions of
-the common n-grams pull the other way. BLEU is pycocoevalcap's own per-caption score
-(``BleuScorer``, the closest reference's length), on the words without ``<end>``, as the
-evaluation scores them.
+the common n-grams pull the other way. It may add BLEU-1 too (``scst_bleu1_weight``): CIDEr-D
+weighs words by rarity, so a common word that no reference holds costs it little, and BLEU-1
+counts every word alike. BLEU is pycocoevalcap's own per-caption score (``BleuScorer``, the
+closest reference's length), on the words without ``<end>``, as the evaluation scores them.
 
 A drawn ``<unk>`` matches nothing, as in the evaluation: there the references are the words
 themselves, and the rare word that a training reference holds as ``<unk>`` is never the string
@@ -61,7 +62,7 @@ __all__ = [
     "leave_one_out_advantages",
     "references_by_image",
     "self_critical_step",
-    "sentence_bleu_4",
+    "sentence_bleu",
 ]
 
 _NO_MATCH = -1  # what a drawn <unk> becomes: an id that no reference holds
@@ -123,10 +124,10 @@ class CiderD:
         return 10.0 * sum(self._similarity(hyp, r) for r in refs) / len(refs)
 
 
-def sentence_bleu_4(
+def sentence_bleu(
     references: Sequence[Sequence[Sequence[int]]], captions: Sequence[Sequence[int]]
-) -> list[float]:
-    """pycocoevalcap's BLEU-4 of each caption (ids) against its own references (ids), the
+) -> list[tuple[float, float, float, float]]:
+    """pycocoevalcap's BLEU-1..4 of each caption (ids) against its own references (ids), the
     words only: ``<end>`` is not a word of the evaluated captions."""
     from pycocoevalcap.bleu.bleu_scorer import BleuScorer
 
@@ -136,21 +137,29 @@ def sentence_bleu_4(
     scorer = BleuScorer(n=4)
     for refs, caption in zip(references, captions, strict=True):
         scorer += (words(caption), [words(r) for r in refs])
-    _, per_caption = scorer.compute_score(option="closest")
-    return [float(b) for b in per_caption[3]]
+    _, per_order = scorer.compute_score(option="closest")
+    b1, b2, b3, b4 = per_order  # each order's score of every caption
+    return [
+        (float(a), float(b), float(c), float(d)) for a, b, c, d in zip(b1, b2, b3, b4, strict=True)
+    ]
 
 
 class Reward:
     """The reward of drawn captions: CIDEr-D (:class:`CiderD`), plus ``bleu_weight`` times
-    their BLEU-4 (:func:`sentence_bleu_4`) when it is above 0."""
+    their BLEU-4 and ``bleu1_weight`` times their BLEU-1 (:func:`sentence_bleu`)."""
 
     def __init__(
-        self, references: Mapping[int, Sequence[Sequence[int]]], bleu_weight: float = 0.0
+        self,
+        references: Mapping[int, Sequence[Sequence[int]]],
+        bleu_weight: float = 0.0,
+        bleu1_weight: float = 0.0,
     ) -> None:
-        if bleu_weight < 0:
-            raise ValueError(f"bleu_weight must be >= 0, got {bleu_weight}")
+        for name, weight in (("bleu_weight", bleu_weight), ("bleu1_weight", bleu1_weight)):
+            if weight < 0:
+                raise ValueError(f"{name} must be >= 0, got {weight}")
         self.cider = CiderD(references)
         self.bleu_weight = bleu_weight
+        self.bleu1_weight = bleu1_weight
 
     @property
     def references(self) -> Mapping[int, Sequence[Sequence[int]]]:
@@ -163,9 +172,12 @@ class Reward:
         ``<unk>`` matches no reference word (the module's docstring says why)."""
         scored = [tuple(_NO_MATCH if t == UNK_ID else t for t in _scored(c)) for c in captions]
         rewards = [self.cider.score(i, c) for i, c in zip(images, scored, strict=True)]
-        if self.bleu_weight > 0:
-            bleu = sentence_bleu_4([self.references[i] for i in images], scored)
-            rewards = [r + self.bleu_weight * b for r, b in zip(rewards, bleu, strict=True)]
+        if self.bleu_weight > 0 or self.bleu1_weight > 0:
+            bleu = sentence_bleu([self.references[i] for i in images], scored)
+            rewards = [
+                r + self.bleu1_weight * b[0] + self.bleu_weight * b[3]
+                for r, b in zip(rewards, bleu, strict=True)
+            ]
         return torch.tensor(rewards, dtype=torch.float32)
 
 

@@ -148,6 +148,25 @@ def test_second_repro_runs_nothing(project: Path) -> None:
     assert stages_run(dvc(project, "repro")) == set()
 
 
+def test_an_edit_upstream_in_another_checkout_reruns_only_the_edited_stages(
+    project: Path, tmp_path: Path
+) -> None:
+    """A teammate's copy of the project in another folder, after an edit to the prepare and
+    extract stages' code: both run again and write the same bytes (the prepared table records
+    its image folder relative to itself; the extraction's timing is kept outside the
+    features), so neither training nor anything after it runs."""
+    copy = tmp_path / "elsewhere" / "sat"
+    shutil.copytree(project, copy, symlinks=True)
+    features = (copy / "data/features/extract_report.json").read_bytes()
+    for stage in ("prepare", "extract"):
+        code = copy / "pipeline" / "stages" / f"{stage}.py"
+        code.write_text(code.read_text() + "\n# a teammate's edit\n")
+    assert stages_run(dvc(copy, "repro")) == {"prepare", "extract"}
+    assert (copy / "data/features/extract_report.json").read_bytes() == features
+    timing = json.loads((copy / "reports/extract_timing.json").read_text())
+    assert timing["engine"] == "local" and timing["images_per_s"] > 0
+
+
 def test_pointing_the_pipeline_at_a_cluster_and_a_server_reruns_nothing(project: Path) -> None:
     """Connection settings, set in params.yaml as the README says, are not stage params."""
     params = project / "params.yaml"

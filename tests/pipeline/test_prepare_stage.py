@@ -50,7 +50,7 @@ def test_main_writes_all_four_files_with_the_promised_columns(
     assert images.column_names == IMAGE_COLUMNS
     assert captions.column_names == CAPTION_COLUMNS
     assert images.schema.metadata[b"source"] == b"synthetic"
-    assert images.schema.metadata[b"image_root"] == str(out / "images").encode()
+    assert images.schema.metadata[b"image_root"] == b"images"  # relative to the table's folder
     report = json.loads((out / "prepare_report.json").read_text())
     assert set(report) == REPORT_KEYS
     assert (report["images_train"], report["images_val"], report["images_test"]) == (12, 4, 4)

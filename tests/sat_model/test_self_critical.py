@@ -3,6 +3,8 @@ gradient, each against an independent account of what it should compute."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from sat_model.train.self_critical import (
     SampledBatch,
     leave_one_out_advantages,
     self_critical_step,
-    sentence_bleu_4,
+    sentence_bleu,
 )
 from tests.sat_model.test_model import K, tiny_batch, tiny_model
 
@@ -64,14 +66,23 @@ def test_cider_d_keeps_the_corpus_frequencies_for_any_batch() -> None:
         CiderD({})
 
 
-def test_sentence_bleu_4_by_hand() -> None:
-    """All four n-gram precisions 1 and 5 words against the closest reference's 6: BLEU-4 is
-    the brevity penalty exp(1 - 6/5); a reference itself scores 1; <end> is not a word."""
+def sentence_bleu_4(
+    references: Sequence[Sequence[Sequence[int]]], captions: Sequence[Sequence[int]]
+) -> list[float]:
+    return [b[3] for b in sentence_bleu(references, captions)]
+
+
+def test_sentence_bleu_by_hand() -> None:
+    """All four n-gram precisions 1 and 5 words against the closest reference's 6: every order
+    is the brevity penalty exp(1 - 6/5); a reference itself scores 1; <end> is not a word."""
     refs = [(5, 6, 7, 8, 9, 10, END_ID), (11, 12, END_ID)]
-    got = sentence_bleu_4([refs, refs, refs], [(5, 6, 7, 8, 9, END_ID), refs[0], (5, 6, 7, 8, 9)])
-    np.testing.assert_allclose(got, [np.exp(1 - 6 / 5), 1.0, np.exp(1 - 6 / 5)], rtol=1e-6)
-    # one word of two matches and no 2-gram: the 4-gram score is pycocoevalcap's ~0
-    assert sentence_bleu_4([refs], [(11, 4, END_ID)])[0] < 1e-3
+    got = sentence_bleu([refs, refs, refs], [(5, 6, 7, 8, 9, END_ID), refs[0], (5, 6, 7, 8, 9)])
+    short = np.exp(1 - 6 / 5)
+    np.testing.assert_allclose(got, [[short] * 4, [1.0] * 4, [short] * 4], rtol=1e-6)
+    # one word of two matches (closest reference 2 words: no brevity penalty) and no 2-gram:
+    # BLEU-1 is the unigram precision 1/2, the 4-gram score pycocoevalcap's ~0
+    (one,) = sentence_bleu([refs], [(11, 4, END_ID)])
+    assert one[0] == pytest.approx(0.5) and one[3] < 1e-3
 
 
 def test_sentence_bleu_4_equals_pycocoevalcap_per_caption_on_word_strings() -> None:
@@ -88,6 +99,8 @@ def test_sentence_bleu_4_equals_pycocoevalcap_per_caption_on_word_strings() -> N
     got = sentence_bleu_4([refs[i] for i in sorted(refs)], [hyps[i] for i in sorted(refs)])
     np.testing.assert_allclose(got, expected[3], rtol=1e-12)
     assert max(got) > 0.1
+    by_order = sentence_bleu([refs[i] for i in sorted(refs)], [hyps[i] for i in sorted(refs)])
+    np.testing.assert_allclose(np.array(by_order).T, expected, rtol=1e-12)  # BLEU-1..4
 
 
 def test_the_reward_adds_the_weighted_bleu_4_to_cider_d() -> None:
@@ -105,8 +118,14 @@ def test_the_reward_adds_the_weighted_bleu_4_to_cider_d() -> None:
     torch.testing.assert_close(Reward(refs, bleu_weight=0.5)(images, drawn), plain + 0.5 * bleu)
     assert bleu[1].item() == pytest.approx(1.0)  # a reference drawn word for word
     assert 0 <= bleu.min() < bleu.max()  # the captions' BLEU-4 differ
+    bleu_1 = torch.tensor([b[0] for b in sentence_bleu([refs[i] for i in images], words)])
+    both = Reward(refs, bleu_weight=0.5, bleu1_weight=2.0)(images, drawn)
+    torch.testing.assert_close(both, plain + 0.5 * bleu + 2.0 * bleu_1)
+    assert (bleu_1 > bleu).any()  # BLEU-1 is its own term, not BLEU-4 again
     with pytest.raises(ValueError, match="bleu_weight"):
         Reward(refs, bleu_weight=-1.0)
+    with pytest.raises(ValueError, match="bleu1_weight"):
+        Reward(refs, bleu1_weight=-1.0)
 
 
 def test_a_drawn_unk_matches_no_reference_unk() -> None:
