@@ -5,8 +5,9 @@ status 1, for ``sat`` (``pipeline.cli``) and the stages that a user runs by hand
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
-__all__ = ["USER_ERRORS", "is_user_error", "one_line"]
+__all__ = ["USER_ERRORS", "is_user_error", "one_line", "user_errors_in_one_line"]
 
 # Exceptions that report what the user asked for or gave (params, files, models, stores), as
 # opposed to bugs. Named by module so that `sat --help` imports none of them.
@@ -57,3 +58,15 @@ def one_line(err: BaseException) -> str:
     # importing it (and MLflow) just to print a params error would cost seconds
     tracking = sys.modules.get("pipeline.tracking")
     return tracking.redact(text) if tracking else text
+
+
+def user_errors_in_one_line(stage: str, run: Callable[[], int]) -> int:
+    """``run()``'s status; a user error it raises is one line on stderr (``<stage>: error:
+    ...``) and status 1, and anything else (a bug) goes up with its traceback."""
+    try:
+        return run()
+    except Exception as e:
+        if not is_user_error(e):
+            raise
+        print(f"{stage}: error: {one_line(e)}", file=sys.stderr)
+        return 1

@@ -15,7 +15,6 @@ import functools
 import json
 import re
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from pipeline.model_uri import is_model_uri, resolve_model_dir
 from pipeline.stages import StageContext, cli_context, run_locked, stage_parser
-from pipeline.user_errors import is_user_error, one_line
+from pipeline.user_errors import user_errors_in_one_line
 from sat_model.config import ATTENTION_KINDS
 
 if TYPE_CHECKING:
@@ -99,13 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     ctx = cli_context("evaluate", args)
-    try:
-        return run(ctx, args.attention, model=args.model, split=args.split, out=args.out)
-    except Exception as e:  # a model or data the user named that cannot be evaluated: one line
-        if not is_user_error(e):
-            raise
-        print(f"evaluate: error: {one_line(e)}", file=sys.stderr)
-        return 1
+    # a model or data the user named that cannot be evaluated: one line
+    return user_errors_in_one_line(
+        "evaluate",
+        lambda: run(ctx, args.attention, model=args.model, split=args.split, out=args.out),
+    )
 
 
 def run(

@@ -16,7 +16,6 @@ a byte-identical store.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 from pipeline.stages import StageContext, cli_context, stage_parser
-from pipeline.user_errors import is_user_error, one_line
+from pipeline.user_errors import user_errors_in_one_line
 from sat_model.atomic import write_text_atomic
 from sat_model.config import Params
 from sat_model.data.tables import IMAGES_FILE
@@ -102,13 +101,8 @@ def write_timing(report: ExtractReport, reports_dir: Path) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     args = stage_parser(__name__, __doc__).parse_args(argv)
     ctx = cli_context("extract", args)
-    try:
-        return run(ctx)
-    except Exception as e:  # photos, weights or a table the user's params name: one line
-        if not is_user_error(e):
-            raise
-        print(f"extract: error: {one_line(e)}", file=sys.stderr)
-        return 1
+    # photos, weights or a table the user's params name: one line
+    return user_errors_in_one_line("extract", lambda: run(ctx))
 
 
 def run(ctx: StageContext) -> int:
