@@ -478,8 +478,8 @@ def _likelihood_phase(setup: _Setup) -> _Phase:
 
 
 def _self_critical_phase(params: Params, setup: _Setup) -> _Phase:
-    """REINFORCE on CIDEr-D, plus BLEU-4 if asked (``sat_model.train.self_critical``), with a
-    new optimiser."""
+    """REINFORCE on CIDEr-D, plus BLEU-4 and BLEU-1 if asked (``sat_model.train.self_critical``),
+    with a new optimiser."""
     cfg = setup.cfg
     reward = Reward(references_by_image(setup.dataset), cfg.scst_bleu_weight, cfg.scst_bleu1_weight)
     optimizer = build_optimizer(setup.model.parameters(), cfg.optimizer, cfg.scst_lr)
