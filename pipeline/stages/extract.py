@@ -3,8 +3,10 @@
 
 The report beside the stores says what was extracted and is the same on every run that writes
 the same stores, so the features' hash, and the trainings after them, stay as they were after a
-re-run. The run's engine and speed go to ``{eval.reports_dir}/extract_timing.json``, a metrics
-file outside the features (``dvc metrics show``).
+re-run. The run's engine and speed are printed and kept in
+``{eval.reports_dir}/extract_timing.json``, a local record that is not a DVC output: DVC would
+store an uncached output in its run cache all the same, and a clone that pulls the outputs
+would lack it.
 
     python -m pipeline.stages.extract [--params params.yaml] [-S encoder.engine=ray ...]
 
