@@ -17,6 +17,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from pipeline import serve
 from pipeline.quiet import quiet_mlflow
@@ -72,6 +73,29 @@ def _as_ray_job(args: argparse.Namespace, command: list[str]) -> int | None:
 
 
 # ----------------------------------------------------------------------------- summary
+def _champion_line(registry: dict[str, Any]) -> str:
+    """The register stage's record (``reports/registry.json``) as one line: which registered
+    version is the champion, and what it is where this run registered or compared it."""
+    champion = registry.get("champion")
+    if champion is None:
+        return "champion: none"
+    line = f"champion: {registry.get('model_name', 'model')} version {champion}"
+    attention = next(
+        (v["attention"] for v in registry.get("versions", []) if v.get("version") == champion),
+        None,
+    )
+    value = None
+    for promotion in registry.get("promotions", []):
+        if promotion.get("candidate") == champion:
+            value = promotion.get("candidate_value")
+        elif promotion.get("previous_champion") == champion:
+            value = promotion.get("previous_value")
+    details = [f"{attention} attention"] if attention else []
+    if value is not None:
+        details.append(f"{registry.get('metric', 'score')} {value:.4f}")
+    return f"{line} ({', '.join(details)})" if details else line
+
+
 def _summary(args: argparse.Namespace) -> int:
     """Print the metrics table of the evaluated models and how to caption an image."""
     reports = Path(args.reports)
@@ -91,8 +115,7 @@ def _summary(args: argparse.Namespace) -> int:
         print(f"{attention:<6} {cells}")
     registry = reports / "registry.json"
     if registry.exists():
-        info = json.loads(registry.read_text())
-        print(f"champion: {info.get('champion')}")
+        print(_champion_line(json.loads(registry.read_text())))
     params = reports.parent / "params.yaml"  # a profile's reports sit beside its params file
     where = "" if reports.resolve().parent == Path.cwd() else f" --params {params}"
     command = f".venv/bin/sat caption{where} path/to/image.jpg --attention-out overlays/"

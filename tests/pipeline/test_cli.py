@@ -136,6 +136,11 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     assert register.main([]) == 0  # the same checkpoint again: no second version
     report = json.loads((project / "reports/registry.json").read_text())
     assert report["versions"][0] == {**report["versions"][0], "version": "1", "reused": True}
+    # `make run` ends with `sat summary`: the champion as a user asks for it, by name and version
+    capsys.readouterr()
+    assert main(["summary"]) == 0
+    champion = f"champion: sat-captioner version 1 (soft attention, bleu_4 {metrics['bleu_4']:.4f})"
+    assert champion in capsys.readouterr().out.splitlines()
 
     capsys.readouterr()
     assert main(["models"]) == 0
