@@ -105,3 +105,25 @@ def test_every_stage_param_is_written_out_in_params_yaml(name: str, stage: dict)
         if not _has_key(params, key.replace("${item.attention}", str(a)))
     ]
     assert not missing, f"{name}: params.yaml lacks {missing}"
+
+
+@pytest.mark.parametrize(
+    ("dvc_file", "params_file"),
+    [
+        ("dvc.yaml", "params.yaml"),
+        ("sweeps/dvc.yaml", "params.yaml"),  # the sweep runs in the repository root (wdir: ..)
+        ("profiles/flickr8k/dvc.yaml", "profiles/flickr8k/params.yaml"),
+    ],
+)
+def test_every_params_file_a_stage_reads_is_the_committed_one(
+    dvc_file: str, params_file: str
+) -> None:
+    """DVC resolves a stage's params file against the stage's wdir, as it runs it: a path that
+    points elsewhere fails `dvc repro` at once ("Parameters ... are missing")."""
+    from dvc.dependency.param import ParamsDependency
+    from dvc.repo import Repo
+
+    with Repo(str(ROOT)) as repo:
+        stages = repo.stage.collect(str(ROOT / dvc_file))
+        files = {Path(d.fs_path) for s in stages for d in s.deps if isinstance(d, ParamsDependency)}
+    assert files == {ROOT / params_file}, f"{dvc_file}: stages read {sorted(map(str, files))}"
