@@ -167,6 +167,20 @@ def test_an_edit_upstream_in_another_checkout_reruns_only_the_edited_stages(
     assert timing["engine"] == "local" and timing["images_per_s"] > 0
 
 
+def test_the_sweep_runs_as_the_readme_gives_it(project: Path, tmp_path: Path) -> None:
+    """`dvc repro sweeps/dvc.yaml` (README, Sweeps): the on-demand tune stage over the features
+    the pipeline made, in a copy of the project, its best trial where the README says."""
+    copy = tmp_path / "sweep" / "sat"
+    shutil.copytree(project, copy, symlinks=True)
+    params = copy / "params.yaml"
+    small = ["tune.num_samples=2", "tune.max_epochs=1", "tune.max_concurrent=1"]
+    params.write_text(yaml.safe_dump(apply_overrides(read_yaml(params.read_text()), small)))
+    assert stages_run(dvc(copy, "repro", "sweeps/dvc.yaml")) == {"sweeps/dvc.yaml:tune"}
+    best = yaml.safe_load((copy / "reports/tune/best_params.yaml").read_text())
+    assert best["attention"] == "soft" and best["apply"].startswith("dvc exp run -S train.soft.")
+    assert stages_run(dvc(copy, "repro", "sweeps/dvc.yaml")) == set()  # recorded in its lock
+
+
 def test_pointing_the_pipeline_at_a_cluster_and_a_server_reruns_nothing(project: Path) -> None:
     """Connection settings, set in params.yaml as the README says, are not stage params."""
     params = project / "params.yaml"
