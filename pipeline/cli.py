@@ -325,7 +325,7 @@ def _caption(args: argparse.Namespace) -> int:
             beam_size=ev.beam_size,
             max_length=ev.max_length,
             batch_size=args.batch_size,
-            length_normalization=ev.length_normalization,
+            length_penalty=ev.length_penalty.model_dump(),
             mode=ev.hard_decode,
         )
     # a bar only where someone watches (a terminal) and only when there is more than one batch

@@ -65,7 +65,7 @@ def _pip_requirements() -> list[str]:
     return pins
 
 
-def _signature() -> Any:
+def _signature(beam_size: int) -> Any:
     from mlflow.models import ModelSignature
     from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 
@@ -79,7 +79,10 @@ def _signature() -> Any:
             ]
         ),
         params=ParamSchema(
-            [ParamSpec("beam_size", "long", 3), ParamSpec("return_attention", "boolean", False)]
+            [
+                ParamSpec("beam_size", "long", beam_size),
+                ParamSpec("return_attention", "boolean", False),
+            ]
         ),
     )
 
@@ -97,12 +100,14 @@ def _input_example() -> Any:
     return pd.DataFrame({"image": [base64.b64encode(buffer.getvalue()).decode()]})
 
 
-def _serve_model_config() -> dict[str, Any]:
-    """The serving limits logged with the model: the ``serve`` defaults. MLflow lets a load
-    override only keys logged here; ``sat serve`` replaces ``serve`` with the project's params."""
+def _serve_model_config(decoding: Mapping[str, Any]) -> dict[str, Any]:
+    """The model config logged with the model: the ``serve`` defaults (limits) and ``decode``,
+    the decoding the model was evaluated with, so the served model captions as it scored. MLflow
+    lets a load override only keys logged here; ``sat serve`` replaces ``serve`` with the
+    project's params and keeps ``decode``."""
     from sat_model.config import ServeConfig
 
-    return {"serve": ServeConfig().model_dump(mode="json")}
+    return {"serve": ServeConfig().model_dump(mode="json"), "decode": dict(decoding)}
 
 
 def _staged_checkpoint(model_dir: Path, tmp: Path) -> Path:
@@ -168,6 +173,7 @@ def log_and_register(
     run_artifacts: Sequence[tuple[str, str | Path]] = (),
     run_name: str | None = None,
     run_id: str | None = None,
+    decoding: Mapping[str, Any] | None = None,
 ) -> RegisteredVersion:
     """Log ``model_dir`` as a pyfunc from code and register it, unless a version with the same
     checkpoint hash exists (then that version is returned, ``reused=True``).
@@ -175,7 +181,10 @@ def log_and_register(
     The model, ``metrics``, ``params`` and ``tags`` go into run ``run_id`` (the training run)
     when given, else into a new run called ``run_name``. ``run_artifacts`` pairs artifact folders
     with local files or directories (captions, curves, the attention gallery); missing ones are
-    left out. ``client`` names the tracking store: the fluent API is pointed at the same URI.
+    left out. ``decoding`` (``beam_size``, ``max_length``, ``length_penalty``, ``mode``: the
+    :class:`sat_model.captioner.Captioner` options) is how the served model decodes; the
+    Captioner's defaults where absent. ``client`` names the tracking store: the fluent API is
+    pointed at the same URI.
     """
     import tempfile
 
@@ -205,9 +214,9 @@ def log_and_register(
             python_model=str(PYFUNC_FILE),
             artifacts={"checkpoint": str(_staged_checkpoint(model_dir, Path(tmp)))},
             code_paths=[str(_SAT_MODEL_DIR)],
-            signature=_signature(),
+            signature=_signature(int((decoding or {}).get("beam_size", 3))),
             input_example=_input_example(),
-            model_config=_serve_model_config(),
+            model_config=_serve_model_config(decoding or {}),
             pip_requirements=_pip_requirements(),
         )
         version = mlflow.register_model(info.model_uri, model_name, tags=version_tags)

@@ -64,8 +64,11 @@ class SatCaptionerModel(PythonModel):
 
         self.serve = _serve_limits(getattr(context, "model_config", None))
         self.image_limits = ImageLimits(self.serve.max_image_pixels, self.serve.formats)
+        model_config = getattr(context, "model_config", None) or {}
         self.captioner = Captioner.from_dir(
-            context.artifacts[CHECKPOINT_ARTIFACT], batch_size=self.serve.batch_size
+            context.artifacts[CHECKPOINT_ARTIFACT],
+            batch_size=self.serve.batch_size,
+            **(model_config.get("decode") or {}),  # as the model was evaluated
         )
 
     # no type hints on predict: MLflow would try to derive a (list-only) schema from them; the
@@ -145,7 +148,7 @@ def _check_request(values: list[Any], serve: Any) -> None:
 
 
 def _beam_size(value: Any, max_beam: int) -> int | None:
-    """``beam_size`` as given (None: the model's default), refused outside 1..max_beam."""
+    """``beam_size`` as given (None: the model's own), refused outside 1..max_beam."""
     if value is None:
         return None
     if (

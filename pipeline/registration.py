@@ -20,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from sat_model.config import ATTENTION_KINDS, Params
+from sat_model.config import ATTENTION_KINDS, EvalConfig, Params
 
 from .lineage import dataset_inputs, dvc_experiment, find_training_run, lineage_tags
 from .packaging import RegisteredVersion, log_and_register
@@ -86,6 +86,16 @@ def _run_artifacts(model_dir: Path, reports: Path) -> list[tuple[str, str | Path
     ]
 
 
+def _decoding(ev: EvalConfig, attention: str) -> dict[str, Any]:
+    """The decoding the evaluate stage scored ``attention``'s model with, for the served model."""
+    return {
+        "beam_size": ev.beam_size,
+        "max_length": ev.max_length,
+        "length_penalty": getattr(ev.length_penalty, attention),
+        "mode": ev.hard_decode if attention == "hard" else "expected",
+    }
+
+
 def _register_one(
     params: Params, root: Path, tracking: Tracking, attention: str, tags: dict[str, str]
 ) -> tuple[RegisteredVersion, str | None]:
@@ -111,6 +121,7 @@ def _register_one(
             run_artifacts=_run_artifacts(model_dir, reports),
             run_name=f"register-{attention}-{sha[:8]}",
             run_id=training_run,
+            decoding=_decoding(params.eval, attention),
         )
 
     registered = with_retries(register, retries=cfg.retries, what=f"register {attention}")

@@ -35,7 +35,7 @@ from sat_model.features.images import ImageError, encoder_view, load_image, prep
 from sat_model.features.store import FeatureMeta
 from sat_model.model.checkpoint import load_checkpoint, model_from_checkpoint
 from sat_model.model.decoder import ShowAttendTell
-from sat_model.model.decoding import beam_search
+from sat_model.model.decoding import beam_search, length_penalty_for
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -180,7 +180,7 @@ class Captioner:
         keep_aspect: bool = True,
         beam_size: int = 3,
         max_length: int = 20,
-        length_normalization: bool = True,
+        length_penalty: float = 1.0,
         mode: str = "expected",
         batch_size: int = 16,
         device: str | torch.device = "cpu",
@@ -192,7 +192,7 @@ class Captioner:
         self.keep_aspect = keep_aspect
         self.beam_size = beam_size
         self.max_length = max_length
-        self.length_normalization = length_normalization
+        self.length_penalty = length_penalty
         self.mode = mode
         self.batch_size = batch_size
         self.device = torch.device(device)
@@ -204,9 +204,11 @@ class Captioner:
         *,
         encoder_weights: str | Path | None = None,
         device: str | torch.device = "cpu",
+        length_penalty: float | Mapping[str, float] = 1.0,
         **options: Any,
     ) -> Captioner:
-        """Load ``model_dir`` and rebuild its encoder; ``options`` as for the constructor."""
+        """Load ``model_dir`` and rebuild its encoder; ``length_penalty`` may be given per
+        attention variant (``{"soft": 1.0, "hard": 2.0}``); ``options`` as for the constructor."""
         checkpoint = load_checkpoint(model_dir)
         recorded = RecordedEncoder.from_config(checkpoint.config, model_dir)
         model, vocab, _ = model_from_checkpoint(checkpoint, device, source=model_dir)
@@ -223,6 +225,7 @@ class Captioner:
             resize=recorded.resize,
             keep_aspect=recorded.keep_aspect,
             device=device,
+            length_penalty=length_penalty_for(length_penalty, model.config.attention),
             **options,
         )
 
@@ -317,7 +320,7 @@ class Captioner:
             annotations,
             beam_size=beam_size or self.beam_size,
             max_length=self.max_length,
-            length_normalization=self.length_normalization,
+            length_penalty=self.length_penalty,
             mode=self.mode,
         )
         out = []

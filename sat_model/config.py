@@ -26,6 +26,7 @@ __all__ = [
     "Flickr8kConfig",
     "HardTrainConfig",
     "KarpathyConfig",
+    "LengthPenaltyConfig",
     "MlflowConfig",
     "ModelParams",
     "Params",
@@ -261,13 +262,22 @@ class TrainConfig(_Section):
 
 
 # ----------------------------------------------------------------------------- eval
+class LengthPenaltyConfig(_Section):
+    """Finished beams rank by summed log-probability / length^α, one α per attention variant."""
+
+    # finished beams rank by summed log-probability / length^α: 0 ranks by the sum, which
+    # favours the shortest caption (README, Results); 1 by log-probability per token; above 1
+    # favours longer captions
+    soft: float = Field(1.0, ge=0)
+    # the same for hard attention (the Flickr8k profile: 2, docs/REALDATA.md)
+    hard: float = Field(1.0, ge=0)
+
+
 class EvalConfig(_Section):
     split: Split = "test"
     beam_size: int = Field(3, ge=1)
     max_length: int = Field(20, ge=1)
-    # rank finished beams by log-probability per token: summed log-probabilities favour the
-    # shortest caption (README, Results)
-    length_normalization: bool = True
+    length_penalty: LengthPenaltyConfig = LengthPenaltyConfig()
     # hard attention at test time: expected α (authors' default), a sample, or the argmax
     hard_decode: Literal["expected", "sample", "argmax"] = "expected"
     batch_size: int = Field(64, ge=1)

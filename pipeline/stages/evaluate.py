@@ -152,7 +152,7 @@ def _evaluate(ctx: StageContext, model: str, attention: str, split: str, out_dir
             max_length=ev.max_length,
             resize=params.encoder.resize,
             keep_aspect=params.encoder.keep_aspect,
-            length_normalization=ev.length_normalization,
+            length_penalty=ev.length_penalty.model_dump(),
             hard_decode=ev.hard_decode,
             batch_size=ev.batch_size,
             meteor_timeout_s=ev.meteor_timeout_s,

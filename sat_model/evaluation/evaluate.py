@@ -45,7 +45,7 @@ from sat_model.features.images import ImageError, encoder_view, load_image
 from sat_model.features.store import FeatureStore
 from sat_model.model.checkpoint import load_model
 from sat_model.model.decoder import ShowAttendTell
-from sat_model.model.decoding import beam_search
+from sat_model.model.decoding import beam_search, length_penalty_for
 
 __all__ = [
     "GALLERY_IMAGES_DIR",
@@ -120,7 +120,7 @@ def decode_split(
     *,
     beam_size: int,
     max_length: int,
-    length_normalization: bool = True,
+    length_penalty: float = 1.0,
     mode: str = "expected",
     batch_size: int = 64,
     device: str | torch.device = "cpu",
@@ -129,7 +129,7 @@ def decode_split(
     search = dict(
         beam_size=beam_size,
         max_length=max_length,
-        length_normalization=length_normalization,
+        length_penalty=length_penalty,
         mode=mode,
     )
     out: list[DecodedCaption] = []
@@ -190,14 +190,19 @@ def evaluate_model(
     max_length: int,
     resize: int,
     keep_aspect: bool = True,
-    length_normalization: bool = True,
+    length_penalty: float | Mapping[str, float] = 1.0,
     hard_decode: str = "expected",
     batch_size: int = 64,
     meteor_timeout_s: float = 600.0,
     metrics: Sequence[str] = DEFAULT_METRICS,
     device: str | torch.device = "cpu",
 ) -> EvaluationResult:
-    """Decode ``split`` with the model in ``model_dir``, score it, and measure grounding."""
+    """Decode ``split`` with the model in ``model_dir``, score it, and measure grounding.
+
+    ``length_penalty`` and ``hard_decode`` apply as the model's attention variant asks: the
+    penalty may be given per variant (``{"soft": 1.0, "hard": 2.0}``), ``hard_decode`` is
+    hard attention's alone.
+    """
     model, vocab, config = load_model(model_dir, device=device)
     store = FeatureStore(features_path)
     references = load_references(captions_path, split)
@@ -215,7 +220,7 @@ def evaluate_model(
         ids,
         beam_size=beam_size,
         max_length=max_length,
-        length_normalization=length_normalization,
+        length_penalty=length_penalty_for(length_penalty, config.attention),
         mode=mode,
         batch_size=batch_size,
         device=device,

@@ -11,6 +11,7 @@ logits) of every emitted token, ``<end>`` included when it was reached.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,7 @@ from torch import Tensor
 from sat_model.data.vocab import END_ID, PAD_ID, START_ID, Vocab
 from sat_model.model.decoder import MODES, DecoderState, ShowAttendTell
 
-__all__ = ["Caption", "beam_search", "greedy", "sample"]
+__all__ = ["Caption", "beam_search", "greedy", "length_penalty_for", "sample"]
 
 
 @dataclass(frozen=True)
@@ -163,29 +164,38 @@ def _captions(tokens: np.ndarray, alphas: np.ndarray, scores: np.ndarray) -> lis
     return captions
 
 
+def length_penalty_for(length_penalty: float | Mapping[str, float], attention: str) -> float:
+    """The α that ranks ``attention``'s beams: ``length_penalty`` itself, or its entry for
+    ``attention`` when it is given per variant (``{"soft": 1.0, "hard": 2.0}``)."""
+    if isinstance(length_penalty, Mapping):
+        return float(length_penalty[attention])
+    return float(length_penalty)
+
+
 def beam_search(
     model: ShowAttendTell,
     annotations: Tensor,
     beam_size: int,
     max_length: int,
-    length_normalization: bool = False,
+    length_penalty: float = 0.0,
     mode: str = "expected",
 ) -> list[Caption]:
     """Beam search with all B images × k beams advancing as one batch of B*k rows.
 
     Finished beams stay in the beam, extended by ``<end>`` at no cost, so they compete with the
-    unfinished ones on equal terms. The result per image is the best finished hypothesis (score
-    divided by its length when ``length_normalization``), or the best unfinished one when none
-    finished. With ``beam_size=1`` this is greedy decoding.
+    unfinished ones on equal terms. The result per image is the best finished hypothesis, ranked
+    by its summed log-probability divided by length^``length_penalty`` (0: the sum, which
+    favours short captions; 1: per token; above 1: longer captions), or the best unfinished one
+    when none finished. With ``beam_size=1`` this is greedy decoding.
     """
     _check_args(annotations, max_length, mode, beam_size)
+    if not length_penalty >= 0:
+        raise ValueError(f"length_penalty must be >= 0, got {length_penalty}")
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            return _beam_search(
-                model, annotations, beam_size, max_length, length_normalization, mode
-            )
+            return _beam_search(model, annotations, beam_size, max_length, length_penalty, mode)
     finally:
         model.train(was_training)
 
@@ -213,7 +223,7 @@ def _beam_search(
     annotations: Tensor,
     k: int,
     max_length: int,
-    length_normalization: bool,
+    length_penalty: float,
     mode: str,
 ) -> list[Caption]:
     B = annotations.size(0)
@@ -236,7 +246,7 @@ def _beam_search(
         # one sync per step buys stopping as soon as every beam has ended
         if bool(beams.finished.all()):
             break
-    return _best_captions(beams, history, length_normalization)
+    return _best_captions(beams, history, length_penalty)
 
 
 def _advance(
@@ -268,14 +278,12 @@ def _advance(
     return beams, _Step(token=token, parent=rows, alpha=out.alpha)
 
 
-def _best_captions(
-    beams: _Beams, history: list[_Step], length_normalization: bool
-) -> list[Caption]:
+def _best_captions(beams: _Beams, history: list[_Step], length_penalty: float) -> list[Caption]:
     """The best hypothesis of each image, read back along its back-pointers, as a Caption."""
     B, k = beams.scores.shape  # k < beam_size only when the vocabulary is smaller than it
     finished = beams.finished.view(B, k)
     length = beams.length.view(B, k).to(beams.scores.dtype)
-    rank = beams.scores / length.clamp(min=1) if length_normalization else beams.scores
+    rank = beams.scores / length.clamp(min=1) ** length_penalty if length_penalty else beams.scores
     # prefer finished hypotheses; fall back to unfinished ones only where none finished
     eligible = finished | ~finished.any(1, keepdim=True)
     best = torch.where(eligible, rank, float("-inf")).argmax(1)  # (B,)

@@ -28,7 +28,8 @@ from tests.factories import write_references, write_tiny_model
 IDS = ["t0", "t1", "t2"]
 PARAMS = """\
 encoder: {name: random, resize: 72, crop: 64}
-eval: {beam_size: 2, max_length: 4, gallery_images: 2, meteor_timeout_s: 120.0}
+eval: {beam_size: 2, max_length: 4, length_penalty: {soft: 1.5}, gallery_images: 2,
+       meteor_timeout_s: 120.0}
 """
 
 
@@ -136,6 +137,7 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     assert register.main([]) == 0  # the same checkpoint again: no second version
     report = json.loads((project / "reports/registry.json").read_text())
     assert report["versions"][0] == {**report["versions"][0], "version": "1", "reused": True}
+    _the_served_champion_decodes_as_it_was_evaluated(project, f"sqlite:///{store}")
     # `make run` ends with `sat summary`: the champion as a user asks for it, by name and version
     capsys.readouterr()
     assert main(["summary"]) == 0
@@ -172,6 +174,35 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
 
     assert main(["evaluate", "--model", "models:/sat-captioner@champion"]) == 0
     assert (project / "reports/eval/sat-captioner@champion/metrics.json").exists()
+
+
+def _the_served_champion_decodes_as_it_was_evaluated(project, tracking):
+    # loaded as `sat serve` loads it (MLflow's model config replaced by the serve section), the
+    # registered model decodes with the eval section it was scored with (beam 2, 4 steps, soft's
+    # length penalty 1.5), not the Captioner's defaults: the same caption as `sat caption`'s
+    import base64
+
+    import mlflow
+    import pandas as pd
+
+    from sat_model.captioner import Captioner
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_URI", tracking)
+        served = mlflow.pyfunc.load_model(
+            "models:/sat-captioner@champion", model_config={"serve": {"max_rows": 4}}
+        )
+    captioner = served.unwrap_python_model().captioner
+    assert (captioner.beam_size, captioner.max_length, captioner.length_penalty) == (2, 4, 1.5)
+    image = project / "data" / "prepared" / "images" / "t1.png"
+    (row,) = served.predict(
+        pd.DataFrame({"image": [base64.b64encode(image.read_bytes()).decode()]})
+    ).to_dict("records")
+    local = Captioner.from_dir(
+        project / "models" / "soft", beam_size=2, max_length=4, length_penalty={"soft": 1.5}
+    )
+    (expected,) = local.caption_files([image])
+    assert row["error"] is None and row["caption"] == expected.caption.text
 
 
 @pytest.mark.java

@@ -62,6 +62,14 @@ def test_batching_does_not_change_captions(model_dir):
         np.testing.assert_allclose(a.alphas, b.alphas, atol=1e-5)
 
 
+@pytest.mark.parametrize("attention, expected", [("soft", 0.5), ("hard", 2.0)])
+def test_a_length_penalty_given_per_variant_applies_the_models_own(tmp_path, attention, expected):
+    model_dir = write_tiny_model(tmp_path, words=WORDS, resize=72, attention=attention)
+    per_variant = {"soft": 0.5, "hard": 2.0}
+    assert Captioner.from_dir(model_dir, length_penalty=per_variant).length_penalty == expected
+    assert Captioner.from_dir(model_dir, length_penalty=3.0).length_penalty == 3.0
+
+
 def test_missing_encoder_section_is_named(tmp_path):
     with pytest.raises(EncoderError, match="no 'encoder' section"):
         RecordedEncoder.from_config({"model": {}}, tmp_path)

@@ -95,10 +95,8 @@ def test_beam_search_k3_never_scores_worse_than_greedy(seed: int) -> None:
         assert b.score >= g.score - 1e-5
 
 
-@pytest.mark.parametrize("length_normalization", [False, True])
-def test_a_beam_wider_than_every_prefix_finds_the_exhaustive_best(
-    length_normalization: bool,
-) -> None:
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0, 2.0])
+def test_a_beam_wider_than_every_prefix_finds_the_exhaustive_best(length_penalty: float) -> None:
     # 4 words and 3 steps: at most 4^3 = 64 hypotheses, so a beam of 64 prunes nothing (the
     # beam starts with one row per image and is narrower than k until the vocabulary has filled
     # it). The result must be the best finished caption over every word sequence, scored by
@@ -106,7 +104,7 @@ def test_a_beam_wider_than_every_prefix_finds_the_exhaustive_best(
     vocab, steps = 4, 3
     model = random_model(8, end_bias=1.0, vocab_size=vocab)
     annotations = random_annotations(8, batch=3)
-    found = beam_search(model, annotations, vocab**steps, steps, length_normalization)
+    found = beam_search(model, annotations, vocab**steps, steps, length_penalty)
     words = [i for i in range(vocab) if i != END_ID]  # <pad> and <start> are words to the model
     # every caption that ends within the steps: 0, 1 or 2 words, then <end>
     every = [list(ids) for n in range(steps) for ids in itertools.product(words, repeat=n)]
@@ -115,7 +113,7 @@ def test_a_beam_wider_than_every_prefix_finds_the_exhaustive_best(
         def rank(ids: list[int], image: torch.Tensor = image) -> float:
             caption = Caption(tokens=ids, score=0.0, alphas=np.zeros((len(ids), L)))
             score = teacher_forced_score(model, image, caption)
-            return score / (len(ids) + 1) if length_normalization else score  # + 1: <end>
+            return score / (len(ids) + 1) ** length_penalty  # + 1: <end>
 
         assert c.finished and c.tokens == max(every, key=rank)
         assert c.score == pytest.approx(teacher_forced_score(model, image, c), abs=1e-4)
@@ -223,16 +221,28 @@ def test_captions_carry_one_attention_map_per_word() -> None:
         assert END_ID not in c.tokens and START_ID not in c.tokens
 
 
-def test_length_normalization_picks_the_best_score_per_token() -> None:
+@pytest.mark.parametrize("length_penalty", [1.0, 2.0])
+def test_a_length_penalty_picks_the_best_score_per_length_to_its_power(
+    length_penalty: float,
+) -> None:
     model = random_model(6, end_bias=0.5)
     annotations = random_annotations(6)
-    plain = beam_search(model, annotations, beam_size=4, max_length=12)
-    normed = beam_search(model, annotations, beam_size=4, max_length=12, length_normalization=True)
-    for p, n in zip(plain, normed, strict=True):
-        # same beams, different pick: the plain pick has the best sum, the normalised one the
-        # best mean log-probability (lengths count <end>)
-        assert p.score >= n.score - 1e-5
-        assert n.score / (len(n.tokens) + 1) >= p.score / (len(p.tokens) + 1) - 1e-5
+    search = dict(beam_size=4, max_length=12)
+    plain = beam_search(model, annotations, **search)
+    per_token = beam_search(model, annotations, **search, length_penalty=1.0)
+    ranked = beam_search(model, annotations, **search, length_penalty=length_penalty)
+    longer = 0
+    for p, t, r in zip(plain, per_token, ranked, strict=True):
+        # same beams, different pick (lengths count <end>): the plain pick has the best sum, the
+        # ranked one the best sum / length^penalty, and a larger penalty never picks a shorter
+        # caption than a smaller one
+        assert p.score >= r.score - 1e-5
+        assert r.score / (len(r.tokens) + 1) ** length_penalty >= (
+            p.score / (len(p.tokens) + 1) ** length_penalty - 1e-5
+        )
+        assert len(p.tokens) <= len(t.tokens) <= len(r.tokens)
+        longer += len(r.tokens) > len(p.tokens)
+    assert longer > 0  # the seed gives beams where the penalty changes the pick
 
 
 @pytest.mark.parametrize("mode", ["sample", "argmax"])
@@ -254,3 +264,5 @@ def test_decoding_restores_training_mode_and_rejects_bad_arguments() -> None:
         greedy(model, random_annotations(0), max_length=3, mode="train")
     with pytest.raises(ValueError, match="max_length"):
         greedy(model, random_annotations(0), max_length=0)
+    with pytest.raises(ValueError, match="length_penalty"):
+        beam_search(model, random_annotations(0), beam_size=2, max_length=3, length_penalty=-1)
