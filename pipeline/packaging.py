@@ -2,9 +2,11 @@
 
 The logged model carries the checkpoint files only, the ``sat_model`` library as code, the
 serving model ``pipeline/pyfunc_model.py``, a signature and an input example, so it loads and
-serves with nothing from this repository. Versions are found again by the sha256 of their
-checkpoint (tag ``sat.checkpoint_sha256``): logging the same checkpoint twice (a retry after the
-server was down) reuses the version instead of registering a duplicate. A model is logged into
+serves with nothing from this repository, and ``decode``: how the model was decoded when it was
+scored, so it is served the same way. Versions are found again by the sha256 of their
+checkpoint and their decoding (tags ``sat.checkpoint_sha256``, ``sat.decoding``): logging the
+same model twice (a retry after the server was down) reuses the version instead of registering
+a duplicate; the same checkpoint decoded another way is a new version. A model is logged into
 its training run when that run is known (``run_id``), so the version's run is the training run:
 its curves, params, test metrics and artifacts are one click away in MLflow's UI. Which version
 is champion is :mod:`pipeline.registry`'s business.
@@ -12,6 +14,7 @@ is champion is :mod:`pipeline.registry`'s business.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -24,9 +27,10 @@ from mlflow import MlflowClient
 from pipeline.registry import CHECKPOINT_FILES, checkpoint_sha256, find_version_by_checkpoint
 from pipeline.tracking import CHECKPOINT_TAG
 
-__all__ = ["PYFUNC_FILE", "RegisteredVersion", "log_and_register"]
+__all__ = ["DECODING_TAG", "PYFUNC_FILE", "RegisteredVersion", "log_and_register"]
 
 PYFUNC_FILE = Path(__file__).with_name("pyfunc_model.py")
+DECODING_TAG = "sat.decoding"  # on a registered version: how its served model decodes (JSON)
 _SAT_MODEL_DIR = Path(__file__).resolve().parent.parent / "sat_model"
 # what the served model imports; exact versions of what is installed here (no network at
 # log time, so nothing is inferred by importing the model in a fresh environment)
@@ -161,6 +165,18 @@ def _fluent_tracking_uri(uri: str) -> Iterator[None]:
             os.environ["MLFLOW_TRACKING_URI"] = previous_env
 
 
+def _find_version(client: MlflowClient, model_name: str, sha: str, decoding_tag: str) -> Any:
+    """The lowest version of this checkpoint decoded this way, if any."""
+    found = [
+        v
+        for v in client.search_model_versions(
+            f"name = '{model_name}' and tags.`{CHECKPOINT_TAG}` = '{sha}'"
+        )
+        if v.tags.get(DECODING_TAG) == decoding_tag
+    ]
+    return min(found, key=lambda v: int(v.version)) if found else None
+
+
 def log_and_register(
     client: MlflowClient,
     *,
@@ -183,8 +199,9 @@ def log_and_register(
     with local files or directories (captions, curves, the attention gallery); missing ones are
     left out. ``decoding`` (``beam_size``, ``max_length``, ``length_penalty``, ``mode``: the
     :class:`sat_model.captioner.Captioner` options) is how the served model decodes; the
-    Captioner's defaults where absent. ``client`` names the tracking store: the fluent API is
-    pointed at the same URI.
+    Captioner's defaults where absent. A version is one checkpoint decoded one way: the same
+    checkpoint with another decoding is a new version, logged into a run of its own. ``client``
+    names the tracking store: the fluent API is pointed at the same URI.
     """
     import tempfile
 
@@ -192,10 +209,16 @@ def log_and_register(
 
     model_dir = Path(model_dir)
     sha = checkpoint_sha256(model_dir)
-    existing = find_version_by_checkpoint(client, model_name, sha)
+    decoding = dict(decoding or {})
+    decoding_tag = json.dumps(decoding, sort_keys=True)
+    existing = _find_version(client, model_name, sha, decoding_tag)
     if existing is not None:
         return RegisteredVersion(model_name, str(existing.version), existing.run_id, sha, True)
-    version_tags = {**tags, CHECKPOINT_TAG: sha}
+    if run_id is not None and find_version_by_checkpoint(client, model_name, sha) is not None:
+        # the checkpoint is registered already, decoded another way: the training run's metrics
+        # are that version's scores, so this one's go into a run of its own
+        run_id = None
+    version_tags = {**tags, CHECKPOINT_TAG: sha, DECODING_TAG: decoding_tag}
     with (
         _fluent_tracking_uri(client.tracking_uri),
         tempfile.TemporaryDirectory() as tmp,
@@ -214,9 +237,9 @@ def log_and_register(
             python_model=str(PYFUNC_FILE),
             artifacts={"checkpoint": str(_staged_checkpoint(model_dir, Path(tmp)))},
             code_paths=[str(_SAT_MODEL_DIR)],
-            signature=_signature(int((decoding or {}).get("beam_size", 3))),
+            signature=_signature(int(decoding.get("beam_size", 3))),
             input_example=_input_example(),
-            model_config=_serve_model_config(decoding or {}),
+            model_config=_serve_model_config(decoding),
             pip_requirements=_pip_requirements(),
         )
         version = mlflow.register_model(info.model_uri, model_name, tags=version_tags)

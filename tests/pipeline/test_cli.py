@@ -175,6 +175,28 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     assert main(["evaluate", "--model", "models:/sat-captioner@champion"]) == 0
     assert (project / "reports/eval/sat-captioner@champion/metrics.json").exists()
 
+    # the same checkpoint scored with another length penalty: a new version, served that way
+    text = (project / "params.yaml").read_text().replace("{soft: 1.5}", "{soft: 0.0}")
+    (project / "params.yaml").write_text(text)
+    assert main(["evaluate", "--attention", "soft"]) == 0
+    assert register.main([]) == 0
+    report = json.loads((project / "reports/registry.json").read_text())
+    assert report["versions"][0] == {**report["versions"][0], "version": "2", "reused": False}
+    assert _served_length_penalty(f"sqlite:///{store}", "models:/sat-captioner/2") == 0.0
+    assert _served_length_penalty(f"sqlite:///{store}", "models:/sat-captioner/1") == 1.5
+    assert register.main([]) == 0  # and that one is found again
+    report = json.loads((project / "reports/registry.json").read_text())
+    assert report["versions"][0] == {**report["versions"][0], "version": "2", "reused": True}
+
+
+def _served_length_penalty(tracking, uri):
+    import mlflow
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_URI", tracking)
+        served = mlflow.pyfunc.load_model(uri)
+    return served.unwrap_python_model().captioner.length_penalty
+
 
 def _the_served_champion_decodes_as_it_was_evaluated(project, tracking):
     # loaded as `sat serve` loads it (MLflow's model config replaced by the serve section), the

@@ -3,6 +3,7 @@ against a real ``mlflow server`` process on 127.0.0.1."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import shutil
@@ -213,3 +214,35 @@ def test_register_dedup_promote_and_caption_over_http(server, tmp_path, monkeypa
     assert set(out["caption"][0].split()) <= {"a", "red", "circle", "<unk>"}
     with pytest.raises(MlflowException, match="no usable image in the request"):
         model.predict(pd.DataFrame({"image": ["definitely not an image"]}))
+
+
+@pytest.mark.mlflow
+def test_a_checkpoint_decoded_another_way_is_a_new_version_with_its_own_run(tmp_path):
+    # the training run holds the first version's scores; the same checkpoint scored again with
+    # another length penalty must not overwrite them: its version gets a run of its own
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment_id = client.create_experiment("sat-test")
+    training_run = client.create_run(experiment_id).info.run_id
+    model_dir = write_tiny_model(tmp_path / "m", resize=72)
+
+    def register(length_penalty: float, bleu_4: float):
+        return log_and_register(
+            client,
+            model_dir=model_dir,
+            model_name=NAME,
+            experiment_id=experiment_id,
+            metrics={"bleu_4": bleu_4},
+            params={},
+            tags={},
+            run_name="rescored",
+            run_id=training_run,
+            decoding={"beam_size": 3, "max_length": 20, "length_penalty": length_penalty},
+        )
+
+    first, second = register(1.0, 0.2), register(2.0, 0.3)
+    assert (first.version, first.reused, first.run_id) == ("1", False, training_run)
+    assert (second.version, second.reused) == ("2", False) and second.run_id != training_run
+    assert [r.metrics["bleu_4"] for r in list_versions(client, NAME)] == [0.2, 0.3]
+    assert register(2.0, 0.3) == dataclasses.replace(second, reused=True)  # found again
