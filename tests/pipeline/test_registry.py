@@ -223,7 +223,8 @@ def test_a_checkpoint_decoded_another_way_is_a_new_version_with_its_own_run(tmp_
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    experiment_id = client.create_experiment("sat-test")
+    artifacts = (tmp_path / "mlartifacts").as_uri()  # not ./mlruns in the working directory
+    experiment_id = client.create_experiment("sat-test", artifact_location=artifacts)
     training_run = client.create_run(experiment_id).info.run_id
     model_dir = write_tiny_model(tmp_path / "m", resize=72)
 
