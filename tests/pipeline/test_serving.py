@@ -79,6 +79,10 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
+# how the registered version was scored, so how it is served (the register stage logs the eval
+# section's); a tiny model of real words only captions exactly max_length words
+DECODING = {"beam_size": 2, "max_length": 4, "length_penalty": 1.5}
+
 PARAMS = """\
 serve:
   max_request_bytes: 2000000   # small, so that an oversized request stays cheap to send
@@ -133,6 +137,7 @@ def served(tmp_path_factory):
             metrics={"bleu_4": 0.1},
             params={},
             tags={"attention": "soft"},
+            decoding=DECODING,
         )
         promote_if_better(client, NAME, registered.version, "bleu_4")
         (root / "params.yaml").write_text(PARAMS)
@@ -240,6 +245,24 @@ def _assert_no_server_path(served: Served, body: object) -> None:
     for path in _server_paths(served):
         assert path not in text, f"response names {path!r}: {text[:500]}"
     assert "Traceback" not in text and "stack_trace" not in text
+
+
+def test_a_photo_is_decoded_as_the_version_was_registered(served):
+    # a client's request without params gets the registered decoding (beam 2, at most 4 words),
+    # not the Captioner's defaults (beam 3, 20 words), and its beam_size overrides the beam
+    # alone. (Every beam here is 4 words long, so the length penalty cannot show: the
+    # registration test of test_cli.py checks it on the loaded model.)
+    (photo,) = _photos(1)
+    model_dir = served.root / "model"
+    for params, beam in ((None, DECODING["beam_size"]), ({"beam_size": 1}, 1)):
+        status, body = _post(served.url, _split([_b64(photo)], params))
+        assert status == 200, body
+        (row,) = body["predictions"]
+        local = Captioner.from_dir(model_dir, **{**DECODING, "beam_size": beam})
+        (expected,) = local.caption_files([photo])
+        assert expected.caption is not None
+        assert row["caption"] == expected.caption.text
+        assert len(row["caption"].split()) == DECODING["max_length"]
 
 
 def test_three_photos_garbage_and_a_path_in_one_request(served):
