@@ -75,15 +75,12 @@ def _as_ray_job(args: argparse.Namespace, command: list[str]) -> int | None:
 # ----------------------------------------------------------------------------- summary
 def _champion_line(registry: dict[str, Any]) -> str:
     """The register stage's record (``reports/registry.json``) as one line: which registered
-    version is the champion, and what it is where this run registered or compared it."""
+    version is the champion, its attention variant, and its score where this run compared it."""
     champion = registry.get("champion")
     if champion is None:
         return "champion: none"
     line = f"champion: {registry.get('model_name', 'model')} version {champion}"
-    attention = next(
-        (v["attention"] for v in registry.get("versions", []) if v.get("version") == champion),
-        None,
-    )
+    attention = registry.get("champion_attention")
     value = None
     for promotion in registry.get("promotions", []):
         if promotion.get("candidate") == champion:

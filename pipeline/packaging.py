@@ -24,7 +24,7 @@ from typing import Any
 
 from mlflow import MlflowClient
 
-from pipeline.registry import CHECKPOINT_FILES, checkpoint_sha256, find_version_by_checkpoint
+from pipeline.registry import CHECKPOINT_FILES, checkpoint_sha256, versions_of_checkpoint
 from pipeline.tracking import CHECKPOINT_TAG
 
 __all__ = ["DECODING_TAG", "PYFUNC_FILE", "RegisteredVersion", "log_and_register"]
@@ -165,18 +165,6 @@ def _fluent_tracking_uri(uri: str) -> Iterator[None]:
             os.environ["MLFLOW_TRACKING_URI"] = previous_env
 
 
-def _find_version(client: MlflowClient, model_name: str, sha: str, decoding_tag: str) -> Any:
-    """The lowest version of this checkpoint decoded this way, if any."""
-    found = [
-        v
-        for v in client.search_model_versions(
-            f"name = '{model_name}' and tags.`{CHECKPOINT_TAG}` = '{sha}'"
-        )
-        if v.tags.get(DECODING_TAG) == decoding_tag
-    ]
-    return min(found, key=lambda v: int(v.version)) if found else None
-
-
 def log_and_register(
     client: MlflowClient,
     *,
@@ -211,10 +199,11 @@ def log_and_register(
     sha = checkpoint_sha256(model_dir)
     decoding = dict(decoding or {})
     decoding_tag = json.dumps(decoding, sort_keys=True)
-    existing = _find_version(client, model_name, sha, decoding_tag)
+    versions = versions_of_checkpoint(client, model_name, sha)
+    existing = next((v for v in versions if v.tags.get(DECODING_TAG) == decoding_tag), None)
     if existing is not None:
         return RegisteredVersion(model_name, str(existing.version), existing.run_id, sha, True)
-    if run_id is not None and find_version_by_checkpoint(client, model_name, sha) is not None:
+    if run_id is not None and versions:
         # the checkpoint is registered already, decoded another way: the training run's metrics
         # are that version's scores, so this one's go into a run of its own
         run_id = None

@@ -66,6 +66,7 @@ def register_models(params: Params, project_root: Path) -> dict[str, Any]:
         )
     champion = tracking.call(lambda c: current_champion(c, cfg.model_name), "champion")
     report["champion"] = str(champion.version) if champion else None
+    report["champion_attention"] = champion.tags.get(ATTENTION_TAG) if champion else None
     return report
 
 

@@ -35,11 +35,11 @@ __all__ = [
     "checkpoint_sha256",
     "current_champion",
     "decide_promotion",
-    "find_version_by_checkpoint",
     "list_versions",
     "promote",
     "promote_if_better",
     "promotion_allowed",
+    "versions_of_checkpoint",
 ]
 
 CHAMPION_ALIAS = "champion"
@@ -116,14 +116,14 @@ def checkpoint_sha256(model_dir: str | Path) -> str:
     return digest.hexdigest()
 
 
-def find_version_by_checkpoint(
+def versions_of_checkpoint(
     client: MlflowClient, model_name: str, sha256: str
-) -> ModelVersion | None:
-    """The lowest version of ``model_name`` tagged with this checkpoint hash, if any."""
+) -> list[ModelVersion]:
+    """The versions of ``model_name`` tagged with this checkpoint hash, oldest first."""
     found = client.search_model_versions(
         f"name = '{model_name}' and tags.`{CHECKPOINT_TAG}` = '{sha256}'"
     )
-    return min(found, key=lambda v: int(v.version)) if found else None
+    return sorted(found, key=lambda v: int(v.version))
 
 
 def _version_metrics(client: MlflowClient, version: ModelVersion) -> dict[str, float]:

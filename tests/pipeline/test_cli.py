@@ -187,6 +187,11 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     assert register.main([]) == 0  # and that one is found again
     report = json.loads((project / "reports/registry.json").read_text())
     assert report["versions"][0] == {**report["versions"][0], "version": "2", "reused": True}
+    # the champion stays version 1, registered by an earlier run: the summary still names it
+    assert (report["champion"], report["champion_attention"]) == ("1", "soft")
+    capsys.readouterr()
+    assert main(["summary"]) == 0
+    assert "champion: sat-captioner version 1 (soft attention" in capsys.readouterr().out
 
 
 def _served_length_penalty(tracking, uri):
