@@ -253,13 +253,12 @@ def test_a_photo_is_decoded_as_the_version_was_registered(served):
     # alone. (Every beam here is 4 words long, so the length penalty cannot show: the
     # registration test of test_cli.py checks it on the loaded model.)
     (photo,) = _photos(1)
-    model_dir = served.root / "model"
+    local = Captioner.from_dir(served.root / "model", **DECODING)
     for params, beam in ((None, DECODING["beam_size"]), ({"beam_size": 1}, 1)):
         status, body = _post(served.url, _split([_b64(photo)], params))
         assert status == 200, body
         (row,) = body["predictions"]
-        local = Captioner.from_dir(model_dir, **{**DECODING, "beam_size": beam})
-        (expected,) = local.caption_files([photo])
+        (expected,) = local.caption_files([photo], beam_size=beam)
         assert expected.caption is not None
         assert row["caption"] == expected.caption.text
         assert len(row["caption"].split()) == DECODING["max_length"]
