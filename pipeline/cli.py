@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline import serve
 from pipeline.quiet import quiet_mlflow
+from pipeline.serving import command as serve
 from pipeline.stages import StageContext, add_params_args, evaluate, load_context, project_root
 from pipeline.user_errors import is_user_error, one_line
 from sat_model.config import ATTENTION_KINDS

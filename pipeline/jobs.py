@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -59,22 +60,19 @@ EXCLUDES = [
 ]
 
 # what the job's processes need from this environment: loopback/quiet Ray settings, where MLflow
-# and object storage are, their credentials (the runtime env is visible to the cluster's users)
+# and object storage are. The runtime env is readable by anyone who can see the dashboard, so no
+# secret goes in it (a tracking URI's user:password@ is removed): credentials reach the job from
+# the cluster's own environment, the one its nodes were started with (README, "Scaling out")
 FORWARDED_ENV = (
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
     "RAY_USAGE_STATS_ENABLED",
     "RAY_TRAIN_ENABLE_PRINT_PATCH",
     "MLFLOW_TRACKING_URI",
-    "MLFLOW_TRACKING_TOKEN",
-    "MLFLOW_TRACKING_USERNAME",
-    "MLFLOW_TRACKING_PASSWORD",
     "MLFLOW_S3_ENDPOINT_URL",
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
     "AWS_DEFAULT_REGION",
     "AWS_ENDPOINT_URL",
 )
+_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
 
 
 class JobFailedError(Exception):
@@ -98,14 +96,17 @@ def code_root() -> Path:
 
 
 def job_runtime_env(env: Mapping[str, str] | None = None) -> dict[str, object]:
-    """``working_dir`` (the code, with :data:`EXCLUDES`) and the :data:`FORWARDED_ENV` set here."""
+    """``working_dir`` (the code, with :data:`EXCLUDES`) and the :data:`FORWARDED_ENV` set here,
+    without credentials."""
     from .ray_runtime import loopback_env
 
     source = loopback_env(env)
     return {
         "working_dir": str(code_root()),
         "excludes": EXCLUDES,
-        "env_vars": {k: source[k] for k in FORWARDED_ENV if k in source},
+        "env_vars": {
+            k: _USERINFO.sub(r"\g<scheme>", source[k]) for k in FORWARDED_ENV if k in source
+        },
     }
 
 

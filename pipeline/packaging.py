@@ -230,6 +230,7 @@ def log_and_register(
             input_example=_input_example(),
             model_config=_serve_model_config(decoding),
             pip_requirements=_pip_requirements(),
+            metadata={CHECKPOINT_TAG: sha},  # what `sat serve` checks the files against
         )
         version = mlflow.register_model(info.model_uri, model_name, tags=version_tags)
     return RegisteredVersion(model_name, str(version.version), run.info.run_id, sha, False)

@@ -6,7 +6,8 @@ of each starting and stopping its own local Ray, which on 2 busy cores costs sev
 stage (README, "Timings"). The head is ``ray start --head --block`` on loopback, with
 ``ray.num_cpus`` CPUs, no dashboard and a private temp dir, in its own process group; it is
 stopped by that group's id when the command ends, fails or is interrupted (SIGINT, SIGTERM,
-SIGHUP), never with ``ray stop`` (which would stop every Ray on the machine).
+SIGHUP), never with ``ray stop`` (which would stop every Ray on the machine). A watchdog
+(:mod:`pipeline.reaper`) does the same if this process is killed with SIGKILL.
 
 The head runs with token authentication (``RAY_AUTH_MODE=token``, as do the command's drivers).
 ``ray start`` turns it on only when a token exists already (``RAY_AUTH_TOKEN``,
@@ -22,7 +23,6 @@ command runs against that cluster as it would without this wrapper.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
 import socket
@@ -35,6 +35,7 @@ from pathlib import Path
 from types import FrameType
 
 from pipeline.ray_runtime import loopback_env, resolve_address
+from pipeline.reaper import start_reaper, stop_group
 from sat_model.config import ParamsError, load_params
 
 __all__ = ["RayHeadError", "main", "ray_head", "run_with_head"]
@@ -62,27 +63,9 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _stop_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM ``proc``'s process group, SIGKILL what is left after a grace period."""
-    for sig, grace in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and _group_alive(proc.pid):
-            proc.poll()  # reap the leader so the group can empty
-            time.sleep(0.2)
-        if not _group_alive(proc.pid):
-            break
+    stop_group(proc.pid, _TERM_GRACE_S, reap=proc)
     proc.wait(timeout=10)
 
 
@@ -157,12 +140,15 @@ def ray_head(num_cpus: int, temp_root: Path | None = None) -> Iterator[str]:
         proc = subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
+    reaper = start_reaper(proc.pid, [temp_dir])  # cleans up if this process is SIGKILLed
     try:
         _wait_until_up(proc, port, log)
         yield f"127.0.0.1:{port}"
     finally:
         _stop_group(proc)
         shutil.rmtree(temp_dir, ignore_errors=True)
+        reaper.terminate()
+        reaper.wait()
 
 
 def _raise_on_signal(signum: int, _frame: FrameType | None) -> None:

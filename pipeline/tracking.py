@@ -12,9 +12,10 @@ never logs an epoch twice.
 Every call to the tracking store goes through :func:`with_retries`: SQLite under concurrent
 writers and a restarting tracking server both fail transiently. MLflow's HTTP client retries on
 its own too (by default 7 times with doubling waits and 120 s timeouts: minutes per call), so
-:func:`connect` bounds it unless the user set those variables: a server that is down gives a
-clear error within about half a minute. Tracking URIs may carry credentials
-(``http://user:token@host``); :func:`redact` removes them from anything printed.
+:func:`resolve_tracking_uri`, which every command that reaches the store calls, bounds it by
+``mlflow.retries`` unless the user set those variables: a server that is down fails in seconds.
+Tracking URIs may carry credentials (``http://user:token@host``); :func:`redact` removes them
+from anything printed.
 
 The tags runs and versions share are named here; what they record (git commit, DVC hashes, the
 checkpoint a run produced) is :mod:`pipeline.lineage`.
@@ -78,13 +79,11 @@ _TRANSIENT_CODES = frozenset(
 )
 
 
-# setdefault, never overwrite: MLflow's own per-request retries, bounded (see module docstring).
-# 2 retries with backoff factor 1 wait about 1 + 2 s (+ jitter) per call; with_retries multiplies.
-_HTTP_BOUNDS = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
-}
+# setdefault, never overwrite: MLflow's own per-request HTTP retries, bounded by
+# ``mlflow.retries`` (backoff factor 1: 1 + 2 + 4 s ... between tries), each try at most 20 s,
+# so a tracking server that is down fails a command in seconds, not MLflow's default 4 minutes
+_HTTP_BACKOFF_FACTOR = "1"
+_HTTP_TIMEOUT_S = "20"
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
 
 
@@ -93,10 +92,12 @@ def redact(text: str) -> str:
     return _USERINFO.sub(r"\g<scheme>***@", text)
 
 
-def bound_http_retries() -> None:
-    """Cap MLflow's HTTP retries and timeout for this process (user settings win)."""
-    for key, value in _HTTP_BOUNDS.items():
-        os.environ.setdefault(key, value)
+def bound_http_retries(retries: int) -> None:
+    """Cap MLflow's HTTP retries at ``retries`` and its timeout for this process (user
+    settings win)."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(retries))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", _HTTP_BACKOFF_FACTOR)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", _HTTP_TIMEOUT_S)
 
 
 def tracking_root(project_root: Path) -> Path:
@@ -120,6 +121,7 @@ def resolve_tracking_uri(cfg: MlflowConfig, project_root: Path) -> str:
     A relative SQLite path (``sqlite:///mlflow.db``) resolves against :func:`tracking_root`, so
     that experiments in DVC's temporary workspaces log to the project's own store.
     """
+    bound_http_retries(cfg.retries)  # every command that reaches the store goes through here
     uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
     if uri and not (uri.startswith("sqlite:///") and not uri.startswith("sqlite:////")):
         return uri
@@ -186,7 +188,7 @@ class Tracking:
 
 def connect(cfg: MlflowConfig, project_root: Path, experiment: str | None = None) -> Tracking:
     """Resolve the store and get or create the experiment (artifacts under the project)."""
-    bound_http_retries()
+    bound_http_retries(cfg.retries)
     # a new SQLite store logs its schema migrations at INFO: noise in every first stage's output
     for logger in ("mlflow.store.db.utils", "alembic"):
         logging.getLogger(logger).setLevel(logging.WARNING)

@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 # the paper's preprocessing (resize 256, crop 224) when a model folder does not record resize
+_MAX_RESIZE_RATIO = 4
 _DEFAULT_RESIZE_RATIO = 256 / 224
 
 
@@ -119,7 +120,14 @@ class RecordedEncoder:
             raise EncoderError(f"{source}: config.json 'encoder' lacks {e.args[0]!r}") from e
         except ValueError as e:
             raise EncoderError(f"{source}: config.json 'encoder' is invalid: {e}") from e
-        resize = int(enc.get("resize") or round(meta.input_size * _DEFAULT_RESIZE_RATIO))
+        resize = enc.get("resize") or round(meta.input_size * _DEFAULT_RESIZE_RATIO)
+        # memory grows with resize², so a config from elsewhere is held near the crop it feeds
+        top = _MAX_RESIZE_RATIO * meta.input_size
+        if not isinstance(resize, int) or not meta.input_size <= resize <= top:
+            raise EncoderError(
+                f"{source}: config.json 'encoder' resize {str(resize)[:20]} is outside "
+                f"{meta.input_size}..{top} (the encoder's crop to 4 times it)"
+            )
         keep_aspect = enc.get("keep_aspect", True)
         if not isinstance(keep_aspect, bool):
             raise EncoderError(f"{source}: config.json 'encoder' keep_aspect is not true/false")

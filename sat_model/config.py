@@ -157,7 +157,7 @@ class EncoderConfig(_Section):
     layer: str | None = None
     # weights file for torchvision encoders; None looks in the torch hub cache (never downloads)
     weights: str | None = None
-    resize: int = Field(256, ge=32)  # shorter side, paper: 256
+    resize: int = Field(256, ge=32, le=4096)  # shorter side, paper: 256
     crop: int = Field(224, ge=32)  # centre crop, paper: 224
     # false: both sides to `resize` (aspect not kept), as the photos of a squeezed dataset were
     keep_aspect: bool = True
@@ -339,12 +339,21 @@ class ServeConfig(_Section):
     # Pillow format names; an image in any other format is refused before it is decoded
     formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP")
     max_rows: int = Field(64, ge=1)  # images per request
-    # sum of the image fields of one request (base64 text or bytes), as received
+    # bytes of one request: its HTTP body, refused while it is read (before any parsing); the
+    # image fields of a request handed to the model in-process are held to it too
     max_request_bytes: int = Field(32_000_000, ge=1)
     max_beam_size: int = Field(10, ge=1)  # beam_size must lie in 1..max_beam_size
     batch_size: int = Field(8, ge=1)  # rows decoded, encoded and captioned together
-    # a request that arrives while more connections are open is answered 503 (uvicorn)
+    # predictions running at once; later requests wait their turn, in order of arrival
     max_concurrent_requests: int = Field(4, ge=1)
+    # requests admitted at once (being read, waiting or running); one more is answered 503
+    # with Retry-After before its body is read, so memory is bounded by this x max_request_bytes
+    max_queued_requests: int = Field(32, ge=1)
+    # seconds an admitted request waits for its turn before a 503 with Retry-After
+    queue_timeout_s: float = Field(60.0, gt=0)
+    # seconds a connection may stay silent: before its request head is complete, between
+    # reads of its body, and idle between requests; then it is closed
+    read_timeout_s: float = Field(10.0, gt=0)
 
 
 # ------------------------------------------------------------------------------ ray

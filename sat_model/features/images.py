@@ -27,6 +27,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torchvision.transforms import functional as TF
 
 __all__ = [
+    "FILE_FORMATS",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "ImageError",
@@ -122,6 +123,11 @@ def _draft_for_resize(image: Image.Image, min_side: int) -> None:
         image.draft("RGB", (math.ceil(width / scale), math.ceil(height / scale)))
 
 
+# the raster formats a photo file may be in: only their parsers ever see a file's bytes (a file
+# of another format, an EPS named .jpg say, is "cannot decode", never handed to Ghostscript)
+FILE_FORMATS = ("JPEG", "MPO", "PNG", "WEBP", "BMP", "GIF", "TIFF")
+
+
 def load_image(
     path: str | Path | IO[bytes], max_pixels: int = 50_000_000, min_side: int | None = None
 ) -> Image.Image:
@@ -141,7 +147,7 @@ def load_image(
         # the explicit max_pixels check below replaces Pillow's process-wide warning
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
-            with Image.open(path) as image:
+            with Image.open(path, formats=list(FILE_FORMATS)) as image:
                 _check_size(image, path, max_pixels)
                 if min_side is not None:
                     _draft_for_resize(image, min_side)

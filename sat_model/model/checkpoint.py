@@ -41,6 +41,7 @@ __all__ = [
     "VOCAB_FILE",
     "Checkpoint",
     "CheckpointError",
+    "check_archive",
     "is_checkpoint_dir",
     "load_checkpoint",
     "load_model",
@@ -214,9 +215,7 @@ def _cpu(state: Mapping[str, Any]) -> dict[str, Any]:
 def _load_payload(path: Path, map_location: str) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
-    if not zipfile.is_zipfile(path):  # torch.save always writes a zip archive
-        raise CheckpointError(f"{path} is corrupted: not a torch zip archive")
-    _check_crcs(path)
+    check_archive(path)
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -234,9 +233,13 @@ def _load_payload(path: Path, map_location: str) -> dict[str, Any]:
     return payload
 
 
-def _check_crcs(path: Path) -> None:
-    # torch.load does not verify the archive's CRCs: a flipped byte inside a tensor would load
-    # silently as a different weight, so every member is checked first
+def check_archive(path: Path) -> None:
+    """Refuse a file that is not an intact torch zip archive (:class:`CheckpointError`).
+
+    torch.load does not verify the archive's CRCs: a flipped byte inside a tensor would load
+    silently as a different weight, so every member is checked first."""
+    if not zipfile.is_zipfile(path):  # torch.save always writes a zip archive
+        raise CheckpointError(f"{path} is corrupted: not a torch zip archive")
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()

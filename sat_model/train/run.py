@@ -43,6 +43,7 @@ from sat_model.features.store import (
 from sat_model.model.checkpoint import (
     MODEL_FILE,
     CheckpointError,
+    check_archive,
     load_checkpoint,
     save_checkpoint,
 )
@@ -216,6 +217,7 @@ def save_training_state(path: Path, snapshot: Mapping[str, Any]) -> None:
 def load_training_state(path: Path) -> dict[str, Any]:
     """Read a file written by :func:`save_training_state`; :class:`CheckpointError` if it is not
     one (missing, corrupted, another format)."""
+    check_archive(path)  # torch.load does not check the zip's CRCs (model.pt gets the same)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:

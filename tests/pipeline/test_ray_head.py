@@ -119,3 +119,54 @@ def test_a_given_address_starts_no_head(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Ray head" not in out.stdout
+
+
+_WRAPPER = (sys.executable, "-m", "pipeline.ray_head")
+
+
+@pytest.mark.ray
+def test_a_sigkilled_wrapper_leaves_no_head_and_no_temp_dir(tmp_path: Path) -> None:
+    # `make run`'s wrapper killed with SIGKILL runs no finally: its watchdog stops the head
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    params = tmp_path / "params.yaml"
+    params.write_text("ray:\n  num_cpus: 1\n")
+    seen = tmp_path / "address"
+    stage = "import os, sys, time; open(sys.argv[1], 'w').write(os.environ['RAY_ADDRESS']); "
+    stage += "time.sleep(600)"
+    env = loopback_env()
+    env.pop("RAY_ADDRESS", None)
+    wrapper = subprocess.Popen(
+        [*_WRAPPER, "--params", str(params), "--", sys.executable, "-c", stage, str(seen)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not seen.exists() or not seen.read_text():
+            assert wrapper.poll() is None and time.monotonic() < deadline, "no head came up"
+            time.sleep(0.5)
+        port = int(seen.read_text().split(":")[1])
+        head = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if f"--port={port}" in " ".join(p.info["cmdline"] or [])
+        ]
+        assert head and _listening(port)
+        wrapper.send_signal(signal.SIGKILL)
+        wrapper.wait()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and (
+            _listening(port) or Path(f"/tmp/sat-ray-{port}").exists()
+        ):
+            time.sleep(0.5)
+        assert not _listening(port)
+        assert not Path(f"/tmp/sat-ray-{port}").exists()
+        assert not [p for p in head if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        os.killpg(wrapper.pid, signal.SIGKILL)  # the stage (sleep) is the test's to end

@@ -1,9 +1,10 @@
-"""Serving the champion: a real ``mlflow server`` and ``sat serve`` (MLflow's scoring server).
+"""Serving the champion: a real ``mlflow server`` and ``sat serve`` (its own front door).
 
-One tracking server and one scoring server per module, both on free 127.0.0.1 ports. Requests
-that are about the server (real photos, rows, body size, ``beam_size``, memory) go over HTTP;
-the rest of the hostile-input matrix (paths, pixel bombs, refused formats, base64 forms) goes
-to the same registered model loaded in-process, which runs the same ``predict``.
+One tracking server and one ``sat serve`` per module, both on free 127.0.0.1 ports. Requests
+that are about the server (real photos, rows, body size, content types, idle sockets, bursts,
+``beam_size``, memory) go over HTTP; the rest of the hostile-input matrix (paths, pixel bombs,
+refused formats, base64 forms) goes to the same registered model loaded in-process through
+MLflow's pyfunc, which answers rows with the same code (``sat_model.caption_request``).
 """
 
 from __future__ import annotations
@@ -87,13 +88,14 @@ PARAMS = """\
 serve:
   max_request_bytes: 2000000   # small, so that an oversized request stays cheap to send
   max_rows: 64
+  read_timeout_s: 2            # silent sockets are closed after this
 """
 
 
 @dataclass(frozen=True)
 class Served:
     url: str
-    pid: int  # ``sat serve``: the scoring server runs in its process group
+    pid: int  # ``sat serve``: uvicorn runs in its process
     tracking: str
     root: Path
 
@@ -297,8 +299,7 @@ def test_beam_size_outside_1_to_10_is_a_clear_400(served, beam):
     status, body = _post(served.url, _split([_png_base64()], {"beam_size": beam}))
     assert status == 400, body
     assert "beam_size" in body["message"]
-    if beam != "x":  # "x" is refused by MLflow's own params schema (type long)
-        assert f"beam_size must be an integer in 1..10, got {beam}" in body["message"]
+    assert f"beam_size must be an integer in 1..10, got {beam!r}" in body["message"]
     _assert_no_server_path(served, body)
 
 
@@ -309,12 +310,12 @@ def test_a_1000_row_request_is_refused_before_decoding(served):
 
 
 def test_an_oversized_request_is_refused(served):
-    # params.yaml of the fixture: serve.max_request_bytes = 2,000,000 (reaches the model
-    # through `sat serve`); 3 MB of valid base64 in three rows
+    # params.yaml of the fixture: serve.max_request_bytes = 2,000,000; 3 MB of valid base64 in
+    # three rows is refused from its Content-Length, before the body is read
     chunk = base64.b64encode(os.urandom(750_000)).decode()
     status, body = _post(served.url, _split([chunk] * 3))
-    assert status == 400, body
-    assert "request too large: 3000000 bytes of image data" in body["message"]
+    assert status == 413, body
+    assert body["message"].startswith("request too large: ")
     assert "serve.max_request_bytes is 2000000" in body["message"]
 
 
@@ -481,7 +482,7 @@ def test_a_model_trained_on_squeezed_photos_is_served_a_photo_whole(tmp_path):
     assert row["caption"] == local.caption.text
     attention = json.loads(row["attention"])
     assert np.allclose(attention["alphas"], local.caption.alphas, atol=1e-5)
-    assert served.captioner.keep_aspect is False
+    assert served.service.captioner.keep_aspect is False
 
 
 @pytest.mark.parametrize(
@@ -540,22 +541,185 @@ def test_bombs_over_http_leave_memory_bounded_and_the_server_answering(served):
     assert after - before < RSS_GROWTH_BOUND, mib
 
 
-def test_more_open_connections_than_the_limit_are_answered_503(served):
-    """serve.max_concurrent_requests = 4 (default): with 4 other connections open, 503."""
+# ------------------------------------------------------------------------- the front door
+MAX_ERROR_BODY = 4096
+
+
+def _raw(served: Served, body: bytes, content_type: str) -> tuple[int, bytes]:
+    request = urllib.request.Request(
+        f"{served.url}/invocations", data=body, headers={"Content-Type": content_type}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _rss(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+
+
+def _parquet_bomb() -> bytes:
+    """A tiny zstd Parquet file that pandas would expand to 64 x 16 MB of text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    column = pa.array(["A" * 16_000_000] * 64).dictionary_encode()
+    buffer = io.BytesIO()
+    pq.write_table(pa.table({"image": column}), buffer, compression="zstd")
+    return buffer.getvalue()
+
+
+def test_hostile_bodies_are_refused_unparsed_with_a_short_reason(served):
+    if not Path("/proc/self/status").exists():
+        pytest.skip("RSS is read from /proc")
+    bomb = _parquet_bomb()
+    assert len(bomb) < 200_000
+    cases = [
+        (bomb, "application/x-parquet", 415, "send application/json, not application/x-parquet"),
+        (bomb, "application/vnd.apache.parquet", 415, "send application/json"),
+        (b'image\n"unterminated,,,\x00\n' * 1000, "text/csv", 415, "not text/csv"),
+        (os.urandom(50_000), "application/octet-stream", 415, "send application/json"),
+        (bomb, "application/json", 400, "the body is not"),
+        (b"\xff\xfe\xfa" + os.urandom(1_000_000), "application/json", 400, "not UTF-8"),
+        (b"\xff" * 16_000_000, "application/json", 413, "serve.max_request_bytes is 2000000"),
+        (b'{"dataframe_split": {"columns": ["image"], "data": [[', "application/json", 400, "JSON"),
+        (b'{"dataframe_split": {"columns": ["x"], "data": []}}', "application/json", 400, "image"),
+        (b'{"inputs": [], "params": {"evil": 1}}', "application/json", 400, "unknown params"),
+    ]
+    before = _rss(served.pid)
+    for _ in range(4):  # as many as a client may send at once
+        for body, content_type, status, reason in cases:
+            got, answer = _raw(served, body, content_type)
+            assert got == status, (content_type, answer[:300])
+            assert len(answer) < MAX_ERROR_BODY, (content_type, len(answer))
+            assert reason in json.loads(answer)["message"], answer[:300]
+            _assert_no_server_path(served, json.loads(answer))
+    grown = (_rss(served.pid) - before) / 1024
+    assert grown < 300, f"RSS grew {grown:.0f} MiB"
+    (photo,) = _photos(1)
+    status, body = _post(served.url, _split([_b64(photo)]))
+    assert status == 200 and body["predictions"][0]["caption"], body
+
+
+def test_idle_sockets_block_nothing_and_are_closed(served):
+    """Four sockets that send nothing, one that stops inside its headers: a real request is
+    answered meanwhile, and all five are closed after serve.read_timeout_s (2 s here)."""
     port = int(served.url.rsplit(":", 1)[1])
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    slow = socket.create_connection(("127.0.0.1", port))
+    slow.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\n")
     try:
-        time.sleep(1)  # let the server register them
-        request = urllib.request.Request(f"{served.url}/ping")
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(request, timeout=30)
-        assert refused.value.code == 503
+        with urllib.request.urlopen(f"{served.url}/ping", timeout=10) as response:
+            assert response.status == 200
+        (photo,) = _photos(1)
+        status, body = _post(served.url, _split([_b64(photo)]))
+        assert status == 200 and body["predictions"][0]["caption"], body
+        for s in [*idle, slow]:
+            s.settimeout(10)
+            assert s.recv(1024) == b""  # closed by the server, not by this timeout
     finally:
-        for s in idle:
+        for s in [*idle, slow]:
             s.close()
-    time.sleep(1)
-    status, body = _post(served.url, _split([_png_base64()]))
-    assert status == 200, body
+
+
+def test_a_burst_of_16_one_row_requests_is_served(served):
+    from concurrent.futures import ThreadPoolExecutor
+
+    photos = _photos(16)
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda p: _post(served.url, _split([_b64(p)])), photos))
+    assert [status for status, _ in answers] == [200] * 16, answers
+    assert all(set(b["predictions"][0]["caption"].split()) <= WORDS for _, b in answers)
+
+
+def _sat_serve(served: Served, model: str, tmp: Path) -> subprocess.Popen:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": served.tracking, "TMPDIR": str(tmp)}
+    port = _free_port()
+    command = [str(SAT), "serve", "--model", model, "--port", str(port)]
+    process = _start(command, f"http://127.0.0.1:{port}/ping", tmp / "serve.log", env, tmp)
+    process.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    return process
+
+
+def _register_another(served: Served, name: str, seed: int) -> tuple[str, Path]:
+    """A new registered version (``seed``: other weights); its number and its model folder in
+    the artifact store."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(served.tracking)
+    model_dir = write_tiny_model(served.root / name, words=sorted(WORDS), resize=72, seed=seed)
+    registered = log_and_register(
+        client,
+        model_dir=model_dir,
+        model_name=NAME,
+        experiment_id=client.get_experiment_by_name("serving").experiment_id,
+        metrics={"bleu_4": 0.05},
+        params={},
+        tags={"attention": "soft"},
+        decoding=DECODING,
+    )
+    assert not registered.reused
+    (mlmodel,) = [
+        m
+        for m in (served.root / "mlartifacts").rglob("MLmodel")
+        if registered.checkpoint_sha256 in m.read_text()
+    ]
+    return registered.version, mlmodel.parent
+
+
+def test_code_in_the_artifact_is_never_run(served, tmp_path):
+    version, stored = _register_another(served, "tampered-code", seed=7)
+    marker = tmp_path / "ran"
+    payload = f"open({str(marker)!r}, 'w').write('x')\n"
+    codes = [*stored.rglob("pyfunc_model.py"), *stored.rglob("sat_model/__init__.py")]
+    assert len(codes) == 2, codes  # the served model's own file and its copy of the library
+    for code in codes:
+        code.write_text(payload + code.read_text())
+    process = _sat_serve(served, f"models:/{NAME}/{version}", tmp_path)
+    try:
+        (photo,) = _photos(1)
+        status, body = _post(process.url, _split([_b64(photo)]))  # type: ignore[attr-defined]
+        assert status == 200 and body["predictions"][0]["caption"], body
+        with urllib.request.urlopen(f"{process.url}/version") as answer:  # type: ignore[attr-defined]
+            assert json.loads(answer.read())["version"] == version
+    finally:
+        _stop(process)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_that_does_not_match_its_record_is_refused(served, tmp_path):
+    version, stored = _register_another(served, "tampered-weights", seed=8)
+    (vocab,) = stored.rglob("checkpoint/vocab.json")
+    vocab.write_text(vocab.read_text().replace("circle", "square"))
+    env = {**os.environ, "MLFLOW_TRACKING_URI": served.tracking}
+    done = subprocess.run(
+        [str(SAT), "serve", "--model", f"models:/{NAME}/{version}", "--port", str(_free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"sat serve: error: refusing models:/{NAME}/{version}: its checkpoint")
+    assert "recorded when it was registered" in line
+
+
+def test_a_sigkilled_sat_serve_leaves_no_process_and_no_folder(served, tmp_path):
+    import psutil
+
+    process = _sat_serve(served, f"models:/{NAME}@champion", tmp_path)
+    tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    os.kill(process.pid, 9)
+    process.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(p.is_running() for p in tree):
+        time.sleep(0.2)
+    assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not list(tmp_path.glob("sat-serve-*"))
 
 
 @pytest.mark.parametrize(

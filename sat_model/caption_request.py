@@ -1,0 +1,136 @@
+"""A captioning request: rows of images checked against the serve limits, then captioned.
+
+One owner for what a served model does with a request, whatever carries it (``sat serve``'s
+HTTP front door, the MLflow pyfunc model): the rows, their sizes and the beam are checked before
+any image is decoded; rows are decoded, encoded and captioned ``batch_size`` at a time, each
+image cut to the square the encoder sees as soon as it is decoded, so memory does not grow with
+the request. A row that is not a usable image gets its reason; a request with no usable row is
+refused whole with the reasons. Every message is safe to send to a client: it names no file of
+the server and quotes no request content.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from sat_model.captioner import Captioner, ImageCaption
+from sat_model.config import ServeConfig
+from sat_model.features.images import ImageError
+from sat_model.features.request_images import ImageLimits, decode_request_image, value_size
+
+__all__ = ["CaptionService", "RequestError", "check_rows", "parse_beam_size"]
+
+_SHOWN_ERRORS = 10  # row reasons quoted when a request is refused; the rest are counted
+
+
+class RequestError(ValueError):
+    """The request as a whole is refused (HTTP 400); the message is meant for the client."""
+
+
+def check_rows(values: Sequence[Any], serve: ServeConfig) -> None:
+    """Refuse a request over the row or byte limits before any image is decoded."""
+    if not values:
+        raise RequestError("the request holds no rows")
+    if len(values) > serve.max_rows:
+        raise RequestError(
+            f"too many rows: {len(values)} images in one request, serve.max_rows is "
+            f"{serve.max_rows}; split the request"
+        )
+    size = sum(value_size(v) for v in values)
+    if size > serve.max_request_bytes:
+        raise RequestError(
+            f"request too large: {size} bytes of image data, serve.max_request_bytes is "
+            f"{serve.max_request_bytes}; split the request or send smaller images"
+        )
+
+
+def parse_beam_size(value: Any, max_beam: int) -> int | None:
+    """``beam_size`` as given (None: the model's own), refused outside 1..max_beam."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or not 1 <= int(value) <= max_beam
+    ):
+        raise RequestError(f"beam_size must be an integer in 1..{max_beam}, got {repr(value)[:20]}")
+    return int(value)
+
+
+def _attention_json(result: ImageCaption) -> str:
+    alphas = [[round(float(a), 5) for a in step] for step in result.alphas]  # (len, L)
+    doc = {"words": list(result.words), "grid_h": result.grid_h, "grid_w": result.grid_w}
+    return json.dumps({**doc, "alphas": alphas})
+
+
+class CaptionService:
+    """A loaded model and the ``serve`` limits it answers requests under."""
+
+    def __init__(self, captioner: Captioner, serve: ServeConfig) -> None:
+        self.captioner = captioner
+        self.serve = serve
+        self.image_limits = ImageLimits(serve.max_image_pixels, serve.formats)
+
+    @classmethod
+    def from_dir(
+        cls, checkpoint_dir: str | Path, serve: ServeConfig, decode: Mapping[str, Any]
+    ) -> CaptionService:
+        """The checkpoint folder's model, decoding as ``decode`` says (as it was evaluated)."""
+        captioner = Captioner.from_dir(checkpoint_dir, batch_size=serve.batch_size, **decode)
+        return cls(captioner, serve)
+
+    def caption_rows(
+        self, values: Sequence[Any], beam_size: Any = None, return_attention: bool = False
+    ) -> list[dict[str, Any]]:
+        """One ``{"caption", "error"[, "attention"]}`` per row, in order.
+
+        Raises:
+            RequestError: over a limit, a bad ``beam_size``, or no usable row.
+        """
+        check_rows(values, self.serve)
+        beam = parse_beam_size(beam_size, self.serve.max_beam_size)
+        results, errors = self._caption(values, beam)
+        if not results:
+            shown = list(errors.values())[:_SHOWN_ERRORS]
+            more = len(errors) - len(shown)
+            raise RequestError(
+                "no usable image in the request: "
+                + "; ".join(shown)
+                + (f"; and {more} more" if more else "")
+            )
+        rows = []
+        for i in range(len(values)):
+            r = results.get(i)
+            row: dict[str, Any] = {"caption": r.text if r else None, "error": errors.get(i)}
+            if return_attention:
+                row["attention"] = _attention_json(r) if r else None
+            rows.append(row)
+        return rows
+
+    def _caption(
+        self, values: Sequence[Any], beam: int | None
+    ) -> tuple[dict[int, ImageCaption], dict[int, str]]:
+        """Decode, encode and caption ``batch_size`` rows at a time."""
+        results: dict[int, ImageCaption] = {}
+        errors: dict[int, str] = {}
+        step = self.serve.batch_size
+        for start in range(0, len(values), step):
+            batch = {}
+            for i in range(start, min(start + step, len(values))):
+                try:
+                    batch[i] = decode_request_image(
+                        values[i],
+                        self.image_limits,
+                        side=self.captioner.resize,
+                        keep_aspect=self.captioner.keep_aspect,
+                    )
+                except ImageError as e:
+                    errors[i] = f"row {i}: {e.reason}"
+            if batch:
+                captions = self.captioner.caption(list(batch.values()), beam)
+                results.update(zip(batch, captions, strict=True))
+        return results, errors
