@@ -125,7 +125,7 @@ def _draft_for_resize(image: Image.Image, min_side: int) -> None:
 
 # the raster formats a photo file may be in: only their parsers ever see a file's bytes (a file
 # of another format, an EPS named .jpg say, is "cannot decode", never handed to Ghostscript)
-FILE_FORMATS = ("JPEG", "MPO", "PNG", "WEBP", "BMP", "GIF", "TIFF")
+FILE_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")  # JPEG covers MPO
 
 
 def load_image(

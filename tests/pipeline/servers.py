@@ -223,14 +223,30 @@ def _create_databases(server: PostgresServer, names: tuple[str, ...]) -> None:
             conn.execute(f'CREATE DATABASE "{name}"')
 
 
+def _auth_config(tmp: Path, user: str, password: str) -> Path:
+    """MLflow's basic-auth settings, as the README's team recipe writes them."""
+    path = tmp / "basic_auth.ini"
+    path.write_text(
+        "[mlflow]\n"
+        "default_permission = READ\n"
+        f"database_uri = sqlite:///{tmp / 'basic_auth.db'}\n"
+        f"admin_username = {user}\n"
+        f"admin_password = {password}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
+    return path
+
+
 @contextmanager
 def mlflow_server(
     tmp: Path,
     backend_store_uri: str,
     artifacts_destination: str,
     env: dict[str, str] | None = None,
+    admin: tuple[str, str] | None = None,
 ) -> Iterator[str]:
-    """``mlflow server`` proxying artifacts to ``artifacts_destination``; yields its URL."""
+    """``mlflow server`` proxying artifacts to ``artifacts_destination``; yields its URL. With
+    ``admin`` (user, password): MLflow's basic authentication on, everyone else read-only."""
     port = free_port()
     bin_dir = Path(sys.executable).parent
     cmd = [
@@ -248,6 +264,10 @@ def mlflow_server(
         "1",
     ]
     path_env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    if admin is not None:
+        cmd += ["--app-name", "basic-auth"]
+        path_env["MLFLOW_AUTH_CONFIG_PATH"] = str(_auth_config(tmp, *admin))
+        path_env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = os.urandom(16).hex()  # CSRF, required
     with _server(cmd, port, "mlflow server", tmp / "mlflow.log", {**path_env, **(env or {})}, 120):
         yield f"http://127.0.0.1:{port}"
 

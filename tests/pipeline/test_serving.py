@@ -722,6 +722,23 @@ def test_a_sigkilled_sat_serve_leaves_no_process_and_no_folder(served, tmp_path)
     assert not list(tmp_path.glob("sat-serve-*"))
 
 
+def test_a_tracking_server_that_is_down_fails_at_once_and_keeps_its_credentials(tmp_path):
+    # MLflow alone retries for about four minutes; mlflow.retries (3) bounds it to seconds
+    down = f"http://alice:s3cret@127.0.0.1:{_free_port()}"  # nothing listens there
+    done = subprocess.run(
+        [str(SAT), "serve", "--port", str(_free_port())],
+        cwd=tmp_path,
+        env={**os.environ, "MLFLOW_TRACKING_URI": down},
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 1, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("sat serve: error: cannot load models:/sat-captioner@champion from ")
+    assert "s3cret" not in done.stderr + done.stdout and "http://***@127.0.0.1" in line
+
+
 @pytest.mark.parametrize(
     "model_arg, store, expected",
     [

@@ -33,6 +33,7 @@ from tests.pipeline.test_dvc_pipeline import METRIC_KEYS, TINY, stages_run
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "sat-captioner"
 BUCKET = "sat-mlflow"
+ADMIN = ("sat-admin", "team-admin-pw")  # the one account that registers (README, team recipe)
 
 pytestmark = [
     pytest.mark.slow,
@@ -58,6 +59,7 @@ def _env(url: str) -> dict[str, str]:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
     env["MLFLOW_TRACKING_URI"] = url
+    env.update(MLFLOW_TRACKING_USERNAME=ADMIN[0], MLFLOW_TRACKING_PASSWORD=ADMIN[1])
     return env
 
 
@@ -93,8 +95,11 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
         s3.create_bucket(BUCKET)
         pg = stack.enter_context(postgres_server(tmp, databases=("mlflow",)))
         url = stack.enter_context(
-            mlflow_server(tmp, pg.uri("mlflow"), f"s3://{BUCKET}/artifacts", env=s3.env)
+            mlflow_server(tmp, pg.uri("mlflow"), f"s3://{BUCKET}/artifacts", s3.env, ADMIN)
         )
+        env = stack.enter_context(pytest.MonkeyPatch.context())  # this process's clients
+        env.setenv("MLFLOW_TRACKING_USERNAME", ADMIN[0])
+        env.setenv("MLFLOW_TRACKING_PASSWORD", ADMIN[1])
         team = Team(url, s3, pg.uri("mlflow", driver="postgresql"), _clone(tmp))
         dvc = str(Path(sys.executable).parent / "dvc")
         (team.project / "repro.log").write_text(run(team, dvc, "repro"))
@@ -144,6 +149,31 @@ def _a_test_image(project: Path) -> Path:
     prepared = project / "data/prepared"  # the generated scenes live in <prepared_dir>/images
     records = read_image_records(prepared / "images.parquet", "test", prepared / "images")
     return next(r.path for r in records.values() if not r.refused)
+
+
+def test_only_the_registering_account_moves_the_champion(team: Team) -> None:
+    # authentication is on: no account, no answer; a reader reads but cannot register or promote
+    import urllib.error
+    import urllib.request
+
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+    from mlflow.server.auth.client import AuthServiceClient
+
+    search = f"{team.url}/api/2.0/mlflow/registered-models/search"
+    with pytest.raises(urllib.error.HTTPError) as anonymous:
+        urllib.request.urlopen(search, timeout=30)
+    assert anonymous.value.code == 401
+    AuthServiceClient(team.url).create_user("reader", "reader-pw")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_USERNAME", "reader")
+        env.setenv("MLFLOW_TRACKING_PASSWORD", "reader-pw")
+        reader = MlflowClient(team.url)
+        champion = reader.get_model_version_by_alias(NAME, "champion")
+        with pytest.raises(MlflowException, match="Permission denied"):
+            reader.set_registered_model_alias(NAME, "champion", champion.version)
+        with pytest.raises(MlflowException, match="Permission denied"):
+            reader.create_model_version(NAME, champion.source, champion.run_id)
 
 
 def test_promote_then_load_the_champion_from_a_second_process(team: Team) -> None:

@@ -226,3 +226,11 @@ def test_keep_aspect_other_than_true_or_false_is_refused(tmp_path):
 
 def _config(model_dir):
     return json.loads((model_dir / "config.json").read_text())
+
+
+@pytest.mark.parametrize("resize", [100_000, 100, "256", True])
+def test_a_recorded_resize_far_from_the_crop_is_refused(resize):
+    # memory grows with resize²: a config from elsewhere may not ask for a 100,000 px side
+    section = build_encoder("random", input_size=224).description.to_dict()
+    with pytest.raises(EncoderError, match=r"resize .* is outside 224\.\.896"):
+        RecordedEncoder.from_config({"encoder": {**section, "resize": resize}}, "x")

@@ -171,3 +171,40 @@ def test_a_huge_hidden_dim_fails_without_a_large_allocation(checkpoint: Path) ->
     assert done.returncode == 0, done.stderr
     assert "does not fit the saved model config" in done.stderr
     assert int(done.stdout) < 64 * 2**20, f"peak RSS grew by {int(done.stdout) / 2**20:.0f} MiB"
+
+
+def _flip_a_weight_byte(path: Path) -> None:
+    """Flip one byte inside the largest stored tensor of a torch zip archive, CRC unchanged."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        info = max(archive.infolist(), key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    at = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_weight_byte_is_refused_in_the_model_and_the_training_state(
+    tmp_path: Path,
+) -> None:
+    # torch.load reads a stored member without checking its CRC: the flip would load silently
+    from sat_model.model.checkpoint import CheckpointError, check_archive
+    from sat_model.train.run import load_training_state, save_training_state
+
+    state = tmp_path / "last_state.pt"
+    weights = {"w": torch.arange(4096, dtype=torch.float32)}
+    save_training_state(
+        state, {"model_state": weights, "optimizer_state": {}, "epoch": 1, "phase": "likelihood"}
+    )
+    assert torch.equal(load_training_state(state)["model_state"]["w"], weights["w"])
+    _flip_a_weight_byte(state)
+    assert not torch.equal(
+        torch.load(state, weights_only=True)["model_state"]["w"], weights["w"]
+    )  # torch alone takes the flipped weight
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        load_training_state(state)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        check_archive(state)

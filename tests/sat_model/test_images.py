@@ -186,3 +186,19 @@ def test_large_jpeg_draft_decode_keeps_shorter_side_at_least_resize(tmp_path: Pa
     path = _save(Image.new("RGB", (1200, 900), (0, 128, 0)), tmp_path / "big.jpg")
     image = load_image(path, min_side=200)
     assert min(image.size) >= 200 and min(image.size) < 900  # decoded at 1/2 or 1/4 scale
+
+
+def test_a_file_in_another_format_never_reaches_its_parser(tmp_path: Path) -> None:
+    # an EPS named .jpg would be handed to Ghostscript if Pillow tried every plugin
+    from unittest import mock
+
+    from PIL import EpsImagePlugin
+
+    eps = tmp_path / "photo.jpg"
+    eps.write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\nshowpage\n")
+    with (
+        mock.patch.object(EpsImagePlugin.EpsImageFile, "_open") as opened,
+        pytest.raises(ImageError, match="cannot decode"),
+    ):
+        load_image(eps)
+    opened.assert_not_called()
