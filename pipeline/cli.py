@@ -301,6 +301,54 @@ def _print_caption(found, fmt: str, attention_out: str | None) -> None:
         )
 
 
+def _captioner_options(ev: Any, batch_size: int) -> dict[str, Any]:
+    """How ``sat caption`` decodes: the project's eval section (as the evaluate stage scores)."""
+    return {
+        "beam_size": ev.beam_size,
+        "max_length": ev.max_length,
+        "batch_size": batch_size,
+        "length_penalty": ev.length_penalty.model_dump(),
+        "mode": ev.hard_decode,
+    }
+
+
+def _caption_on_ray(args: argparse.Namespace) -> int:
+    """``sat caption SOURCE --engine ray --out DEST``: Ray Data over a folder or a bucket."""
+    import tempfile
+
+    from pipeline.ray_caption import caption_with_ray_data
+    from pipeline.ray_runtime import ray_session
+
+    if len(args.inputs) != 1 or not args.out:
+        raise CommandError("--engine ray captions one folder or bucket prefix into --out DEST")
+    if args.attention_out:
+        raise CommandError("--attention-out is for the local engine")
+    source = args.inputs[0]
+    if "://" not in source:
+        if not Path(source).is_dir():
+            raise CommandError(f"{source} is not a folder (or an s3:// prefix)")
+        source = str(Path(source).resolve())  # Ray's workers run elsewhere
+    out = args.out if "://" in args.out else str(Path(args.out).resolve())
+    params = _params_or_defaults(args)
+    options = _captioner_options(params.eval, args.batch_size)
+    if args.beam_size:
+        options["beam_size"] = args.beam_size
+    with tempfile.TemporaryDirectory() as tmp, ray_session(params.ray, address=args.address):
+        result = caption_with_ray_data(
+            source,
+            out,
+            _caption_model_dir(args, Path(tmp)),
+            options,
+            max_pixels=params.encoder.max_image_pixels,
+            fmt="parquet" if args.format == "parquet" else "jsonl",
+            actors=args.actors,
+        )
+    print(f"captioned {result.rows - result.errors} of {result.rows} images into {result.out}")
+    if result.errors:
+        print(f"{result.errors} could not be captioned: their rows say why", file=sys.stderr)
+    return 0 if result.rows > result.errors else 1
+
+
 def _caption(args: argparse.Namespace) -> int:
     """Caption image files and folders in batches; a bad image gets its own error, the others
     still run; exit 1 when no image could be captioned."""
@@ -310,20 +358,19 @@ def _caption(args: argparse.Namespace) -> int:
 
     from sat_model.captioner import Captioner, find_image_files
 
+    if args.engine == "ray":
+        return _caption_on_ray(args)
+    if args.out:
+        raise CommandError("--out is for --engine ray; here captions go to stdout")
     paths = find_image_files(args.inputs)
     if not paths:
         raise CommandError(f"no image files in {' '.join(args.inputs)}")
     params = _params_or_defaults(args)
-    ev = params.eval
     with tempfile.TemporaryDirectory() as tmp:
         captioner = Captioner.from_dir(
             _caption_model_dir(args, Path(tmp)),
             device=_caption_device(args.device),
-            beam_size=ev.beam_size,
-            max_length=ev.max_length,
-            batch_size=args.batch_size,
-            length_penalty=ev.length_penalty.model_dump(),
-            mode=ev.hard_decode,
+            **_captioner_options(params.eval, args.batch_size),
         )
     # a bar only where someone watches (a terminal) and only when there is more than one batch
     bar = tqdm(
@@ -429,9 +476,31 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--format",
-        choices=["text", "jsonl"],
+        choices=["text", "jsonl", "parquet"],
         default="text",
-        help="text: 'path: caption' lines; jsonl: one {path, caption, error} per image",
+        help="text: 'path: caption' lines; jsonl: one {path, caption, error} per image; "
+        "parquet: with --engine ray",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="local: this process (default); ray: Ray Data over one folder or s3:// prefix, "
+        "an actor pool holding the model, rows written to --out",
+    )
+    p.add_argument(
+        "--out", default=None, metavar="DEST", help="with --engine ray: a folder or s3://"
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        help="with --engine ray: the Ray cluster (default: ray.address, RAY_ADDRESS, else local)",
+    )
+    p.add_argument(
+        "--actors",
+        type=_positive_int,
+        default=1,
+        help="with --engine ray: model copies (%(default)s)",
     )
     p.add_argument(
         "--device",

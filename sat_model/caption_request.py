@@ -1,12 +1,13 @@
 """A captioning request: rows of images checked against the serve limits, then captioned.
 
 One owner for what a served model does with a request, whatever carries it (``sat serve``'s
-HTTP front door, the MLflow pyfunc model): the rows, their sizes and the beam are checked before
-any image is decoded; rows are decoded, encoded and captioned ``batch_size`` at a time, each
-image cut to the square the encoder sees as soon as it is decoded, so memory does not grow with
-the request. A row that is not a usable image gets its reason; a request with no usable row is
-refused whole with the reasons. Every message is safe to send to a client: it names no file of
-the server and quotes no request content.
+HTTP front door, the MLflow pyfunc model, Ray Serve): the rows, their sizes and the beam are
+checked before any image is decoded; each image is cut to the square the encoder sees as soon
+as it is decoded, so a request holds at most ``max_rows`` small squares, and they are encoded and
+captioned ``batch_size`` at a time. Several requests may share those batches
+(:meth:`CaptionService.caption_prepared`). A row that is not a usable image gets its reason; a
+request with no usable row is refused whole with the reasons. Every message is safe to send to
+a client: it names no file of the server and quotes no request content.
 """
 
 from __future__ import annotations
@@ -14,15 +15,18 @@ from __future__ import annotations
 import json
 import numbers
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from PIL import Image
 
 from sat_model.captioner import Captioner, ImageCaption
 from sat_model.config import ServeConfig
 from sat_model.features.images import ImageError
 from sat_model.features.request_images import ImageLimits, decode_request_image, value_size
 
-__all__ = ["CaptionService", "RequestError", "check_rows", "parse_beam_size"]
+__all__ = ["CaptionService", "PreparedRequest", "RequestError", "check_rows", "parse_beam_size"]
 
 _SHOWN_ERRORS = 10  # row reasons quoted when a request is refused; the rest are counted
 
@@ -67,6 +71,18 @@ def _attention_json(result: ImageCaption) -> str:
     return json.dumps({**doc, "alphas": alphas})
 
 
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request checked and decoded: its images (row -> the square the encoder sees), the
+    reasons of its unusable rows, and how to caption it."""
+
+    rows: int
+    images: dict[int, Image.Image]
+    errors: dict[int, str]
+    beam_size: int | None
+    return_attention: bool
+
+
 class CaptionService:
     """A loaded model and the ``serve`` limits it answers requests under."""
 
@@ -91,46 +107,61 @@ class CaptionService:
         Raises:
             RequestError: over a limit, a bad ``beam_size``, or no usable row.
         """
+        (answer,) = self.caption_prepared([self.prepare(values, beam_size, return_attention)])
+        if isinstance(answer, RequestError):
+            raise answer
+        return answer
+
+    def prepare(
+        self, values: Sequence[Any], beam_size: Any = None, return_attention: bool = False
+    ) -> PreparedRequest:
+        """Check a request and decode its rows; :class:`RequestError` if it is refused whole."""
         check_rows(values, self.serve)
         beam = parse_beam_size(beam_size, self.serve.max_beam_size)
-        results, errors = self._caption(values, beam)
-        if not results:
-            shown = list(errors.values())[:_SHOWN_ERRORS]
-            more = len(errors) - len(shown)
-            raise RequestError(
-                "no usable image in the request: "
-                + "; ".join(shown)
-                + (f"; and {more} more" if more else "")
-            )
-        rows = []
-        for i in range(len(values)):
-            r = results.get(i)
-            row: dict[str, Any] = {"caption": r.text if r else None, "error": errors.get(i)}
-            if return_attention:
-                row["attention"] = _attention_json(r) if r else None
-            rows.append(row)
-        return rows
-
-    def _caption(
-        self, values: Sequence[Any], beam: int | None
-    ) -> tuple[dict[int, ImageCaption], dict[int, str]]:
-        """Decode, encode and caption ``batch_size`` rows at a time."""
-        results: dict[int, ImageCaption] = {}
+        images: dict[int, Image.Image] = {}
         errors: dict[int, str] = {}
-        step = self.serve.batch_size
-        for start in range(0, len(values), step):
-            batch = {}
-            for i in range(start, min(start + step, len(values))):
-                try:
-                    batch[i] = decode_request_image(
-                        values[i],
-                        self.image_limits,
-                        side=self.captioner.resize,
-                        keep_aspect=self.captioner.keep_aspect,
-                    )
-                except ImageError as e:
-                    errors[i] = f"row {i}: {e.reason}"
-            if batch:
-                captions = self.captioner.caption(list(batch.values()), beam)
-                results.update(zip(batch, captions, strict=True))
-        return results, errors
+        for i, value in enumerate(values):
+            try:
+                images[i] = decode_request_image(
+                    value,
+                    self.image_limits,
+                    side=self.captioner.resize,
+                    keep_aspect=self.captioner.keep_aspect,
+                )
+            except ImageError as e:
+                errors[i] = f"row {i}: {e.reason}"
+        return PreparedRequest(len(values), images, errors, beam, return_attention)
+
+    def caption_prepared(
+        self, requests: Sequence[PreparedRequest]
+    ) -> list[list[dict[str, Any]] | RequestError]:
+        """Caption several requests together: the images of all requests that share a beam go
+        through one batched beam search (``batch_size`` at a time). Each request gets its rows,
+        or a :class:`RequestError` when none of its rows was usable."""
+        captions: dict[tuple[int, int], ImageCaption] = {}
+        for beam in dict.fromkeys(r.beam_size for r in requests):
+            keys = [(k, i) for k, r in enumerate(requests) if r.beam_size == beam for i in r.images]
+            images = [requests[k].images[i] for k, i in keys]
+            captions.update(zip(keys, self.captioner.caption(images, beam), strict=True))
+        return [_answer(k, r, captions) for k, r in enumerate(requests)]
+
+
+def _answer(
+    k: int, request: PreparedRequest, captions: Mapping[tuple[int, int], ImageCaption]
+) -> list[dict[str, Any]] | RequestError:
+    if not request.images:
+        shown = list(request.errors.values())[:_SHOWN_ERRORS]
+        more = len(request.errors) - len(shown)
+        return RequestError(
+            "no usable image in the request: "
+            + "; ".join(shown)
+            + (f"; and {more} more" if more else "")
+        )
+    rows = []
+    for i in range(request.rows):
+        r = captions.get((k, i))
+        row: dict[str, Any] = {"caption": r.text if r else None, "error": request.errors.get(i)}
+        if request.return_attention:
+            row["attention"] = _attention_json(r) if r else None
+        rows.append(row)
+    return rows

@@ -329,6 +329,23 @@ class MlflowConfig(_Section):
 
 
 # ---------------------------------------------------------------------------- serve
+class RayServeConfig(_Section):
+    """``sat serve --engine ray``: the model's Ray Serve deployment."""
+
+    # replicas of the model, scaled between these on the requests each has in flight
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(4.0, gt=0)
+    num_cpus: float = Field(2.0, gt=0)  # per replica (its torch threads)
+    # concurrent requests captioned together in one batched beam search (@serve.batch): at
+    # most this many requests, collected for at most this long
+    max_batch_size: int = Field(8, ge=1)
+    batch_wait_timeout_s: float = Field(0.05, ge=0)
+    # seconds between looks at the champion alias; a version moved there by `sat promote` is
+    # checked and loaded by the running replicas (0: never look)
+    reload_interval_s: float = Field(30.0, ge=0)
+
+
 class ServeConfig(_Section):
     """Limits of the served model (``sat serve``); a request beyond one is refused, not tried."""
 
@@ -354,6 +371,7 @@ class ServeConfig(_Section):
     # seconds a connection may stay silent: before its request head is complete, between
     # reads of its body, and idle between requests; then it is closed
     read_timeout_s: float = Field(10.0, gt=0)
+    ray: RayServeConfig = RayServeConfig()
 
 
 # ------------------------------------------------------------------------------ ray

@@ -33,6 +33,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default=None, help="default: serve.host (127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="default: serve.port")
+    p.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local: this process (default); ray: Ray Serve, replicas and batching across "
+        "requests (serve.ray)",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        help="with --engine ray: the cluster to deploy to (default: ray.address, RAY_ADDRESS, "
+        "else a local Ray)",
+    )
     p.set_defaults(handler=main)
 
 
@@ -69,17 +82,48 @@ def main(args: argparse.Namespace) -> int:
         return 1
     host = args.host or params.serve.host
     port = params.serve.port if args.port is None else args.port
-    app = build_app(_predict(served.service), params.serve, served.describe())
     shown = f"{model_uri} (version {served.version})" if served.version else model_uri
+    if args.engine == "ray":
+        return _serve_on_ray(args, params, model_uri, tracking_uri, (host, port), shown)
+    app = build_app(_predict(served.service), params.serve, _describe(served.describe()))
     print(f"serving {shown} on http://{host}:{port}/invocations", flush=True)
     run_server(app, host, port, params.serve.read_timeout_s)
     return 0
 
 
+def _serve_on_ray(
+    args: argparse.Namespace,
+    params: Any,
+    model_uri: str,
+    tracking_uri: str,
+    where: tuple[str, int],
+    shown: str,
+) -> int:
+    """Deploy the model (checked by loading it here first) on Ray Serve until stopped."""
+    from pipeline.ray_runtime import ray_session
+    from pipeline.serving import ray_engine
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # one line per replica event
+    with ray_session(params.ray, address=args.address):
+        host, port = where
+        print(f"serving {shown} on Ray Serve, http://{host}:{port}/invocations", flush=True)
+        ray_engine.run(model_uri, tracking_uri, params.serve, host, port)
+    return 0
+
+
 def _predict(service: Any) -> Any:
-    def predict(values: list[Any], params: dict[str, Any]) -> list[dict[str, Any]]:
-        return service.caption_rows(
-            values, params.get("beam_size"), bool(params.get("return_attention"))
-        )
+    from starlette.concurrency import run_in_threadpool
+
+    async def predict(values: list[Any], params: dict[str, Any]) -> list[dict[str, Any]]:
+        beam, attention = params.get("beam_size"), bool(params.get("return_attention"))
+        # a worker thread: PyTorch releases the GIL, the server keeps answering
+        return await run_in_threadpool(service.caption_rows, values, beam, attention)
 
     return predict
+
+
+def _describe(description: dict[str, Any]) -> Any:
+    async def describe() -> dict[str, Any]:
+        return description
+
+    return describe

@@ -16,7 +16,8 @@ answer while the server lives. In order, before any image is decoded:
    arrival up to ``serve.queue_timeout_s`` (then 503 with ``Retry-After``).
 
 Every error is ``{"error_code", "message"}``: a short reason, never a traceback, never an echo of
-the body. The prediction itself runs in a worker thread (PyTorch releases the GIL).
+the body. ``predict`` is the engine's: a worker thread of this process (``sat serve``), or a call
+to the model's Ray Serve deployment (``sat serve --engine ray``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -40,7 +40,9 @@ from sat_model.config import ServeConfig
 __all__ = ["Predict", "RequestLimits", "build_app", "rows_of"]
 
 # rows in, one {"caption", "error"[, "attention"]} per row out; RequestError refuses the request
-Predict = Callable[[list[Any], Mapping[str, Any]], list[dict[str, Any]]]
+Predict = Callable[[list[Any], Mapping[str, Any]], Awaitable[list[dict[str, Any]]]]
+# what GET /version answers: the model served now
+Describe = Callable[[], Awaitable[Mapping[str, Any]]]
 PARAMS = ("beam_size", "return_attention")
 _INVOCATIONS = "/invocations"
 # a refused body is read and dropped up to this size before the answer; past it, the connection
@@ -219,19 +221,19 @@ class _Turns:
         self.semaphore = asyncio.Semaphore(limit)  # wakes its waiters first come, first served
         self.timeout_s = timeout_s
 
-    async def run(self, fn: Callable[[], Any]) -> Any:
+    async def run(self, work: Callable[[], Awaitable[Any]]) -> Any:
         try:
             await asyncio.wait_for(self.semaphore.acquire(), self.timeout_s)
         except TimeoutError:
             raise _Busy from None
         try:
-            return await run_in_threadpool(fn)
+            return await work()
         finally:
             self.semaphore.release()
 
 
-def build_app(predict: Predict, serve: ServeConfig, version: Mapping[str, Any]) -> ASGIApp:
-    """The served application: ``predict`` behind the checks above; ``version`` is what
+def build_app(predict: Predict, serve: ServeConfig, describe: Describe) -> ASGIApp:
+    """The served application: ``predict`` behind the checks above; ``describe`` says what
     ``GET /version`` answers (which model, decoded how)."""
     turns = _Turns(serve.max_concurrent_requests, serve.queue_timeout_s)
 
@@ -257,15 +259,15 @@ def build_app(predict: Predict, serve: ServeConfig, version: Mapping[str, Any]) 
     async def ping(request: Request) -> Response:
         return Response("\n", media_type="text/plain")
 
-    async def describe(request: Request) -> Response:
-        return JSONResponse(dict(version))
+    async def version(request: Request) -> Response:
+        return JSONResponse(dict(await describe()))
 
     app = Starlette(
         routes=[
             Route(_INVOCATIONS, invocations, methods=["POST"]),
             Route("/ping", ping, methods=["GET"]),
             Route("/health", ping, methods=["GET"]),
-            Route("/version", describe, methods=["GET"]),
+            Route("/version", version, methods=["GET"]),
         ]
     )
     return RequestLimits(app, serve)

@@ -164,10 +164,10 @@ def test_only_the_registering_account_moves_the_champion(team: Team) -> None:
     with pytest.raises(urllib.error.HTTPError) as anonymous:
         urllib.request.urlopen(search, timeout=30)
     assert anonymous.value.code == 401
-    AuthServiceClient(team.url).create_user("reader", "reader-pw")
+    AuthServiceClient(team.url).create_user("reader", "reader-password-12")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MLFLOW_TRACKING_USERNAME", "reader")
-        env.setenv("MLFLOW_TRACKING_PASSWORD", "reader-pw")
+        env.setenv("MLFLOW_TRACKING_PASSWORD", "reader-password-12")
         reader = MlflowClient(team.url)
         champion = reader.get_model_version_by_alias(NAME, "champion")
         with pytest.raises(MlflowException, match="Permission denied"):

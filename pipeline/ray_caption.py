@@ -1,0 +1,121 @@
+"""``sat caption SOURCE --engine ray --out DEST``: a folder or a bucket captioned by Ray Data.
+
+Ray Data reads the image files of SOURCE (a folder, or an object-store prefix such as
+``s3://bucket/photos``: anything ``pyarrow.fs`` opens, credentials and endpoint from the AWS
+variables) as bytes, streams them to a pool of actors that each hold the model once, and writes
+one row per file to DEST as JSON lines or Parquet: ``path``, ``caption`` and ``error`` (null
+unless that file is not a usable image). The model's checkpoint travels through Ray's object
+store, so no node needs the driver's files. Each image is decoded and cut as ``sat caption``
+does it in one process, so both give the same captions with the same model and beam. A bad
+image is a row with its reason, never a failed job; a worker that dies has its blocks run again
+by Ray Data, which writes each output block once.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BatchCaptionResult", "caption_with_ray_data"]
+
+IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
+
+
+@dataclass(frozen=True)
+class BatchCaptionResult:
+    rows: int
+    errors: int
+    out: str
+
+
+class _CaptionActor:
+    """One copy of the model per actor; a batch of files in, a row per file out."""
+
+    def __init__(self, checkpoint: list[Any], options: Mapping[str, Any], max_pixels: int) -> None:
+        import ray
+
+        from sat_model.captioner import Captioner
+        from sat_model.features.images import FILE_FORMATS
+        from sat_model.features.request_images import ImageLimits
+
+        with tempfile.TemporaryDirectory(prefix="sat-caption-") as tmp:
+            for name, data in ray.get(checkpoint[0]).items():
+                (Path(tmp) / name).write_bytes(data)
+            self.captioner = Captioner.from_dir(tmp, **options)
+        self.limits = ImageLimits(max_pixels, FILE_FORMATS)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
+        from sat_model.features.images import ImageError
+        from sat_model.features.request_images import decode_request_image
+
+        paths = [str(p) for p in batch["path"]]
+        images, errors = {}, {}
+        for i, data in enumerate(batch["bytes"]):
+            try:
+                images[i] = decode_request_image(
+                    bytes(data),
+                    self.limits,
+                    side=self.captioner.resize,
+                    keep_aspect=self.captioner.keep_aspect,
+                )
+            except ImageError as e:
+                errors[i] = e.reason
+        captions = dict(zip(images, self.captioner.caption(list(images.values())), strict=True))
+        return {
+            "path": paths,
+            "caption": [captions[i].text if i in captions else None for i in range(len(paths))],
+            "error": [errors.get(i) for i in range(len(paths))],
+        }
+
+
+def caption_with_ray_data(
+    source: str,
+    out: str,
+    checkpoint_dir: Path,
+    options: Mapping[str, Any],
+    *,
+    max_pixels: int,
+    fmt: str = "jsonl",
+    actors: int = 1,
+    cpus_per_actor: float = 1.0,
+) -> BatchCaptionResult:
+    """Caption every image file under ``source`` into ``out`` on the connected Ray cluster.
+
+    ``options`` are :class:`~sat_model.captioner.Captioner` options (beam, batch size, decoding);
+    ``max_pixels`` the decompression-bomb limit of one image.
+    """
+    import logging
+
+    import ray
+    import ray.data
+
+    from pipeline.registry import CHECKPOINT_FILES
+
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # a plan and a report per dataset
+
+    checkpoint = {name: (checkpoint_dir / name).read_bytes() for name in CHECKPOINT_FILES}
+    files = ray.data.read_binary_files(
+        source, include_paths=True, file_extensions=list(IMAGE_SUFFIXES)
+    )
+    rows = files.map_batches(
+        _CaptionActor,
+        fn_constructor_kwargs={
+            # in the object store once, fetched by each actor (and by a restarted one: the
+            # reference, held here, keeps it alive while the job runs)
+            "checkpoint": [ray.put(checkpoint)],
+            "options": dict(options),
+            "max_pixels": max_pixels,
+        },
+        batch_size=int(options.get("batch_size", 16)),
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        num_cpus=cpus_per_actor,
+    ).materialize()
+    if fmt == "parquet":
+        rows.write_parquet(out)
+    else:
+        rows.write_json(out)
+    errors = rows.filter(lambda row: row["error"] is not None).count()
+    return BatchCaptionResult(rows=rows.count(), errors=errors, out=out)
