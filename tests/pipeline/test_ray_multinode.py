@@ -305,3 +305,60 @@ def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoi
     assert loaded is not None
     inputs = s3.get_file_info(pafs.FileSelector("sat-runs/ray/inputs/sha256"))
     assert len(inputs) == 4  # captions, vocabulary, train and val features, uploaded once
+
+
+def test_a_bucket_of_photos_is_captioned_by_ray_data_on_the_cluster(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """500 sample photos in S3, three corrupt: ``sat caption s3://... --engine ray`` on the two
+    nodes writes 500 rows to the bucket, three with errors, the rest as ``sat caption`` captions
+    the same files in one process."""
+    import boto3
+
+    from sat_model.paths import shared_data
+    from tests.factories import write_tiny_model
+
+    photos = shared_data("flickr8k-sample") / "Flickr8k_Dataset"
+    if not photos.is_dir():
+        pytest.skip(f"the Flickr8k sample is absent ({photos})")
+    local = tmp_path / "photos"
+    local.mkdir()
+    for photo in sorted(photos.glob("*.jpg"))[:497]:
+        (local / photo.name).symlink_to(photo)
+    whole = next(photos.glob("*.jpg")).read_bytes()
+    corrupt = {"cut.jpg": whole[: len(whole) // 2], "text.jpg": b"not a photo", "empty.png": b""}
+    for name, data in corrupt.items():
+        (local / name).write_bytes(data)
+    env = cluster.env
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
+    )
+    for path in sorted(local.iterdir()):
+        s3.put_object(Bucket="sat-runs", Key=f"photos/{path.name}", Body=path.read_bytes())
+    model = write_tiny_model(tmp_path / "model", words=("a", "dog", "runs", "red"), resize=72)
+    common = ["--model", str(model), "--batch-size", "16", "--format", "jsonl"]
+    on_ray = ["--engine", "ray", "--address", cluster.nodes.address]
+    source, dest = "s3://sat-runs/photos", "s3://sat-runs/captions"
+    out = _sat(["caption", source, "--out", dest, *on_ray, *common], env, tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "captioned 497 of 500 images into s3://sat-runs/captions" in out.stdout
+    rows = []
+    listing = s3.list_objects_v2(Bucket="sat-runs", Prefix="captions/")["Contents"]
+    for item in listing:
+        body = s3.get_object(Bucket="sat-runs", Key=item["Key"])["Body"].read().decode()
+        rows += [json.loads(line) for line in body.splitlines() if line]
+    by_name = {Path(r["path"]).name: r for r in rows}
+    assert len(rows) == 500 and len(by_name) == 500  # every file once: none lost or doubled
+    assert sorted(n for n, r in by_name.items() if r["error"]) == sorted(corrupt)
+    one_process = _sat(["caption", str(local), *common], env, tmp_path)
+    expected = {
+        Path(r["path"]).name: r["caption"]
+        for r in map(json.loads, one_process.stdout.splitlines())
+        if r["caption"]
+    }
+    assert len(expected) == 497
+    assert {n: r["caption"] for n, r in by_name.items() if r["caption"]} == expected

@@ -1,0 +1,255 @@
+"""Serving and batch captioning: Ray Serve against ``sat serve``, Ray Data against one process.
+
+Serving: the same registered model (untrained, over the default encoder EfficientNet-Lite0;
+beam search costs the same whatever the weights) served by ``sat serve`` (the local engine) and
+by ``sat serve --engine ray`` on a local Ray, one after the other on the same cores; 16 client
+threads each post one real photo per request (base64 in JSON, as a client does) for a fixed
+time; images/s and latency percentiles over the answered requests.
+
+Batch captioning, on the same photos: ``sat caption``'s one-process path
+(:meth:`Captioner.caption_files`), Ray Data (:func:`pipeline.ray_caption.caption_with_ray_data`,
+one actor, on a Ray started beforehand), and the encoder alone (decode, preprocess, forward: the
+rate no captioning can beat).
+
+    .venv/bin/python benchmarks/bench_serving.py [--seconds 30] [--clients 16] [--images 128]
+
+JSON to stdout and ``benchmarks/results/serving.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SAT = Path(sys.executable).with_name("sat")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_caption import DEFAULT_FLICKR, _lite0_model_dir, _photos  # noqa: E402
+
+NAME = "bench-captioner"
+
+
+def _register(root: Path) -> str:
+    """The Lite0 model registered as champion in a fresh SQLite store; its tracking URI."""
+    from mlflow import MlflowClient
+
+    from pipeline.packaging import log_and_register
+    from pipeline.registry import promote_if_better
+
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("bench", artifact_location=str(root / "artifacts"))
+    _lite0_model_dir(root / "model")
+    version = log_and_register(
+        client,
+        model_dir=root / "model",
+        model_name=NAME,
+        experiment_id=experiment,
+        metrics={"bleu_4": 0.0},
+        params={},
+        tags={},
+        decoding={"beam_size": 3, "max_length": 20},
+    ).version
+    promote_if_better(client, NAME, version, "bleu_4")
+    (root / "params.yaml").write_text(
+        f"mlflow: {{tracking_uri: '{uri}', model_name: {NAME}}}\n"
+        "serve: {max_queued_requests: 64}\n"
+    )
+    return uri
+
+
+def _serve(root: Path, engine: str, port: int) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    command = [str(SAT), "serve", "--engine", engine, "--port", str(port)]
+    process = subprocess.Popen(
+        command, cwd=root, env=env, stdout=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=5).close()
+            return process
+        except OSError:
+            assert process.poll() is None, f"sat serve --engine {engine} exited"
+            time.sleep(1)
+    raise TimeoutError(f"sat serve --engine {engine} did not answer")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _load(url: str, bodies: list[bytes], clients: int, seconds: float) -> dict:
+    """``clients`` threads posting one-photo requests back to back for ``seconds``."""
+    latencies: list[float] = []
+    failures = 0
+    lock = threading.Lock()
+    stop_at = time.monotonic() + seconds
+
+    def client(k: int) -> None:
+        nonlocal failures
+        i = k
+        while time.monotonic() < stop_at:
+            request = urllib.request.Request(
+                f"{url}/invocations",
+                data=bodies[i % len(bodies)],
+                headers={"Content-Type": "application/json"},
+            )
+            start = time.perf_counter()
+            try:
+                with urllib.request.urlopen(request, timeout=300) as answer:
+                    answer.read()
+                ok = True
+            except OSError:
+                ok = False
+            with lock:
+                if ok:
+                    latencies.append(time.perf_counter() - start)
+                else:
+                    failures += 1
+            i += clients
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - started  # requests in flight at the deadline finish too
+    q = statistics.quantiles(latencies, n=20) if len(latencies) > 1 else [float("nan")] * 19
+    return {
+        "answered": len(latencies),
+        "failed": failures,
+        "seconds": wall,
+        "images_per_s": len(latencies) / wall,
+        "latency_p50_s": statistics.median(latencies) if latencies else None,
+        "latency_p95_s": q[18],
+    }
+
+
+def bench_serving(root: Path, photos: list[Path], clients: int, seconds: float) -> dict:
+    bodies = [
+        json.dumps(
+            {
+                "dataframe_split": {
+                    "columns": ["image"],
+                    "data": [[base64.b64encode(p.read_bytes()).decode()]],
+                }
+            }
+        ).encode()
+        for p in photos
+    ]
+    figures = {}
+    for port, engine in enumerate(("local", "ray"), start=18761):
+        process = _serve(root, engine, port)
+        try:
+            _load(f"http://127.0.0.1:{port}", bodies[:4], 4, 5)  # warm-up
+            figures[engine] = _load(f"http://127.0.0.1:{port}", bodies, clients, seconds)
+        finally:
+            _stop(process)
+    figures["ray_over_local_images_per_s"] = (
+        figures["ray"]["images_per_s"] / figures["local"]["images_per_s"]
+    )
+    return figures
+
+
+def _encoder_only(model_dir: Path, photos: list[Path], batch_size: int) -> float:
+    import torch
+
+    from sat_model.captioner import Captioner
+    from sat_model.features.images import load_image
+
+    captioner = Captioner.from_dir(model_dir, batch_size=batch_size)
+    start = time.perf_counter()
+    for i in range(0, len(photos), batch_size):
+        images = [load_image(p, min_side=captioner.resize) for p in photos[i : i + batch_size]]
+        pixels = torch.stack([captioner._preprocess(im) for im in images])
+        with torch.inference_mode():
+            captioner.encoder(pixels)
+    return len(photos) / (time.perf_counter() - start)
+
+
+def bench_batch(root: Path, photos: list[Path], batch_size: int) -> dict:
+    import ray
+
+    from pipeline.ray_caption import caption_with_ray_data
+    from sat_model.captioner import Captioner
+
+    options = {"beam_size": 3, "max_length": 20, "batch_size": batch_size}
+    folder = root / "photos"
+    folder.mkdir()
+    for p in photos:
+        (folder / p.name).symlink_to(p)
+    captioner = Captioner.from_dir(root / "model", **options)
+    start = time.perf_counter()
+    found = list(captioner.caption_files(photos))
+    one_process = len(found) / (time.perf_counter() - start)
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
+    try:
+        start = time.perf_counter()
+        result = caption_with_ray_data(
+            str(folder), str(root / "out"), root / "model", options, max_pixels=50_000_000
+        )
+        ray_data = result.rows / (time.perf_counter() - start)
+    finally:
+        ray.shutdown()
+    encoder = _encoder_only(root / "model", photos, batch_size)
+    return {
+        "images": len(photos),
+        "one_process_images_per_s": one_process,
+        "ray_data_images_per_s": ray_data,  # actor start and model load included
+        "encoder_only_images_per_s": encoder,
+        "ray_data_over_encoder_only": ray_data / encoder,
+        "ray_data_over_one_process": ray_data / one_process,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--images", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--flickr8k", type=Path, default=DEFAULT_FLICKR)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/serving.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        source, photos = _photos(args.flickr8k, args.images, Path(tmp))
+        root = Path(tmp) / "bench"
+        root.mkdir()
+        _register(root)
+        serving = bench_serving(root, photos, args.clients, args.seconds)
+        batch = bench_batch(root, photos, args.batch_size)
+    result = {
+        "source": source,
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "clients": args.clients,
+        "seconds": args.seconds,
+        "serving": serving,
+        "batch_captioning": batch,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
