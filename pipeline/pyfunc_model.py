@@ -17,6 +17,7 @@ generic error, never exception text of the server.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -73,6 +74,9 @@ class SatCaptionerModel(PythonModel):
                 "internal error while captioning; the server log has the details",
                 error_code=INTERNAL_ERROR,
             ) from None
+        for row in rows:  # a string column in the logged signature: JSON text
+            if row.get("attention") is not None:
+                row["attention"] = json.dumps(row["attention"])
         # object columns keep None: JSON null, not NaN (which strict JSON parsers refuse)
         return pd.DataFrame(rows, dtype=object)
 

@@ -12,7 +12,6 @@ a client: it names no file of the server and quotes no request content.
 
 from __future__ import annotations
 
-import json
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -65,10 +64,10 @@ def parse_beam_size(value: Any, max_beam: int) -> int | None:
     return int(value)
 
 
-def _attention_json(result: ImageCaption) -> str:
+def _attention(result: ImageCaption) -> dict[str, Any]:
     alphas = [[round(float(a), 5) for a in step] for step in result.alphas]  # (len, L)
     doc = {"words": list(result.words), "grid_h": result.grid_h, "grid_w": result.grid_w}
-    return json.dumps({**doc, "alphas": alphas})
+    return {**doc, "alphas": alphas}
 
 
 @dataclass(frozen=True)
@@ -102,7 +101,8 @@ class CaptionService:
     def caption_rows(
         self, values: Sequence[Any], beam_size: Any = None, return_attention: bool = False
     ) -> list[dict[str, Any]]:
-        """One ``{"caption", "error"[, "attention"]}`` per row, in order.
+        """One ``{"caption", "error"[, "attention"]}`` per row, in order; ``attention`` is
+        ``{"words", "grid_h", "grid_w", "alphas"}`` (one α row per word).
 
         Raises:
             RequestError: over a limit, a bad ``beam_size``, or no usable row.
@@ -162,6 +162,6 @@ def _answer(
         r = captions.get((k, i))
         row: dict[str, Any] = {"caption": r.text if r else None, "error": request.errors.get(i)}
         if request.return_attention:
-            row["attention"] = _attention_json(r) if r else None
+            row["attention"] = _attention(r) if r else None
         rows.append(row)
     return rows

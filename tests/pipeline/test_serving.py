@@ -201,7 +201,7 @@ def test_invocations_caption_an_image(served):
     (row,) = body["predictions"]
     words = row["caption"].split()
     assert words and set(words) <= WORDS
-    attention = json.loads(row["attention"])
+    attention = row["attention"]  # nested JSON, not JSON text
     assert attention["words"] == words
     assert len(attention["alphas"]) == len(words)
     assert all(len(a) == 16 and abs(sum(a) - 1) < 1e-3 for a in attention["alphas"])
