@@ -334,7 +334,9 @@ def _csv_rows(path: Path, name: str) -> tuple[list[_Row | Skip], bool]:
     except UnicodeDecodeError as e:
         raise SourceError(f"captions file {path} is not UTF-8: {e}") from e
     reader = csv.DictReader(io.StringIO(text, newline=""))
-    columns = reader.fieldnames or []
+    # a spreadsheet's "File" or " caption" header names the same column
+    columns = [c.strip().lower() for c in reader.fieldnames or []]
+    reader.fieldnames = columns
     missing = [c for c in ("file", "caption") if c not in columns]
     if missing:
         raise SourceError(

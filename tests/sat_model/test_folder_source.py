@@ -26,7 +26,7 @@ def csv_file(root: Path, text: str, name: str = "captions.csv") -> str:
 def test_csv_with_a_split_column_gives_one_image_per_file(tmp_path: Path) -> None:
     name = csv_file(
         tmp_path,
-        "file,caption,split\n"
+        "File, Caption,split\n"  # a spreadsheet's header
         "a.jpg,a red car,train\n"
         './a.jpg,"a car, red",train\n'
         "sub/b.jpg,a blue boat,VAL\n",
