@@ -162,10 +162,10 @@ def new_profile(project_root: Path, name: str, images: Path, captions: Path) -> 
     held_out = _held_out(n_images)
     values = {
         "data.source": "folder",
-        "data.root": _relative(images, folder),
+        "data.root": _relative(images, folder, project_root.resolve().parent),
         "data.required_splits": ["train", "val", "test"],
         "data.folder.images_dir": ".",
-        "data.folder.captions_file": _relative(captions, images),
+        "data.folder.captions_file": _relative(captions, images, images.parent),
         "data.folder.val_images": held_out,
         "data.folder.test_images": held_out,
         "data.vocab.min_count": 2,
@@ -189,11 +189,12 @@ def new_profile(project_root: Path, name: str, images: Path, captions: Path) -> 
     return folder
 
 
-def _relative(path: Path, start: Path) -> str:
-    try:
-        return Path(os.path.relpath(path, start.resolve())).as_posix()
-    except ValueError:  # another drive (Windows): no relative path exists
+def _relative(path: Path, start: Path, within: Path) -> str:
+    """``path`` relative to ``start`` when both lie in ``within`` (the project's parent folder,
+    as ../shared/data does: the pair moves together), else absolute (a home folder's photos)."""
+    if not (path.is_relative_to(within) and start.resolve().is_relative_to(within)):
         return str(path)
+    return Path(os.path.relpath(path, start.resolve())).as_posix()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,6 +136,7 @@ def test_sat_profile_new_writes_a_profile_of_the_folder(
     captions_path = folder / data.root / data.folder.captions_file  # type: ignore[operator]
     assert captions_path.resolve() == (tmp_path / "captions.csv").resolve()
     assert (data.folder.val_images, data.folder.test_images) == (2, 2)  # a tenth of 20 each
+    assert data.root == "../../../photos"  # beside the project: moves with it
     assert load_params(folder / "params.yaml").mlflow.model_name == "sat-captioner-mine"
     # the comments of the lines it did not change are the template's
     assert "# m (paper: 512)" in (folder / "params.yaml").read_text(encoding="utf-8")
@@ -186,3 +187,22 @@ def test_set_values_keeps_the_other_lines_and_names_a_missing_key() -> None:
     assert out == "a:\n  b: 1   # why b\n  c: [z]  # set\nd: three  # set\n"
     with pytest.raises(ProfileError, match=r"a\.e"):
         set_values(text, {"a.e": 1}, "set")
+
+
+def test_photos_away_from_the_project_are_named_by_absolute_path(tmp_path: Path) -> None:
+    from pipeline.profiles import new_profile
+
+    project = _own_project(tmp_path)
+    project.rename(tmp_path / "away")
+    moved = tmp_path / "away"
+    folder = new_profile(moved, "far", tmp_path / "photos", tmp_path / "captions.csv")
+    data = load_params(folder / "params.yaml").data
+    # the project's parent is tmp_path here, so the photos lie in it: relative
+    assert data.root == "../../../photos"
+    nested = tmp_path / "deep" / "er"
+    nested.mkdir(parents=True)
+    project = moved.rename(nested / "sat")
+    folder = new_profile(project, "far2", tmp_path / "photos", tmp_path / "captions.csv")
+    data = load_params(folder / "params.yaml").data
+    assert data.root == str((tmp_path / "photos").resolve())
+    assert data.folder.captions_file == "../captions.csv"  # beside the photos folder
