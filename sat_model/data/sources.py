@@ -346,6 +346,10 @@ def _csv_rows(path: Path, name: str) -> tuple[list[_Row | Skip], bool]:
     rows: list[_Row | Skip] = []
     for record in reader:
         item = f"{name} line {reader.line_num}"
+        if record.get(None):  # DictReader: the fields beyond the header
+            reason = f"malformed line: more fields than the header's {len(columns)} (a comma in "
+            rows.append(Skip(item, reason + "a caption needs quotes)", "caption"))
+            continue
         split = record.get("split") if "split" in columns else None
         rows.append(_Row(item, record["file"] or "", record["caption"] or "", split))
     return rows, "split" in columns

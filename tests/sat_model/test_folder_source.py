@@ -67,7 +67,8 @@ def test_bad_rows_are_skipped_with_their_reasons(tmp_path: Path) -> None:
         "b.jpg,a boat,holdout\n"  # 6 unknown split
         ",a caption,train\n"  # 7 no file
         "../c.jpg,outside,train\n"  # 8 leaves the folder
-        "/etc/passwd,outside,train\n",  # 9 absolute
+        "/etc/passwd,outside,train\n"  # 9 absolute
+        "a.jpg,a car, red,train\n",  # 10 an unquoted comma: the split column would get ' red'
     )
     src = read_folder(tmp_path, ".", name, "auto", 0, 0, 0)
     reasons = {s.item: s.reason for s in src.skipped}
@@ -79,6 +80,7 @@ def test_bad_rows_are_skipped_with_their_reasons(tmp_path: Path) -> None:
     assert reasons["captions.csv line 7"] == "no file name"
     assert reasons["captions.csv line 8"] == f"image skipped: {LEAVES_FOLDER}"
     assert reasons["captions.csv line 9"] == f"image skipped: {LEAVES_FOLDER}"
+    assert reasons["captions.csv line 10"].startswith("malformed line: more fields than")
     assert [c.item for c in src.captions] == ["captions.csv line 2"]
 
 
