@@ -17,7 +17,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pipeline.quiet import quiet_mlflow
 from pipeline.serving import command as serve
@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # evaluation, registry and captioning commands are added by _register_more below
     _register_more(sub)
+    _add_profile(sub)
     serve.add_parser(sub)
     # `sat caption -v ...` as well as `sat -v caption ...`; SUPPRESS keeps a -v given before
     # the command when the subcommand's own is absent
@@ -525,6 +526,52 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
         help="write one attention overlay PNG per word here",
     )
     p.set_defaults(handler=_caption, quiet=True)
+
+
+# ----------------------------------------------------------------------------- profile
+def _profile_new(args: argparse.Namespace) -> int:
+    from pipeline.profiles import ProfileError, new_profile
+
+    root = Path.cwd().resolve()
+    try:
+        folder = new_profile(root, args.name, Path(args.images), Path(args.captions))
+    except ProfileError as e:
+        raise CommandError(str(e)) from None
+    rel = folder.relative_to(root.resolve()) if folder.is_relative_to(root.resolve()) else folder
+    print(f"wrote {rel}/params.yaml and {rel}/dvc.yaml; next:")
+    print(f"  make run PROFILE={args.name}")
+    print(f"  .venv/bin/sat caption --params {rel}/params.yaml path/to/photo.jpg")
+    print(f"  .venv/bin/sat serve --params {rel}/params.yaml")
+    return 0
+
+
+def _one_line_usage_errors(parser: argparse.ArgumentParser, command: str) -> None:
+    """argparse's own errors as every other error of the command: one line, status 1."""
+
+    def error(message: str) -> NoReturn:
+        print(f"sat {command}: error: {message}", file=sys.stderr)
+        raise SystemExit(1)
+
+    parser.error = error  # type: ignore[method-assign]
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="dataset profiles (profiles/<name>/)")
+    _one_line_usage_errors(p, "profile")
+    actions = p.add_subparsers(dest="action", required=True)
+    new = actions.add_parser(
+        "new", help="a profile for your own photos and a captions file (README, Your own data)"
+    )
+    _one_line_usage_errors(new, "profile")
+    new.add_argument("name", help="the profile's folder name under profiles/")
+    new.add_argument("--images", required=True, metavar="DIR", help="the folder of photos")
+    new.add_argument(
+        "--captions",
+        required=True,
+        metavar="FILE",
+        help="CSV or JSON lines: file (relative to --images), caption, optional split",
+    )
+    new.set_defaults(handler=_profile_new, command="profile")
 
 
 def _is_user_error(err: BaseException) -> bool:

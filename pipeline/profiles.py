@@ -12,19 +12,34 @@ pipeline reaches every profile when this module runs again::
 
     python -m pipeline.profiles          # rewrite profiles/*/dvc.yaml
     python -m pipeline.profiles --check  # exit 1 if one is stale (make test runs the test)
+
+:func:`new_profile` (``sat profile new NAME --images DIR --captions FILE``) writes a profile for
+your own photos: the Flickr8k profile's params (real photographs, chosen on Flickr8k's dev
+split) with the ``folder`` source, its split sizes and the model name set.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-__all__ = ["LIBRARY_DIRS", "PROFILES_DIR", "profile_dvc", "profile_dvc_text", "profiles"]
+__all__ = [
+    "LIBRARY_DIRS",
+    "PROFILES_DIR",
+    "ProfileError",
+    "new_profile",
+    "profile_dvc",
+    "profile_dvc_text",
+    "profiles",
+    "set_values",
+]
 
 PROFILES_DIR = "profiles"
 # top-level folders of the repository that stage deps name; data outputs stay profile-relative
@@ -64,6 +79,122 @@ def profile_dvc_text(project_root: Path) -> str:
 def profiles(project_root: Path) -> list[Path]:
     """Every profile folder: ``profiles/<name>/`` with a ``params.yaml``."""
     return sorted(p.parent for p in (project_root / PROFILES_DIR).glob("*/params.yaml"))
+
+
+class ProfileError(ValueError):
+    """A profile cannot be written as asked (a bad name, a missing folder or file)."""
+
+
+# the profile `sat profile new` starts from: real photographs, every key present
+TEMPLATE = "flickr8k"
+_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+_KEY_LINE = re.compile(r"^(?P<indent> *)(?P<key>[\w-]+):(?P<rest>.*)$")
+
+
+def set_values(text: str, values: dict[str, Any], note: str) -> str:
+    """``text`` (a block-style params file) with the dotted keys of ``values`` set, each changed
+    line's comment replaced by ``note``; the other lines and their comments stay as written."""
+    out: list[str] = []
+    path: list[tuple[int, str]] = []  # (indent, key) of the sections the line sits in
+    done: set[str] = set()
+    for line in text.splitlines():
+        m = _KEY_LINE.match(line)
+        if m and not line.lstrip().startswith("#"):
+            indent = len(m["indent"])
+            path = [(i, k) for i, k in path if i < indent] + [(indent, m["key"])]
+            dotted = ".".join(k for _, k in path)
+            if dotted in values:
+                flow = yaml.safe_dump(values[dotted], default_flow_style=True, width=1000)
+                flow = flow.strip().removesuffix("...").strip()
+                line = f"{m['indent']}{m['key']}: {flow}  # {note}"
+                done.add(dotted)
+        out.append(line)
+    missing = sorted(set(values) - done)
+    if missing:
+        raise ProfileError(f"the template has no key {', '.join(missing)}")
+    return "\n".join(out) + "\n"
+
+
+def _folder_size(images: Path, captions: Path) -> int:
+    """How many images the captions file names, by the folder source's own reader (so a file
+    it cannot read fails here with the error prepare would give)."""
+    from sat_model.data.sources import SourceError, read_folder
+
+    try:
+        src = read_folder(images, ".", os.path.relpath(captions, images), "auto", 0, 0, 0)
+    except SourceError as e:
+        raise ProfileError(str(e)) from None
+    return len(src.images)
+
+
+def _minutes(n_images: int) -> int:
+    # the Flickr8k profile's `make run`: 105.3 min for 7,000 photos on 2 cores (docs/REALDATA.md)
+    return max(1, round(n_images * 105.3 / 7000))
+
+
+def _held_out(n_images: int) -> int:
+    # a tenth each for val and test, at least one and at most Flickr's 1,000 (paper)
+    return max(1, min(1000, n_images // 10))
+
+
+def new_profile(project_root: Path, name: str, images: Path, captions: Path) -> Path:
+    """Write ``profiles/<name>/`` (params.yaml and dvc.yaml) for a folder of photos and its
+    captions file; return the folder. Paths are written relative to it when they can be."""
+    if not _NAME.fullmatch(name):
+        raise ProfileError(
+            f"profile name {name!r}: use lower-case letters, digits, '-' and '_' (at most 64)"
+        )
+    if not (project_root / "dvc.yaml").is_file():
+        raise ProfileError(f"{project_root} has no dvc.yaml: run this in the project's root folder")
+    folder = project_root / PROFILES_DIR / name
+    if folder.exists():
+        raise ProfileError(f"profile {name!r} exists already ({folder}): pick another name")
+    images, captions = images.expanduser().resolve(), captions.expanduser().resolve()
+    if not images.is_dir():
+        raise ProfileError(f"--images {images} is not a folder")
+    if not captions.is_file():
+        raise ProfileError(f"--captions {captions} is not a file")
+    n_images = _folder_size(images, captions)
+    if n_images < 3:
+        raise ProfileError(
+            f"--captions {captions} names {n_images} image(s): train, val and test need at least 3"
+        )
+    held_out = _held_out(n_images)
+    values = {
+        "data.source": "folder",
+        "data.root": _relative(images, folder, project_root.resolve().parent),
+        "data.required_splits": ["train", "val", "test"],
+        "data.folder.images_dir": ".",
+        "data.folder.captions_file": _relative(captions, images, images.parent),
+        "data.folder.val_images": held_out,
+        "data.folder.test_images": held_out,
+        "data.vocab.min_count": 2,
+        "eval.split": "test",
+        "mlflow.model_name": f"sat-captioner-{name}",
+    }
+    template = (project_root / PROFILES_DIR / TEMPLATE / "params.yaml").read_text(encoding="utf-8")
+    body = template[template.index("\ndata:") + 1 :]
+    header = (
+        f"# Profile {name!r}, written by `sat profile new`: your photos in {images}, captions\n"
+        f"# from {captions} ({n_images} images). Run: make run PROFILE={name}; then\n"
+        f"# sat caption --params profiles/{name}/params.yaml photo.jpg. The other values are the\n"
+        "# Flickr8k profile's (real photographs, chosen on its dev split; docs/REALDATA.md).\n"
+        "# Expected time of `make run` on 2 CPU cores, an estimate scaled from that profile's 105\n"
+        f"# minutes for 7,000 photos (docs/REALDATA.md): ~{_minutes(n_images)} minutes.\n\n"
+    )
+    text = header + set_values(body, values, f"sat profile new ({n_images} images)")
+    folder.mkdir(parents=True)
+    (folder / "params.yaml").write_text(text, encoding="utf-8")
+    (folder / "dvc.yaml").write_text(profile_dvc_text(project_root), encoding="utf-8")
+    return folder
+
+
+def _relative(path: Path, start: Path, within: Path) -> str:
+    """``path`` relative to ``start`` when both lie in ``within`` (the project's parent folder,
+    as ../shared/data does: the pair moves together), else absolute (a home folder's photos)."""
+    if not (path.is_relative_to(within) and start.resolve().is_relative_to(within)):
+        return str(path)
+    return Path(os.path.relpath(path, start.resolve())).as_posix()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ __all__ = [
     "EncoderConfig",
     "EvalConfig",
     "Flickr8kConfig",
+    "FolderConfig",
     "HardTrainConfig",
     "KarpathyConfig",
     "LengthPenaltyConfig",
@@ -109,6 +110,20 @@ class CocoConfig(_Section):
     restval_to_train: bool = True
 
 
+class FolderConfig(_Section):
+    # your own photos: a folder of images and a captions file (CSV or JSON lines) with the
+    # columns file, caption and an optional split; paths relative to data.root
+    images_dir: str = "."
+    captions_file: str = "captions.csv"
+    # csv | jsonl, or auto: by the file's extension (.jsonl and .json are JSON lines)
+    format: Literal["auto", "csv", "jsonl"] = "auto"
+    # without a split column: a seeded draw of this many images for val and for test; the
+    # rest trains
+    val_images: int = Field(50, ge=0)
+    test_images: int = Field(50, ge=0)
+    seed: int = 0
+
+
 class VocabConfig(_Section):
     min_count: int = Field(5, ge=1)
     max_size: int = Field(10_000, ge=5)  # paper: 10,000 words
@@ -116,7 +131,7 @@ class VocabConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["synthetic", "flickr8k", "karpathy", "coco"] = "synthetic"
+    source: Literal["synthetic", "flickr8k", "karpathy", "coco", "folder"] = "synthetic"
     # dataset folder for real sources; relative paths resolve against the project root
     root: str | None = None
     prepared_dir: str = "data/prepared"
@@ -132,6 +147,7 @@ class DataConfig(_Section):
     flickr8k: Flickr8kConfig = Flickr8kConfig()
     karpathy: KarpathyConfig = KarpathyConfig()
     coco: CocoConfig = CocoConfig()
+    folder: FolderConfig = FolderConfig()
     vocab: VocabConfig = VocabConfig()
 
     @model_validator(mode="after")

@@ -83,6 +83,8 @@ def image_root(data: DataConfig, base_dir: Path) -> Path:
     if data.source in ("flickr8k", "karpathy"):
         section = data.flickr8k if data.source == "flickr8k" else data.karpathy
         return (root / section.images_dir).resolve()
+    if data.source == "folder":
+        return (root / data.folder.images_dir).resolve()
     return root.resolve()  # coco: names carry their images_dirs folder
 
 

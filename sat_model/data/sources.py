@@ -1,4 +1,4 @@
-"""Readers for the four caption sources, all returning one :class:`SourceData`.
+"""Readers for the five caption sources, all returning one :class:`SourceData`.
 
 A reader parses its source's metadata only: which images exist, their split and file, and
 their raw captions. It never opens an image (``sat_model.data.prepare`` checks files for every
@@ -13,8 +13,10 @@ an image becomes a :class:`Skip`. Items left out on purpose by a params setting 
 
 from __future__ import annotations
 
+import csv
+import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Literal
@@ -36,6 +38,7 @@ __all__ = [
     "SourceImage",
     "read_coco",
     "read_flickr8k",
+    "read_folder",
     "read_karpathy",
     "read_source",
     "read_synthetic",
@@ -315,6 +318,146 @@ def read_coco(
     return SourceData("coco", root.resolve(), tuple(images.rows), tuple(captions), tuple(skipped))
 
 
+# ------------------------------------------------------------------------------- folder
+@dataclass(frozen=True)
+class _Row:
+    item: str  # "captions.csv line 12"
+    file: str
+    caption: str
+    split: str | None
+
+
+def _csv_rows(path: Path, name: str) -> tuple[list[_Row | Skip], bool]:
+    """The rows of a CSV captions file and whether it has a split column."""
+    try:
+        text = _read(path, "captions file").decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise SourceError(f"captions file {path} is not UTF-8: {e}") from e
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    # a spreadsheet's "File" or " caption" header names the same column
+    columns = [c.strip().lower() for c in reader.fieldnames or []]
+    reader.fieldnames = columns
+    missing = [c for c in ("file", "caption") if c not in columns]
+    if missing:
+        raise SourceError(
+            f"captions file {path} has no column {' or '.join(missing)} (its header: {columns}; "
+            "expected file, caption and optionally split)"
+        )
+    rows: list[_Row | Skip] = []
+    for record in reader:
+        item = f"{name} line {reader.line_num}"
+        if record.get(None):  # DictReader: the fields beyond the header
+            reason = f"malformed line: more fields than the header's {len(columns)} (a comma in "
+            rows.append(Skip(item, reason + "a caption needs quotes)", "caption"))
+            continue
+        split = record.get("split") if "split" in columns else None
+        rows.append(_Row(item, record["file"] or "", record["caption"] or "", split))
+    return rows, "split" in columns
+
+
+def _jsonl_rows(path: Path, name: str) -> tuple[list[_Row | Skip], bool]:
+    """The rows of a JSON-lines captions file (one object a line) and whether one has a split."""
+    rows: list[_Row | Skip] = []
+    has_split = False
+    for n, line in _lines(path, "captions file"):
+        item = f"{name} line {n}"
+        try:
+            record = json.loads(line) if line is not None else None
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict):
+            rows.append(Skip(item, "malformed line: expected a JSON object", "caption"))
+            continue
+        file, caption, split = record.get("file"), record.get("caption"), record.get("split")
+        if not isinstance(file, str) or not isinstance(caption, str):
+            rows.append(Skip(item, "malformed line: file and caption must be text", "caption"))
+            continue
+        has_split = has_split or "split" in record
+        rows.append(_Row(item, file, caption, split if isinstance(split, str) else None))
+    return rows, has_split
+
+
+def _screen_rows(rows: list[_Row | Skip], has_split: bool) -> tuple[list[_Row], list[Skip]]:
+    """Drop malformed and duplicate rows and rows whose split is missing or contradicts the
+    file's first row; keep the others with their file name normalised (``./a.jpg`` is
+    ``a.jpg``)."""
+    kept: list[_Row] = []
+    skipped: list[Skip] = []
+    first_of: dict[tuple[str, str], str] = {}  # (file, caption) -> the row that gave it first
+    split_of: dict[str, tuple[str | None, str]] = {}  # file -> (its split, the row that set it)
+    for row in rows:
+        if isinstance(row, Skip):
+            skipped.append(row)
+            continue
+        file = row.file.strip()
+        file = PurePosixPath(file).as_posix() if file and not _leaves_folder(file) else file
+        split = (row.split or "").strip().lower() or None
+        key = (file, " ".join(row.caption.split()))
+        reason = ""
+        if not file:
+            reason = "no file name"
+        elif key in first_of:
+            reason = f"duplicate row (the same file and caption as {first_of[key]})"
+        elif has_split and split not in ("train", "val", "test"):
+            reason = f"split {row.split!r} is not train, val or test"
+        elif file in split_of and split_of[file][0] != split:
+            prior, where = split_of[file]
+            reason = f"split {split!r} contradicts {prior!r} given to {file!r} by {where}"
+        if reason:
+            skipped.append(Skip(row.item, reason, "caption"))
+            continue
+        first_of[key] = row.item
+        split_of.setdefault(file, (split, row.item))
+        kept.append(_Row(row.item, file, row.caption, split))
+    return kept, skipped
+
+
+def _draw_splits(files: list[str], val_images: int, test_images: int, seed: int) -> dict[str, str]:
+    """A seeded draw: ``val_images`` files val, ``test_images`` test, the rest train."""
+    order = np.random.default_rng(seed).permutation(len(files))
+    pool = [sorted(files)[i] for i in order]
+    return {
+        file: "val" if i < val_images else "test" if i < val_images + test_images else "train"
+        for i, file in enumerate(pool)
+    }
+
+
+def read_folder(
+    root: Path,
+    images_dir: str,
+    captions_file: str,
+    fmt: Literal["auto", "csv", "jsonl"],
+    val_images: int,
+    test_images: int,
+    seed: int,
+) -> SourceData:
+    """A folder of photos and a captions file (CSV or JSON lines: ``file``, ``caption`` and an
+    optional ``split``; one row per caption). ``file`` is relative to ``images_dir`` and is the
+    image's id. Without a split column the images are split by :func:`_draw_splits`."""
+    path = root / captions_file
+    if fmt == "auto":
+        fmt = "jsonl" if path.suffix.lower() in (".jsonl", ".json") else "csv"
+    read = _jsonl_rows if fmt == "jsonl" else _csv_rows
+    rows, has_split = read(path, PurePosixPath(captions_file).name)
+    kept, skipped = _screen_rows(rows, has_split)
+    files = list(dict.fromkeys(r.file for r in kept))  # first-row order
+    drawn = {} if has_split else _draw_splits(
+        [f for f in files if not _leaves_folder(f)], val_images, test_images, seed
+    )
+    images = _Images()
+    row_of: dict[str, SourceImage] = {}
+    for row in kept:
+        if row.file not in row_of:
+            split = row.split if has_split else drawn.get(row.file)
+            row_of[row.file] = images.add(SourceImage(row.file, split, row.file))
+    captions: list[SourceCaption] = []
+    for row in kept:
+        _attach(row_of[row.file], row.caption, row.item, captions, skipped)
+    return SourceData(
+        "folder", (root / images_dir).resolve(), tuple(images.rows), tuple(captions), tuple(skipped)
+    )
+
+
 # ---------------------------------------------------------------------------- synthetic
 def read_synthetic(
     images_dir: Path,
@@ -350,46 +493,71 @@ def read_synthetic(
     return SourceData("synthetic", Path(images_dir).resolve(), tuple(images), tuple(captions))
 
 
+def _synthetic(data: DataConfig, root: Path, prepared_dir: Path, workers: int | None) -> SourceData:
+    s = data.synthetic
+    return read_synthetic(
+        prepared_dir / "images",
+        {"train": s.train_images, "val": s.val_images, "test": s.test_images},
+        seed=s.seed,
+        image_size=s.image_size,
+        min_objects=s.min_objects,
+        max_objects=s.max_objects,
+        captions_per_image=s.captions_per_image,
+        workers=workers,
+    )
+
+
+def _flickr8k(data: DataConfig, root: Path, prepared_dir: Path, workers: int | None) -> SourceData:
+    f = data.flickr8k
+    lists = {"train": f.train_list, "val": f.val_list, "test": f.test_list}
+    present = {k: v for k, v in lists.items() if (root / v).is_file()}  # the sample: no test list
+    return read_flickr8k(root, f.images_dir, f.token_file, present)
+
+
+def _karpathy(data: DataConfig, root: Path, prepared_dir: Path, workers: int | None) -> SourceData:
+    k = data.karpathy
+    return read_karpathy(root, k.json_file, k.images_dir, k.restval_to_train)
+
+
+def _coco(data: DataConfig, root: Path, prepared_dir: Path, workers: int | None) -> SourceData:
+    c = data.coco
+    return read_coco(
+        root,
+        annotation_files=c.annotation_files,
+        images_dirs=c.images_dirs,
+        val_images=c.val_images,
+        test_images=c.test_images,
+        seed=c.seed,
+        max_captions_per_image=c.max_captions_per_image,
+        rest_to_train=c.restval_to_train,
+    )
+
+
+def _folder(data: DataConfig, root: Path, prepared_dir: Path, workers: int | None) -> SourceData:
+    f = data.folder
+    return read_folder(
+        root, f.images_dir, f.captions_file, f.format, f.val_images, f.test_images, f.seed
+    )
+
+
+# data.source -> (reads files under data.root, reader): the one place that maps params to readers
+_READERS: dict[str, tuple[bool, Callable[[DataConfig, Path, Path, int | None], SourceData]]] = {
+    "synthetic": (False, _synthetic),
+    "flickr8k": (True, _flickr8k),
+    "karpathy": (True, _karpathy),
+    "coco": (True, _coco),
+    "folder": (True, _folder),
+}
+
+
 def read_source(
     data: DataConfig, prepared_dir: Path, base_dir: Path, workers: int | None = None
 ) -> SourceData:
-    """Read the source that ``data.source`` names (the one place that maps params to readers)."""
+    """Read the source that ``data.source`` names."""
     root = base_dir / data.root if data.root else base_dir
-    if data.source == "synthetic":
-        s = data.synthetic
-        sizes = {"train": s.train_images, "val": s.val_images, "test": s.test_images}
-        return read_synthetic(
-            prepared_dir / "images",
-            sizes,
-            seed=s.seed,
-            image_size=s.image_size,
-            min_objects=s.min_objects,
-            max_objects=s.max_objects,
-            captions_per_image=s.captions_per_image,
-            workers=workers,
-        )
-    if not root.is_dir():
+    if data.source not in _READERS:
+        raise SourceError(f"unknown data source {data.source!r} (known: {sorted(_READERS)})")
+    needs_root, reader = _READERS[data.source]
+    if needs_root and not root.is_dir():
         raise SourceError(f"data.root {root} is not a folder")
-    if data.source == "flickr8k":
-        f = data.flickr8k
-        lists = {"train": f.train_list, "val": f.val_list, "test": f.test_list}
-        present = {
-            k: v for k, v in lists.items() if (root / v).is_file()
-        }  # the sample has no test list
-        return read_flickr8k(root, f.images_dir, f.token_file, present)
-    if data.source == "karpathy":
-        k = data.karpathy
-        return read_karpathy(root, k.json_file, k.images_dir, k.restval_to_train)
-    if data.source == "coco":
-        c = data.coco
-        return read_coco(
-            root,
-            annotation_files=c.annotation_files,
-            images_dirs=c.images_dirs,
-            val_images=c.val_images,
-            test_images=c.test_images,
-            seed=c.seed,
-            max_captions_per_image=c.max_captions_per_image,
-            rest_to_train=c.restval_to_train,
-        )
-    raise SourceError(f"unknown data source {data.source!r}")
+    return reader(data, root, prepared_dir, workers)

@@ -102,3 +102,107 @@ def test_the_flickr8k_profile_prepares_the_real_train_and_dev_splits(tmp_path: P
     report = json.loads((tmp_path / "prepared" / "prepare_report.json").read_text())
     assert (report["images_train"], report["images_val"], report["images_test"]) == (6000, 1000, 0)
     assert report["images_skipped"] == 0 and report["captions_total"] == 35_000
+
+
+def _own_project(tmp_path: Path) -> Path:
+    """A project root with the files `sat profile new` reads, and a folder of 20 photos."""
+    project = tmp_path / "sat"
+    (project / "profiles" / "flickr8k").mkdir(parents=True)
+    for rel in ("dvc.yaml", "params.yaml", "profiles/flickr8k/params.yaml"):
+        (project / rel).write_text((ROOT / rel).read_text(encoding="utf-8"), encoding="utf-8")
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    rows = "".join(f"p{i}.jpg,a photo {i}\n" for i in range(20))
+    (tmp_path / "captions.csv").write_text("file,caption\n" + rows)
+    return project
+
+
+def test_sat_profile_new_writes_a_profile_of_the_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipeline.cli import main as sat
+
+    project = _own_project(tmp_path)
+    monkeypatch.chdir(project)
+    images, captions = str(tmp_path / "photos"), str(tmp_path / "captions.csv")
+    assert sat(["profile", "new", "mine", "--images", images, "--captions", captions]) == 0
+    assert "make run PROFILE=mine" in capsys.readouterr().out
+    folder = project / "profiles" / "mine"
+    assert (folder / "dvc.yaml").read_text(encoding="utf-8") == profile_dvc_text(ROOT)
+    assert _key_paths(_yaml(folder / "params.yaml")) == _key_paths(_yaml(ROOT / "params.yaml"))
+    data = load_params(folder / "params.yaml").data
+    assert (data.source, data.folder.images_dir) == ("folder", ".")
+    assert (folder / data.root).resolve() == (tmp_path / "photos").resolve()  # type: ignore[operator]
+    captions_path = folder / data.root / data.folder.captions_file  # type: ignore[operator]
+    assert captions_path.resolve() == (tmp_path / "captions.csv").resolve()
+    assert (data.folder.val_images, data.folder.test_images) == (2, 2)  # a tenth of 20 each
+    assert data.root == "../../../photos"  # beside the project: moves with it
+    assert load_params(folder / "params.yaml").mlflow.model_name == "sat-captioner-mine"
+    # the comments of the lines it did not change are the template's
+    assert "# m (paper: 512)" in (folder / "params.yaml").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["new", "mine", "--images", "{tmp}/photos"], "required: --captions"),
+        (["new", "Mine!", "--images", "{tmp}/photos", "--captions", "{tmp}/captions.csv"], "name"),
+        (["new", "x", "--images", "{tmp}/nowhere", "--captions", "{tmp}/captions.csv"], "nowhere"),
+        (["new", "x", "--images", "{tmp}/photos", "--captions", "{tmp}/none.csv"], "none.csv"),
+        (
+            ["new", "flickr8k", "--images", "{tmp}/photos", "--captions", "{tmp}/captions.csv"],
+            "exists already",
+        ),
+        (["new", "x", "--images", "{tmp}/photos", "--captions", "{tmp}/photos"], "not a file"),
+        (["new", "x", "--images", "{tmp}/photos", "--captions", "{tmp}/bad.csv"], "no column"),
+    ],
+)
+def test_sat_profile_new_refuses_bad_arguments_in_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    message: str,
+) -> None:
+    from pipeline.cli import main as sat
+
+    project = _own_project(tmp_path)
+    (tmp_path / "bad.csv").write_text("name,text\na.jpg,x\n")
+    monkeypatch.chdir(project)
+    before = sorted(p.name for p in (project / "profiles").iterdir())
+    with pytest.raises(SystemExit) as exited:
+        raise SystemExit(sat(["profile", *(a.format(tmp=tmp_path) for a in args)]))
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sat profile: error: ") and err.count("\n") == 1, err
+    assert message in err and "Traceback" not in err
+    assert sorted(p.name for p in (project / "profiles").iterdir()) == before
+
+
+def test_set_values_keeps_the_other_lines_and_names_a_missing_key() -> None:
+    from pipeline.profiles import ProfileError, set_values
+
+    text = "a:\n  b: 1   # why b\n  c: [x, y]  # why c\nd: 2\n"
+    out = set_values(text, {"a.c": ["z"], "d": "three"}, "set")
+    assert out == "a:\n  b: 1   # why b\n  c: [z]  # set\nd: three  # set\n"
+    with pytest.raises(ProfileError, match=r"a\.e"):
+        set_values(text, {"a.e": 1}, "set")
+
+
+def test_photos_away_from_the_project_are_named_by_absolute_path(tmp_path: Path) -> None:
+    from pipeline.profiles import new_profile
+
+    project = _own_project(tmp_path)
+    project.rename(tmp_path / "away")
+    moved = tmp_path / "away"
+    folder = new_profile(moved, "far", tmp_path / "photos", tmp_path / "captions.csv")
+    data = load_params(folder / "params.yaml").data
+    # the project's parent is tmp_path here, so the photos lie in it: relative
+    assert data.root == "../../../photos"
+    nested = tmp_path / "deep" / "er"
+    nested.mkdir(parents=True)
+    project = moved.rename(nested / "sat")
+    folder = new_profile(project, "far2", tmp_path / "photos", tmp_path / "captions.csv")
+    data = load_params(folder / "params.yaml").data
+    assert data.root == str((tmp_path / "photos").resolve())
+    assert data.folder.captions_file == "../captions.csv"  # beside the photos folder
