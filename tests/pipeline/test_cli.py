@@ -200,7 +200,7 @@ def _served_length_penalty(tracking, uri):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MLFLOW_TRACKING_URI", tracking)
         served = mlflow.pyfunc.load_model(uri)
-    return served.unwrap_python_model().captioner.length_penalty
+    return served.unwrap_python_model().service.captioner.length_penalty
 
 
 def _the_served_champion_decodes_as_it_was_evaluated(project, tracking):
@@ -219,7 +219,7 @@ def _the_served_champion_decodes_as_it_was_evaluated(project, tracking):
         served = mlflow.pyfunc.load_model(
             "models:/sat-captioner@champion", model_config={"serve": {"max_rows": 4}}
         )
-    captioner = served.unwrap_python_model().captioner
+    captioner = served.unwrap_python_model().service.captioner
     assert (captioner.beam_size, captioner.max_length, captioner.length_penalty) == (2, 4, 1.5)
     image = project / "data" / "prepared" / "images" / "t1.png"
     (row,) = served.predict(
