@@ -26,9 +26,9 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 PROFILE ?=
 PROJECT := $(if $(PROFILE),profiles/$(PROFILE),.)
 
-# One Ray head for every stage of the repro (pipeline/ray_head.py; stopped by PID, even on failure)
+# One Ray head for every stage of the repro (pipeline/ray/head.py; stopped by PID, even on failure)
 run: $(VENV)/.installed
-	$(BIN)/python -m pipeline.ray_head --params $(PROJECT)/params.yaml -- \
+	$(BIN)/python -m pipeline.ray.head --params $(PROJECT)/params.yaml -- \
 		$(BIN)/dvc repro $(if $(PROFILE),$(PROJECT)/dvc.yaml)
 	$(BIN)/sat summary --reports $(PROJECT)/reports
 

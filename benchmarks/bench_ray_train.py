@@ -3,14 +3,14 @@
 A real two-node Ray cluster on this machine (``ray start --head`` and ``ray start --address``,
 one CPU each, each in its own process group: ``tests/pipeline/servers.py``'s ``ray_nodes``, the
 cluster the cluster tests start) runs, in one invocation and on the same data, the ``train``
-stage's own worker function (:func:`pipeline.ray_train.sat_train_fn` on a
-:class:`~pipeline.ray_train.TrainJob`) with one worker (1 CPU), then with two workers placed
+stage's own worker function (:func:`pipeline.ray.train.sat_train_fn` on a
+:class:`~pipeline.ray.train.TrainJob`) with one worker (1 CPU), then with two workers placed
 ``STRICT_SPREAD`` (one per node, 1 CPU each). Same soft-attention model (params.yaml's
 ``model`` section), synthetic captions and random-encoder features (``B`` batch, ``T`` caption
 steps, ``L`` locations, ``D`` annotation size, as in docs/METHOD.md); DDP's gradient all-reduce
 (gloo) between the nodes and the length-grouped sharding are in the figures.
 
-Throughput is what the driver's progress lines report (:mod:`pipeline.progress`): training
+Throughput is what the driver's progress lines report (:mod:`pipeline.ray.progress`): training
 captions summed over ranks per second of the slowest rank's training pass, over the epochs after
 the first (the first pays for worker start-up and allocator warm-up); validation is one image.
 Scaling efficiency = two-worker throughput / (2 x one-worker throughput): 1.0 is linear.
@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-import pipeline.ray_runtime  # noqa: F401  (loopback env before ray is imported)
-from pipeline.progress import epoch_progress
-from pipeline.ray_runtime import loopback_env, ray_session
-from pipeline.ray_train import ScalingSpec, TrainJob, fit_on_ray, sat_train_fn
+import pipeline.ray.runtime  # noqa: F401  (loopback env before ray is imported)
+from pipeline.ray.progress import epoch_progress
+from pipeline.ray.runtime import loopback_env, ray_session
+from pipeline.ray.train import ScalingSpec, TrainJob, fit_on_ray, sat_train_fn
 from sat_model.config import Params, RayConfig, load_params
 from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE
 

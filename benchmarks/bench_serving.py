@@ -7,7 +7,7 @@ threads each post one real photo per request (base64 in JSON, as a client does) 
 time; images/s and latency percentiles over the answered requests.
 
 Batch captioning, on the same photos: ``sat caption``'s one-process path
-(:meth:`Captioner.caption_files`), Ray Data (:func:`pipeline.ray_caption.caption_with_ray_data`,
+(:meth:`Captioner.caption_files`), Ray Data (:func:`pipeline.ray.caption.caption_with_ray_data`,
 one actor, on a Ray started beforehand), and the encoder alone (decode, preprocess, forward: the
 rate no captioning can beat).
 
@@ -46,8 +46,8 @@ def _register(root: Path) -> str:
     """The Lite0 model registered as champion in a fresh SQLite store; its tracking URI."""
     from mlflow import MlflowClient
 
-    from pipeline.packaging import log_and_register
-    from pipeline.registry import promote_if_better
+    from pipeline.tracking.packaging import log_and_register
+    from pipeline.tracking.registry import promote_if_better
 
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(uri)
@@ -193,7 +193,7 @@ def _encoder_only(model_dir: Path, photos: list[Path], batch_size: int) -> float
 
 
 def _ray_data_seconds(root: Path, photos: list[Path], options: dict, name: str) -> float:
-    from pipeline.ray_caption import caption_with_ray_data
+    from pipeline.ray.caption import caption_with_ray_data
 
     folder = root / name
     folder.mkdir()

@@ -14,8 +14,8 @@ def _isolated_mlflow_tracking_uri() -> Iterator[None]:
     """Each test starts and ends with the tracking URI it found.
 
     ``mlflow.set_tracking_uri`` (tests call it to load a registered model) also exports
-    ``MLFLOW_TRACKING_URI``, which ``pipeline.tracking`` honours first: without this, one test's
-    server would become every later test's store.
+    ``MLFLOW_TRACKING_URI``, which ``pipeline.tracking.runs`` honours first: without this, one
+    test's server would become every later test's store.
     """
     before = os.environ.get("MLFLOW_TRACKING_URI")
     yield

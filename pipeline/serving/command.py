@@ -62,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
     from pipeline.serving.front_door import build_app
     from pipeline.serving.http_server import run_server
     from pipeline.serving.registered import ServeError, load_served_model
-    from pipeline.tracking import resolve_tracking_uri
+    from pipeline.tracking.runs import resolve_tracking_uri
     from sat_model.config import ParamsError
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -100,7 +100,7 @@ def _serve_on_ray(
     shown: str,
 ) -> int:
     """Deploy the model (checked by loading it here first) on Ray Serve until stopped."""
-    from pipeline.ray_runtime import ray_session
+    from pipeline.ray.runtime import ray_session
     from pipeline.serving import ray_engine
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # one line per replica event

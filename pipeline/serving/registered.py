@@ -19,9 +19,9 @@ from typing import Any
 
 import yaml
 
-from pipeline.model_uri import is_model_uri
-from pipeline.registry import checkpoint_sha256
-from pipeline.tracking import CHECKPOINT_TAG, redact
+from pipeline.tracking.model_uri import is_model_uri
+from pipeline.tracking.registry import checkpoint_sha256
+from pipeline.tracking.runs import CHECKPOINT_TAG, redact
 from sat_model.caption_request import CaptionService
 from sat_model.config import ServeConfig
 

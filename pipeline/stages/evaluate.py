@@ -21,9 +21,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from pipeline.model_uri import is_model_uri, resolve_model_dir
+from pipeline.cli.user_errors import user_errors_in_one_line
 from pipeline.stages import StageContext, cli_context, run_locked, stage_parser
-from pipeline.user_errors import user_errors_in_one_line
+from pipeline.tracking.model_uri import is_model_uri, resolve_model_dir
 from sat_model.config import ATTENTION_KINDS
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ def _tracking_uri(ctx: StageContext, model: str) -> str | None:
     """The project's tracking store for an MLflow model URI (``mlflow.tracking_uri`` honoured)."""
     if not is_model_uri(model):
         return None
-    from pipeline.tracking import resolve_tracking_uri
+    from pipeline.tracking.runs import resolve_tracking_uri
 
     return resolve_tracking_uri(ctx.params.mlflow, ctx.root)
 

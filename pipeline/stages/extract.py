@@ -11,7 +11,7 @@ would lack it.
     python -m pipeline.stages.extract [--params params.yaml] [-S encoder.engine=ray ...]
 
 ``encoder.engine: local`` runs ``sat_model.features.extract`` in this process (DataLoader decoding
-workers); ``ray`` runs the same batches on Ray Data actors (``pipeline.ray_extract``) and writes
+workers); ``ray`` runs the same batches on Ray Data actors (``pipeline.ray.extract``) and writes
 a byte-identical store.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from pipeline.cli.user_errors import user_errors_in_one_line
 from pipeline.stages import StageContext, cli_context, stage_parser
-from pipeline.user_errors import user_errors_in_one_line
 from sat_model.atomic import write_text_atomic
 from sat_model.config import Params
 from sat_model.data.tables import IMAGES_FILE
@@ -42,7 +42,7 @@ TIMING_NAME = "extract_timing.json"
 def _ray_runner(params: Params, weights: str | None, num_cpus_hint: int):
     import ray
 
-    from pipeline.ray_extract import RaySplitRunner
+    from pipeline.ray.extract import RaySplitRunner
 
     cfg = params.encoder
     gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -78,7 +78,7 @@ def run_extract(params: Params, root: Path, progress: bool = True) -> ExtractRep
     )
     if cfg.engine == "local":
         return extract_features(**kwargs)
-    from pipeline.ray_runtime import ray_session
+    from pipeline.ray.runtime import ray_session
 
     with ray_session(params.ray):
         runner = _ray_runner(params, weights, params.ray.num_cpus)

@@ -2,7 +2,7 @@
 
     python -m pipeline.stages.register [--params params.yaml] [--out reports/registry.json]
 
-The work is :func:`pipeline.registration.register_models` (what is logged where, and when
+The work is :func:`pipeline.tracking.registration.register_models` (what is logged where, and when
 ``champion`` moves); this stage writes what happened to ``reports/registry.json``. A tracking
 store that stays unreachable after the retries is one line on stderr (credentials redacted) and
 exit status 1, local models and reports untouched.
@@ -16,8 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.quiet import quiet_mlflow
 from pipeline.stages import StageContext, cli_context, stage_parser
+from pipeline.tracking.quiet import quiet_mlflow
 
 __all__ = ["main", "run"]
 
@@ -39,7 +39,7 @@ def run(ctx: StageContext, *, out: str | Path | None = None) -> int:
     """Register the evaluated models and write the report to ``out``."""
     from mlflow.exceptions import MlflowException
 
-    from pipeline.registration import register_models
+    from pipeline.tracking.registration import register_models
     from sat_model.atomic import write_text_atomic
 
     try:
@@ -59,7 +59,7 @@ def run(ctx: StageContext, *, out: str | Path | None = None) -> int:
 def _fail(err: BaseException) -> int:
     """Print a tracking failure (retries spent) without the traceback, credentials redacted:
     DVC keeps stage output in logs, and the tracking URI may hold a token."""
-    from pipeline.tracking import redact
+    from pipeline.tracking.runs import redact
 
     notes = "; ".join(getattr(err, "__notes__", []))
     print(f"register: error: {redact(str(err))} ({redact(notes)})", file=sys.stderr)

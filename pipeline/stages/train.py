@@ -1,6 +1,6 @@
 """DVC stage ``train@<attention>``: features + prepared captions -> ``models/<attention>/``.
 
-By default it trains through Ray Train (``pipeline.ray_train.train_with_ray``: a local Ray with
+By default it trains through Ray Train (``pipeline.ray.train.train_with_ray``: a local Ray with
 ``ray.num_cpus``, or the cluster at ``ray.address``/``RAY_ADDRESS``), with a Ray and an MLflow run
 named after the run's identity (everything it depends on): it trains from epoch 1 unless a run of
 that identity finished (nothing to train) or ``--resume`` continues an unfinished one.
@@ -92,7 +92,7 @@ def _train_on_ray(
     resume: bool,
     address: str | None,
 ) -> int:
-    from pipeline.ray_train import train_with_ray
+    from pipeline.ray.train import train_with_ray
 
     outcome = train_with_ray(
         ctx.params,

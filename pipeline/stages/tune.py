@@ -1,7 +1,7 @@
 """On-demand DVC stage ``tune`` and ``sat tune``: a Ray Tune sweep -> ``best_params.yaml``.
 
 ``main(["--params", "params.yaml", "-S", "tune.num_samples=4", "--address", "head:6379"])``
-runs :func:`pipeline.tune.run_tune`; relative paths in params resolve against the project root
+runs :func:`pipeline.ray.tune.run_tune`; relative paths in params resolve against the project root
 (the folder of the params file). With ``--apply`` the winner is then trained through the pipeline:
 ``dvc exp run -S <best params>`` in the project root (an experiment; ``dvc exp apply`` keeps it).
 """
@@ -34,7 +34,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def apply_command(best: dict[str, float], overrides: Sequence[str]) -> list[str]:
     """The ``dvc exp run`` that trains the winner: the sweep's own non-``tune`` overrides (so
     the winner sees what its trial saw), then the best values."""
-    from pipeline.tune import exp_run_command
+    from pipeline.ray.tune import exp_run_command
 
     command = exp_run_command(best)
     extra = [item for item in overrides if not item.startswith("tune.")]
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(ctx: StageContext, *, address: str | None = None, apply: bool = False) -> int:
     """The sweep; with ``apply``, ``dvc exp run`` of the winner in the project root."""
-    from pipeline.tune import run_tune
+    from pipeline.ray.tune import run_tune
 
     outcome = run_tune(ctx.params, address=address, project_root=ctx.root)
     print(f"best params written to {outcome.best_params_file}")

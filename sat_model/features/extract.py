@@ -6,7 +6,7 @@ Images decode in DataLoader worker processes (JPEG decode, resize and crop to ui
 does the work, one torch thread each) while the main process normalises each batch at once and
 runs the frozen encoder under ``torch.inference_mode``, so decoding overlaps the forward pass.
 A batch is always the same slice of a split's image list (``batch_slices``), with the images that
-fail to decode removed, so any engine that follows the same slicing (``pipeline.ray_extract``)
+fail to decode removed, so any engine that follows the same slicing (``pipeline.ray.extract``)
 produces byte-identical stores. Undecodable images are skipped with their reason; extraction
 fails only when no image at all could be extracted.
 

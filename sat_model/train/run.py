@@ -340,7 +340,7 @@ def train_model(
 ) -> TrainResult:
     """Train ``attention`` ("soft" | "hard") and write ``<out_dir>/<attention>/`` (rank 0).
 
-    ``identity`` (the run's digest, see ``pipeline.run_identity``) is recorded in
+    ``identity`` (the run's digest, see ``pipeline.tracking.run_identity``) is recorded in
     ``config.json``; ``log_every`` is how often callbacks get ``on_log`` (steps).
     """
     if attention not in ATTENTION_KINDS:

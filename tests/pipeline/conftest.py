@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 # Before any test module imports ray: Ray reads this once at import and would otherwise move
-# a single-machine cluster off loopback (see pipeline.ray_runtime).
-import pipeline.ray_runtime  # noqa: F401
+# a single-machine cluster off loopback (see pipeline.ray.runtime).
+import pipeline.ray.runtime  # noqa: F401
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +19,7 @@ def ray_local() -> Iterator[Any]:
 
     Yields the ``ray`` module. Ray is started once: start-up costs seconds on two cores.
     """
-    from pipeline.ray_runtime import ray_session
+    from pipeline.ray.runtime import ray_session
     from sat_model.config import RayConfig
 
     with ray_session(RayConfig(num_cpus=2), address="local"):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.cli import main
+from pipeline.cli.main import main
 from pipeline.stages import register
 from sat_model.features.encoders import build_encoder
 from sat_model.features.store import FeatureMeta, FeatureWriter
@@ -248,7 +248,7 @@ def test_summary_of_a_profile_names_its_params_in_the_caption_hint(
 ) -> None:
     """`make run PROFILE=flickr8k` ends with `sat summary --reports profiles/flickr8k/reports`:
     the hint must caption with that profile's champion, not the default pipeline's."""
-    from pipeline.cli import main as sat
+    from pipeline.cli.main import main as sat
 
     scores = {"bleu_1": 0.6, "bleu_4": 0.2, "meteor": 0.2, "rouge_l": 0.45, "cider": 0.5}
     for root in (tmp_path, tmp_path / "profiles" / "flickr8k"):

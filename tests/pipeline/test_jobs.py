@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pipeline.jobs import job_runtime_env
+from pipeline.ray.jobs import job_runtime_env
 
 SECRETS = {
     "MLFLOW_TRACKING_URI": "https://alice:s3cret-pass@mlflow.example:5000",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.ray_train import copy_checkpoint
+from pipeline.ray.train import copy_checkpoint
 from pipeline.stages import OutputLocked, lock_path, output_lock
 from pipeline.stages.evaluate import _write_gallery
 from sat_model.atomic import ForeignFolderError
@@ -30,7 +30,7 @@ def _checkpoint(path: Path, weights: bytes) -> Path:
 
 def _sat(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args],
+        [sys.executable, "-m", "pipeline.cli.main", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

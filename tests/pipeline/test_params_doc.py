@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from pipeline.params_doc import params_table, update_readme
+from pipeline.docs.params import params_table, update_readme
 from sat_model.config import Params
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,13 +26,13 @@ def test_table_lists_every_leaf_key_of_the_params_models() -> None:
 
 def test_readme_params_reference_is_up_to_date() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert update_readme(text) == text, "run `python -m pipeline.params_doc --write`"
+    assert update_readme(text) == text, "run `python -m pipeline.docs.params --write`"
 
 
 def test_results_section_shows_our_scores_in_percent_beside_the_paper(tmp_path: Path) -> None:
     import json
 
-    from pipeline.results_doc import results_section
+    from pipeline.docs.results import results_section
 
     (tmp_path / "soft").mkdir()
     scores = {"bleu_1": 0.5, "bleu_4": 0.25, "meteor": 0.125, "pointing_accuracy": 0.875}

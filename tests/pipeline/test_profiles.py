@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.profiles import main, profile_dvc, profile_dvc_text, profiles
 from pipeline.stages import load_context
 from pipeline.stages.prepare import run as prepare
+from pipeline.stages.profiles import main, profile_dvc, profile_dvc_text, profiles
 from sat_model.config import load_params
 from sat_model.paths import shared_data
 
@@ -36,7 +36,7 @@ def test_the_flickr8k_profile_exists() -> None:
 @pytest.mark.parametrize("folder", PROFILES, ids=[p.name for p in PROFILES])
 def test_profile_dvc_yaml_is_the_root_pipeline_as_written_now(folder: Path) -> None:
     assert (folder / "dvc.yaml").read_text(encoding="utf-8") == profile_dvc_text(ROOT), (
-        f"{folder.name}/dvc.yaml is stale: run python -m pipeline.profiles"
+        f"{folder.name}/dvc.yaml is stale: run python -m pipeline.stages.profiles"
     )
     assert main(["--check", "--root", str(ROOT)]) == 0
 
@@ -120,7 +120,7 @@ def _own_project(tmp_path: Path) -> Path:
 def test_sat_profile_new_writes_a_profile_of_the_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from pipeline.cli import main as sat
+    from pipeline.cli.main import main as sat
 
     project = _own_project(tmp_path)
     monkeypatch.chdir(project)
@@ -164,7 +164,7 @@ def test_sat_profile_new_refuses_bad_arguments_in_one_line(
     args: list[str],
     message: str,
 ) -> None:
-    from pipeline.cli import main as sat
+    from pipeline.cli.main import main as sat
 
     project = _own_project(tmp_path)
     (tmp_path / "bad.csv").write_text("name,text\na.jpg,x\n")
@@ -180,7 +180,7 @@ def test_sat_profile_new_refuses_bad_arguments_in_one_line(
 
 
 def test_set_values_keeps_the_other_lines_and_names_a_missing_key() -> None:
-    from pipeline.profiles import ProfileError, set_values
+    from pipeline.stages.profiles import ProfileError, set_values
 
     text = "a:\n  b: 1   # why b\n  c: [x, y]  # why c\nd: 2\n"
     out = set_values(text, {"a.c": ["z"], "d": "three"}, "set")
@@ -190,7 +190,7 @@ def test_set_values_keeps_the_other_lines_and_names_a_missing_key() -> None:
 
 
 def test_photos_away_from_the_project_are_named_by_absolute_path(tmp_path: Path) -> None:
-    from pipeline.profiles import new_profile
+    from pipeline.stages.profiles import new_profile
 
     project = _own_project(tmp_path)
     project.rename(tmp_path / "away")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.progress import EpochReport, format_duration, format_epoch_line, remaining_time
+from pipeline.ray.progress import EpochReport, format_duration, format_epoch_line, remaining_time
 
 
 def _rank(captions: int, train_s: float, epoch_s: float, loss: float, **val: float) -> dict:

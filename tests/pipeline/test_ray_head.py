@@ -1,4 +1,4 @@
-"""``python -m pipeline.ray_head -- CMD``: one loopback Ray head per command, stopped by PID."""
+"""``python -m pipeline.ray.head -- CMD``: one loopback Ray head per command, stopped by PID."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.ray_runtime import loopback_env
+from pipeline.ray.runtime import loopback_env
 
 # The command records the address it was given and the head's GCS pid group, then fails.
 _FAILING_STAGE = """
@@ -38,7 +38,7 @@ def test_head_is_stopped_when_the_command_fails(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "pipeline.ray_head",
+            "pipeline.ray.head",
             "--params",
             str(params),
             "--",
@@ -79,7 +79,7 @@ def test_a_machine_that_never_ran_ray_gets_a_token_and_the_stages_connect(tmp_pa
     env = {**loopback_env(), "HOME": str(home)}
     for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         env.pop(key, None)
-    command = [sys.executable, "-m", "pipeline.ray_head", "--params", str(params), "--"]
+    command = [sys.executable, "-m", "pipeline.ray.head", "--params", str(params), "--"]
     out = subprocess.run(
         [*command, sys.executable, "-c", _CONNECTING_STAGE],
         env=env,
@@ -104,7 +104,7 @@ def test_a_given_address_starts_no_head(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "pipeline.ray_head",
+            "pipeline.ray.head",
             "--params",
             str(params),
             "--",
@@ -121,7 +121,7 @@ def test_a_given_address_starts_no_head(tmp_path: Path) -> None:
     assert "Ray head" not in out.stdout
 
 
-_WRAPPER = (sys.executable, "-m", "pipeline.ray_head")
+_WRAPPER = (sys.executable, "-m", "pipeline.ray.head")
 
 
 @pytest.mark.ray

@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.ray_runtime import loopback_env
-from pipeline.tracking import PARENT_TAG, connect
+from pipeline.ray.runtime import loopback_env
+from pipeline.tracking.runs import PARENT_TAG, connect
 from sat_model.config import load_params
 from tests.pipeline.servers import (
     RayNodes,
@@ -55,7 +55,7 @@ KILL_EPOCH = 1  # 0-based: the node dies in the second epoch, the first is in th
 DRIVER = """
 import json, os, sys, time
 from pathlib import Path
-from pipeline.ray_train import WorkerHooks, train_with_ray
+from pipeline.ray.train import WorkerHooks, train_with_ray
 from sat_model.config import load_params
 
 params_file, address, log = sys.argv[1:4]

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.ray_runtime import remove_orphaned_placement_groups
+from pipeline.ray.runtime import remove_orphaned_placement_groups
 
 
 @pytest.mark.ray

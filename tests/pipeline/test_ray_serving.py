@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.packaging import log_and_register
-from pipeline.registry import promote_if_better
+from pipeline.tracking.packaging import log_and_register
+from pipeline.tracking.registry import promote_if_better
 from sat_model.captioner import Captioner
 from sat_model.paths import shared_data
 from tests.factories import write_tiny_model

@@ -24,7 +24,7 @@ import pytest
 import torch
 from ray import cloudpickle
 
-from pipeline.ray_train import (
+from pipeline.ray.train import (
     ScalingSpec,
     WorkerHooks,
     WorkerRun,
@@ -33,7 +33,7 @@ from pipeline.ray_train import (
     fit_on_ray,
     train_with_ray,
 )
-from pipeline.tracking import EpochLogger, Tracking, connect, find_or_create_run
+from pipeline.tracking.runs import EpochLogger, Tracking, connect, find_or_create_run
 from sat_model.config import MlflowConfig, load_params
 from sat_model.train.batching import LengthGroupedBatchSampler
 from sat_model.train.run import load_training_state
@@ -250,7 +250,7 @@ def test_train_with_ray_writes_the_model_folder_and_logs_each_epoch(
     matches = [re.fullmatch(pattern, line) for line in lines]
     assert all(matches), lines
     assert [m[1] for m in matches if m] == ["1", "2", "3"]
-    # the self-critical epoch is counted, not timed, until one has run (pipeline.progress)
+    # the self-critical epoch is counted, not timed, until one has run (pipeline.ray.progress)
     etas = [m[2] for m in matches if m]
     assert re.fullmatch(r"\S+ \+ 1 self-critical epoch", etas[0]), etas
     assert etas[1:] == ["1 self-critical epoch", "0s"], etas
@@ -397,8 +397,8 @@ def test_uploaded_worker_inputs_carry_the_mirrored_store_when_training_mirrors(
     """With `ray.worker_inputs: upload` the workers read only what is staged: a run with
     `train.mirror` > 0 needs `train_mirrored.arrow` among its inputs, and a run without it
     should not ship a second train store."""
-    from pipeline.ray_train import stage_worker_inputs
-    from pipeline.storage import fetch_inputs, resolve_storage
+    from pipeline.ray.storage import fetch_inputs, resolve_storage
+    from pipeline.ray.train import stage_worker_inputs
 
     prepared, features = tmp_path / "prepared", tmp_path / "features"
     for folder, names in (

@@ -18,8 +18,8 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from pipeline.packaging import log_and_register
-from pipeline.registry import (
+from pipeline.tracking.packaging import log_and_register
+from pipeline.tracking.registry import (
     CHAMPION_ALIAS,
     checkpoint_sha256,
     decide_promotion,

@@ -226,7 +226,7 @@ def zoo_and_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
 def test_sat_caption_reports_each_bad_file_and_captions_every_odd_one(
     zoo_and_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
-    from pipeline.cli import main
+    from pipeline.cli.main import main
 
     zoo, model = zoo_and_model
     monkeypatch.chdir(tmp_path)  # no params.yaml: defaults
@@ -241,7 +241,7 @@ def test_sat_caption_reports_each_bad_file_and_captions_every_odd_one(
 
 
 def test_sat_caption_with_only_bad_files_fails(zoo_and_model, tmp_path, monkeypatch) -> None:
-    from pipeline.cli import main
+    from pipeline.cli.main import main
 
     zoo, model = zoo_and_model
     monkeypatch.chdir(tmp_path)
@@ -250,7 +250,7 @@ def test_sat_caption_with_only_bad_files_fails(zoo_and_model, tmp_path, monkeypa
 
 @pytest.fixture(scope="module")
 def pyfunc(zoo_and_model):
-    from pipeline.pyfunc_model import CHECKPOINT_ARTIFACT, SatCaptionerModel
+    from pipeline.tracking.pyfunc_model import CHECKPOINT_ARTIFACT, SatCaptionerModel
 
     model = SatCaptionerModel()
     context = types.SimpleNamespace(artifacts={CHECKPOINT_ARTIFACT: str(zoo_and_model[1])})
@@ -339,7 +339,7 @@ def test_sat_caption_refuses_a_bad_checkpoint_and_runs_no_code(
     capsys: pytest.CaptureFixture[str],
     how: str,
 ) -> None:
-    from pipeline.cli import main
+    from pipeline.cli.main import main
 
     zoo, model = zoo_and_model
     copy = Path(shutil.copytree(model, tmp_path / "model"))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.run_identity import train_identity
+from pipeline.tracking.run_identity import train_identity
 from sat_model.config import load_params
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
+from pipeline.cli.main import main
 from sat_model.paths import shared_data
 from tests.factories import write_tiny_model
 

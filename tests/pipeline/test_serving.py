@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.packaging import log_and_register
-from pipeline.pyfunc_model import CHECKPOINT_ARTIFACT, SatCaptionerModel
-from pipeline.registry import promote_if_better
+from pipeline.tracking.packaging import log_and_register
+from pipeline.tracking.pyfunc_model import CHECKPOINT_ARTIFACT, SatCaptionerModel
+from pipeline.tracking.registry import promote_if_better
 from sat_model.captioner import Captioner
 from sat_model.paths import shared_data
 from tests.factories import photo_of_another_shape, write_tiny_model

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import build_parser
+from pipeline.cli.main import build_parser
 from pipeline.stages import evaluate, load_context, project_root
 from sat_model.config import ParamsError
 from sat_model.paths import absolute

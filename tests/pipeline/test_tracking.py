@@ -9,8 +9,8 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
 
-from pipeline.lineage import dvc_experiment, lineage_tags
-from pipeline.tracking import (
+from pipeline.tracking.lineage import dvc_experiment, lineage_tags
+from pipeline.tracking.runs import (
     PARENT_TAG,
     EpochLogger,
     Tracking,

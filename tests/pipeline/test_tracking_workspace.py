@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.tracking import artifact_location, resolve_tracking_uri, tracking_root
+from pipeline.tracking.runs import artifact_location, resolve_tracking_uri, tracking_root
 from sat_model.config import MlflowConfig
 
 
@@ -54,7 +54,7 @@ def test_a_relative_sqlite_uri_resolves_against_the_project(tmp_path: Path) -> N
 _STAGE = textwrap.dedent(
     """
     from pathlib import Path
-    from pipeline.tracking import connect, find_or_create_run
+    from pipeline.tracking.runs import connect, find_or_create_run
     from sat_model.config import MlflowConfig
     tracking = connect(MlflowConfig(), Path.cwd())
     find_or_create_run(tracking, "temp-workspace-run")

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.ray_head import ray_head
-from pipeline.registry import checkpoint_sha256
+from pipeline.ray.head import ray_head
+from pipeline.tracking.registry import checkpoint_sha256
 from sat_model.config import apply_overrides, read_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ EPOCHS = [1, 2]
 
 @pytest.fixture(scope="module")
 def head() -> Iterator[str]:
-    """One loopback Ray head (``pipeline.ray_head``, as ``make run`` starts it) for the module."""
+    """One loopback Ray head (``pipeline.ray.head``, as ``make run`` starts it) for the module."""
     with ray_head(num_cpus=2) as address:
         yield address
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline.ray.tune import _search_alg, _with_overrides, search_space
 from pipeline.stages import tune as tune_stage
-from pipeline.tracking import PARENT_TAG, connect
-from pipeline.tune import _search_alg, _with_overrides, search_space
+from pipeline.tracking.runs import PARENT_TAG, connect
 from sat_model.config import Params, ParamsError, TuneConfig, apply_overrides, load_params
 
 

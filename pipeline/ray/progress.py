@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from . import ray_runtime  # noqa: F401  (loopback env before ray is imported)
+from pipeline.ray import runtime  # noqa: F401  (loopback env before ray is imported)
 
 __all__ = [
     "EpochProgress",
@@ -65,7 +65,7 @@ class EpochReport:
     @classmethod
     def from_ranks(cls, metrics: Sequence[Mapping[str, Any]]) -> EpochReport:
         """From ``metrics[rank]``, each with ``epoch``, ``train_loss``, ``captions``,
-        ``train_seconds``, ``epoch_seconds`` (what ``pipeline.ray_train`` reports)."""
+        ``train_seconds``, ``epoch_seconds`` (what ``pipeline.ray.train`` reports)."""
         return cls(
             epoch=int(metrics[0]["epoch"]),
             loss=sum(float(m["train_loss"]) for m in metrics) / len(metrics),

@@ -3,8 +3,8 @@
 Each row is one leaf key: dotted path, type, default, and the why-comment written beside (or
 just above) the field in ``sat_model/config.py``.
 
-    python -m pipeline.params_doc           # print the table
-    python -m pipeline.params_doc --write   # rewrite README.md between the params markers
+    python -m pipeline.docs.params           # print the table
+    python -m pipeline.docs.params --write   # rewrite README.md between the params markers
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Tracking URIs may carry credentials (``http://user:token@host``); :func:`redact`
 from anything printed.
 
 The tags runs and versions share are named here; what they record (git commit, DVC hashes, the
-checkpoint a run produced) is :mod:`pipeline.lineage`.
+checkpoint a run produced) is :mod:`pipeline.tracking.lineage`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def resolve_model_dir(model: str, workdir: Path, tracking_uri: str | None = None
         return Path(model)
     import mlflow
 
-    from pipeline.pyfunc_model import CHECKPOINT_ARTIFACT
+    from pipeline.tracking.pyfunc_model import CHECKPOINT_ARTIFACT
 
     if model.startswith("models:/") and tracking_uri:
         model = _registry_location(model, tracking_uri)

@@ -1,6 +1,6 @@
 """A watchdog that stops a process group and removes its folders once its parent is gone.
 
-``python -m pipeline.reaper PARENT_PID PGID [FOLDER ...]``: a parent that starts a detached
+``python -m pipeline.ray.reaper PARENT_PID PGID [FOLDER ...]``: a parent that starts a detached
 process group (``ray start --head`` in its own session) cannot clean up after itself when it is
 killed with SIGKILL. It starts this watchdog beside the group; the watchdog polls its parent's
 pid and, once it has changed (the parent died and the watchdog was re-parented), stops the group
@@ -54,7 +54,7 @@ def stop_group(pgid: int, grace_s: float, reap: subprocess.Popen[bytes] | None =
 def start_reaper(pgid: int, folders: Sequence[Path]) -> subprocess.Popen[bytes]:
     """Watch this process: when it dies, stop group ``pgid`` and remove ``folders``."""
     return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.reaper", str(os.getpid()), str(pgid)]
+        [sys.executable, "-m", "pipeline.ray.reaper", str(os.getpid()), str(pgid)]
         + [str(f) for f in folders],
         start_new_session=True,  # a Ctrl-C to the terminal's group is the parent's to handle
     )

@@ -13,7 +13,7 @@ trial's sampled values as params and its per-epoch metrics. The best trial's val
 ``<tune.output_dir>/best_params.yaml`` as ``-S``-ready dotted keys, with the
 ``dvc exp run -S ...`` line that trains the winner (also printed).
 
-While it runs the driver prints a compact trial table (:func:`pipeline.progress.trial_table`):
+While it runs the driver prints a compact trial table (:func:`pipeline.ray.progress.trial_table`):
 one row per trial result and per trial end, with the searched values and val BLEU-4.
 """
 
@@ -29,14 +29,10 @@ from typing import Any
 
 import yaml
 
-from sat_model.atomic import write_text_atomic
-from sat_model.config import Params, TuneConfig
-from sat_model.paths import absolute
-
-from .lineage import lineage_tags
-from .progress import trial_table
-from .ray_runtime import ray_session, remove_orphaned_placement_groups, resolve_storage_path
-from .ray_train import (
+from pipeline.ray.progress import trial_table
+from pipeline.ray.runtime import ray_session, remove_orphaned_placement_groups, resolve_storage_path
+from pipeline.ray.storage import Storage, workers_share_files
+from pipeline.ray.train import (
     ScalingSpec,
     TrainJob,
     deterministic_run_name,
@@ -45,8 +41,11 @@ from .ray_train import (
     stage_worker_inputs,
     warn_if_tracking_is_driver_only,
 )
-from .storage import Storage, workers_share_files
-from .tracking import PARENT_TAG, Tracking, connect, find_or_create_run, log_params
+from pipeline.tracking.lineage import lineage_tags
+from pipeline.tracking.runs import PARENT_TAG, Tracking, connect, find_or_create_run, log_params
+from sat_model.atomic import write_text_atomic
+from sat_model.config import Params, TuneConfig
+from sat_model.paths import absolute
 
 __all__ = [
     "METRIC",
@@ -178,7 +177,7 @@ def exp_run_command(values: dict[str, float]) -> list[str]:
 
 def _placement_group_reaper() -> Any:
     """A Tune callback freeing the worker CPUs of trials that ASHA stopped, else later trials
-    wait for them forever (see :func:`pipeline.ray_runtime.remove_orphaned_placement_groups`)."""
+    wait for them forever (see :func:`pipeline.ray.runtime.remove_orphaned_placement_groups`)."""
     from ray.tune import Callback
 
     class PlacementGroupReaper(Callback):

@@ -5,7 +5,7 @@ MLflow's own ``mlflow.source.git.commit``, and ``sat.*`` for the rest (``sat.att
 The prepared data and the features are also logged as MLflow dataset inputs whose digest is
 their DVC hash from ``dvc.lock``. A training run is tagged with the sha256 of the checkpoint it
 produced, which is how the register stage finds it again. Runs themselves are
-:mod:`pipeline.tracking`.
+:mod:`pipeline.tracking.runs`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 from mlflow import MlflowClient
 
-from pipeline.tracking import CHECKPOINT_TAG, GIT_COMMIT_TAG, Tracking
+from pipeline.tracking.runs import CHECKPOINT_TAG, GIT_COMMIT_TAG, Tracking
 
 __all__ = [
     "dataset_inputs",
@@ -160,7 +160,7 @@ def tag_trained_checkpoint(tracking: Tracking, run_id: str, model_dir: Path) -> 
     The register stage finds the training run of a model folder by this tag
     (:func:`find_training_run`), however the run was named.
     """
-    from pipeline.registry import checkpoint_sha256
+    from pipeline.tracking.registry import checkpoint_sha256
 
     sha = checkpoint_sha256(model_dir)
     tracking.call(lambda c: c.set_tag(run_id, CHECKPOINT_TAG, sha), f"tag run {run_id}")

@@ -1,7 +1,7 @@
 """Fill docs/EXPERIMENTS.md's results section from ``reports/`` beside the paper's Table 1.
 
-python -m pipeline.results_doc           # print the section
-python -m pipeline.results_doc --write   # rewrite docs/EXPERIMENTS.md between the results markers
+python -m pipeline.docs.results           # print the section
+python -m pipeline.docs.results --write   # rewrite docs/EXPERIMENTS.md between the results markers
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.params_doc import replace_between
+from pipeline.docs.params import replace_between
 from sat_model.atomic import write_text_atomic
 from sat_model.config import ATTENTION_KINDS
 
@@ -41,7 +41,7 @@ def results_section(reports: Path) -> str:
         "",
         "Test split of the generated scenes, beam search, scored with pycocoevalcap's own "
         "scorers (in %; pointing accuracy: share of object words whose attention peak lies in "
-        "that object's box). Written by `python -m pipeline.results_doc --write` from "
+        "that object's box). Written by `python -m pipeline.docs.results --write` from "
         "`reports/` after `make run`.",
         "",
         "| data | model | BLEU-1 | BLEU-2 | BLEU-3 | BLEU-4 | METEOR | ROUGE-L | CIDEr | point |",

@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from pipeline.quiet import quiet_mlflow
+from pipeline.cli.user_errors import is_user_error, one_line
 from pipeline.serving import command as serve
 from pipeline.stages import StageContext, add_params_args, evaluate, load_context, project_root
-from pipeline.user_errors import is_user_error, one_line
+from pipeline.tracking.quiet import quiet_mlflow
 from sat_model.config import ATTENTION_KINDS
 
 __all__ = ["CommandError", "main"]
@@ -56,13 +56,13 @@ def _forward_params(args: argparse.Namespace) -> list[str]:
 
 def _as_ray_job(args: argparse.Namespace, command: list[str]) -> int | None:
     """With a dashboard URL (``--address http://...`` or ``RAY_ADDRESS``): run ``sat <command>``
-    as a Ray Job on that cluster and return its status; None: run here (pipeline.jobs)."""
-    from pipeline.jobs import job_address
+    as a Ray Job on that cluster and return its status; None: run here (pipeline.ray.jobs)."""
+    from pipeline.ray.jobs import job_address
 
     address = job_address(args.address)
     if address is None:
         return None
-    from pipeline.jobs import run_as_job
+    from pipeline.ray.jobs import run_as_job
     from sat_model.config import load_params
 
     load_params(args.params, args.overrides)  # bad params: one line here, not a failed job
@@ -225,7 +225,7 @@ def _mlflow_cfg(args: argparse.Namespace):
 
 
 def _tracking_uri(args: argparse.Namespace) -> str:
-    from pipeline.tracking import resolve_tracking_uri
+    from pipeline.tracking.runs import resolve_tracking_uri
 
     return resolve_tracking_uri(_mlflow_cfg(args), project_root(args.params))
 
@@ -243,7 +243,7 @@ NO_CHAMPION = (
 def _caption_model_dir(args: argparse.Namespace, workdir: Path) -> Path:
     """The model folder to caption with: ``--model`` as a folder, or a downloaded MLflow model
     (by default the champion); a missing model is a :class:`CommandError`."""
-    from pipeline.model_uri import is_model_uri, resolve_model_dir
+    from pipeline.tracking.model_uri import is_model_uri, resolve_model_dir
 
     model = args.model or f"models:/{_model_name(args)}@champion"
     if not is_model_uri(model):
@@ -252,7 +252,7 @@ def _caption_model_dir(args: argparse.Namespace, workdir: Path) -> Path:
         return Path(model)
     from mlflow.exceptions import MlflowException
 
-    from pipeline.tracking import redact
+    from pipeline.tracking.runs import redact
 
     uri = _tracking_uri(args)
     missing = CommandError(NO_CHAMPION.format(uri=model, store=redact(uri)))
@@ -317,8 +317,8 @@ def _caption_on_ray(args: argparse.Namespace) -> int:
     """``sat caption SOURCE --engine ray --out DEST``: Ray Data over a folder or a bucket."""
     import tempfile
 
-    from pipeline.ray_caption import caption_with_ray_data
-    from pipeline.ray_runtime import ray_session
+    from pipeline.ray.caption import caption_with_ray_data
+    from pipeline.ray.runtime import ray_session
 
     if len(args.inputs) != 1 or not args.out:
         raise CommandError("--engine ray captions one folder or bucket prefix into --out DEST")
@@ -398,7 +398,7 @@ def _caption(args: argparse.Namespace) -> int:
 def _models(args: argparse.Namespace) -> int:
     from mlflow import MlflowClient
 
-    from pipeline.registry import list_versions
+    from pipeline.tracking.registry import list_versions
 
     rows = list_versions(MlflowClient(_tracking_uri(args)), _model_name(args))
     if not rows:
@@ -416,7 +416,7 @@ def _models(args: argparse.Namespace) -> int:
 def _promote(args: argparse.Namespace) -> int:
     from mlflow import MlflowClient
 
-    from pipeline.registry import RegistryError, promote
+    from pipeline.tracking.registry import RegistryError, promote
 
     metric = args.metric or _mlflow_cfg(args).champion_metric
     try:
@@ -530,7 +530,7 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
 
 # ----------------------------------------------------------------------------- profile
 def _profile_new(args: argparse.Namespace) -> int:
-    from pipeline.profiles import ProfileError, new_profile
+    from pipeline.stages.profiles import ProfileError, new_profile
 
     root = Path.cwd().resolve()
     try:

@@ -1,15 +1,15 @@
 """Packaging a trained model for MLflow: log it as a pyfunc from code and register it.
 
-The logged model carries the checkpoint files only, the ``sat_model`` library as code, the
-serving model ``pipeline/pyfunc_model.py``, a signature and an input example, so it loads and
+The logged model carries the checkpoint files only, the ``sat_model`` library as code, the serving
+model ``pipeline/tracking/pyfunc_model.py``, a signature and an input example, so it loads and
 serves with nothing from this repository, and ``decode``: how the model was decoded when it was
-scored, so it is served the same way. Versions are found again by the sha256 of their
-checkpoint and their decoding (tags ``sat.checkpoint_sha256``, ``sat.decoding``): logging the
-same model twice (a retry after the server was down) reuses the version instead of registering
-a duplicate; the same checkpoint decoded another way is a new version. A model is logged into
-its training run when that run is known (``run_id``), so the version's run is the training run:
-its curves, params, test metrics and artifacts are one click away in MLflow's UI. Which version
-is champion is :mod:`pipeline.registry`'s business.
+scored, so it is served the same way. Versions are found again by the sha256 of their checkpoint
+and their decoding (tags ``sat.checkpoint_sha256``, ``sat.decoding``): logging the same model twice
+(a retry after the server was down) reuses the version instead of registering a duplicate; the same
+checkpoint decoded another way is a new version. A model is logged into its training run when that
+run is known (``run_id``), so the version's run is the training run: its curves, params, test
+metrics and artifacts are one click away in MLflow's UI. Which version is champion is
+:mod:`pipeline.tracking.registry`'s business.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from typing import Any
 
 from mlflow import MlflowClient
 
-from pipeline.registry import CHECKPOINT_FILES, checkpoint_sha256, versions_of_checkpoint
-from pipeline.tracking import CHECKPOINT_TAG
+from pipeline.tracking.registry import CHECKPOINT_FILES, checkpoint_sha256, versions_of_checkpoint
+from pipeline.tracking.runs import CHECKPOINT_TAG
 
 __all__ = ["DECODING_TAG", "PYFUNC_FILE", "RegisteredVersion", "log_and_register"]
 
 PYFUNC_FILE = Path(__file__).with_name("pyfunc_model.py")
 DECODING_TAG = "sat.decoding"  # on a registered version: how its served model decodes (JSON)
-_SAT_MODEL_DIR = Path(__file__).resolve().parent.parent / "sat_model"
+_SAT_MODEL_DIR = Path(__file__).resolve().parents[2] / "sat_model"
 # what the served model imports; exact versions of what is installed here (no network at
 # log time, so nothing is inferred by importing the model in a fresh environment)
 _REQUIREMENTS = (

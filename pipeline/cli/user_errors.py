@@ -1,5 +1,5 @@
 """Which exceptions report a user's input rather than a bug, and how they are printed: one line,
-status 1, for ``sat`` (``pipeline.cli``) and the stages that a user runs by hand
+status 1, for ``sat`` (``pipeline.cli.main``) and the stages that a user runs by hand
 (``python -m pipeline.stages.evaluate --model ...``). Imports nothing heavy."""
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ USER_ERRORS = {
     "sat_model.train.trainer": ("NonFiniteLossError",),
     "sat_model.evaluation.metrics": ("MetricError",),
     "sat_model.evaluation.evaluate": ("EvaluationError",),
-    "pipeline.registry": ("RegistryError",),
-    "pipeline.jobs": ("JobFailedError",),
+    "pipeline.tracking.registry": ("RegistryError",),
+    "pipeline.ray.jobs": ("JobFailedError",),
     "mlflow.exceptions": ("MlflowException",),
 }
 
@@ -54,9 +54,9 @@ def one_line(err: BaseException) -> str:
             err = MlflowException(err.message)  # without MLflow's error-code prefix
     text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
     text = text or type(err).__name__
-    # tracking URIs (which may hold a token) reach messages only through pipeline.tracking;
+    # tracking URIs (which may hold a token) reach messages only through pipeline.tracking.runs;
     # importing it (and MLflow) just to print a params error would cost seconds
-    tracking = sys.modules.get("pipeline.tracking")
+    tracking = sys.modules.get("pipeline.tracking.runs")
     return tracking.redact(text) if tracking else text
 
 

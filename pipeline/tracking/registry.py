@@ -1,11 +1,10 @@
 """The MLflow model registry's promotion policy: which version is `champion`.
 
-Versions are identified by the sha256 of their checkpoint (tag ``sat.checkpoint_sha256``;
-logging and registering a model is :mod:`pipeline.packaging`). The ``champion`` alias (aliases,
+Versions are identified by the sha256 of their checkpoint (tag ``sat.checkpoint_sha256``; logging
+and registering a model is :mod:`pipeline.tracking.packaging`). The ``champion`` alias (aliases,
 not the deprecated stages) moves only when a version beats the current champion on the chosen
-metric; every caption metric here is better when higher. :func:`promotion_allowed` says whether
-the register stage may move it at all (``mlflow.promote``; not inside a ``dvc exp run`` by
-default).
+metric; every caption metric here is better when higher. :func:`promotion_allowed` says whether the
+register stage may move it at all (``mlflow.promote``; not inside a ``dvc exp run`` by default).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
-from pipeline.tracking import ATTENTION_TAG, CHECKPOINT_TAG
+from pipeline.tracking.runs import ATTENTION_TAG, CHECKPOINT_TAG
 from sat_model.model.checkpoint import CONFIG_FILE, MODEL_FILE, VOCAB_FILE
 
 __all__ = [

@@ -32,7 +32,7 @@ from sat_model.config import Params
 
 __all__ = ["RunIdentity", "train_identity"]
 
-_SOURCE_ROOT = Path(__file__).resolve().parents[1]  # the folder holding pipeline/ and dvc.yaml
+_SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding pipeline/ and dvc.yaml
 _PARAMS_FILE = "params.yaml"
 
 

@@ -19,9 +19,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.ray.storage import Storage, resolve_storage
 from sat_model.config import RayConfig
-
-from .storage import Storage, resolve_storage
 
 __all__ = [
     "RaySession",
@@ -77,7 +76,7 @@ def resolve_use_gpu(setting: str) -> bool:
 
 def resolve_storage_path(cfg: RayConfig, project_root: Path) -> Storage:
     """Where Ray Train/Tune keep runs: an object-store URI as given, a folder made absolute
-    (workers change their cwd); see :mod:`pipeline.storage`."""
+    (workers change their cwd); see :mod:`pipeline.ray.storage`."""
     return resolve_storage(cfg.storage_path, project_root)
 
 

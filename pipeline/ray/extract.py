@@ -69,7 +69,7 @@ class RaySplitRunner:
     """A drop-in for ``sat_model.features.extract.extract_split`` running on the current Ray
     cluster.
 
-    Ray must already be initialised (``pipeline.ray_runtime.ray_session``).
+    Ray must already be initialised (``pipeline.ray.runtime.ray_session``).
     """
 
     def __init__(

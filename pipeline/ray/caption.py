@@ -92,7 +92,7 @@ def caption_with_ray_data(
     import ray
     import ray.data
 
-    from pipeline.registry import CHECKPOINT_FILES
+    from pipeline.tracking.registry import CHECKPOINT_FILES
 
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # a plan and a report per dataset
 

@@ -12,11 +12,11 @@ worker failure.
 :func:`train_with_ray` is the ``train`` stage's use of it: ``sat_model.train.run.train_model`` on
 every worker, rank 0 logging each epoch to MLflow once, the final checkpoint copied from Ray's
 storage into ``models/<attention>/`` on the driver. Its runs are named after the run's identity
-(``pipeline.run_identity``: declared params, DVC hashes of code and data, versions) and an attempt
-number, ``sat-<attention>-<12 hex>-<n>``. An invocation trains from epoch 1 in a new attempt
-unless a run of that identity finished (then it trains nothing and hands back that run's model)
-or ``resume=True`` names an unfinished one (then it continues from its last epoch); it says
-which in one line on stderr, then one line per epoch (``pipeline.progress``: loss, val BLEU-4,
+(``pipeline.tracking.run_identity``: declared params, DVC hashes of code and data, versions) and an
+attempt number, ``sat-<attention>-<12 hex>-<n>``. An invocation trains from epoch 1 in a new
+attempt unless a run of that identity finished (then it trains nothing and hands back that run's
+model) or ``resume=True`` names an unfinished one (then it continues from its last epoch); it says
+which in one line on stderr, then one line per epoch (``pipeline.ray.progress``: loss, val BLEU-4,
 captions/s summed over ranks, ETA). Each epoch's checkpoint carries the best model and the last
 training state (``last_state.pt``), so a restart continues from the last finished epoch.
 """
@@ -38,6 +38,9 @@ from typing import TYPE_CHECKING, Any
 import pyarrow.fs as pafs
 import torch
 
+from pipeline.ray.runtime import loopback_env, resolve_use_gpu
+from pipeline.ray.storage import AWS_ENV, Storage, fetch_inputs, upload_inputs, workers_share_files
+from pipeline.tracking.run_identity import RunIdentity
 from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir
 from sat_model.config import Params, RayConfig
 from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE
@@ -46,12 +49,8 @@ from sat_model.model.checkpoint import is_checkpoint_dir
 from sat_model.paths import absolute, output_path
 from sat_model.train.trainer import Callback, EpochState
 
-from .ray_runtime import loopback_env, resolve_use_gpu
-from .run_identity import RunIdentity
-from .storage import AWS_ENV, Storage, fetch_inputs, upload_inputs, workers_share_files
-
 if TYPE_CHECKING:
-    from .tracking import Tracking
+    from pipeline.tracking.runs import Tracking
 
 __all__ = [
     "RUN_RECORD",
@@ -292,7 +291,7 @@ class TrainJob:
     prepared_dir: Path  # absolute: Ray workers change cwd
     features_dir: Path
     resume_from: Path | None = None  # a checkpoint folder seeding a new run
-    identity: str | None = None  # recorded in config.json (pipeline.run_identity)
+    identity: str | None = None  # recorded in config.json (pipeline.tracking.run_identity)
     tracking: Tracking | None = None  # rank 0 logs each epoch to MLflow when set
     mlflow_run_id: str | None = None
     logged_params: Mapping[str, Any] = field(default_factory=dict)
@@ -355,7 +354,7 @@ class _RayEpochReporter(Callback):
         metrics.update({f"val_{k}": v for k, v in (state.val_metrics or {}).items()})
         if self.logger is not None:
             self.logger.log_epoch(state.epoch, metrics)  # step=epoch, once across restarts
-        # what the driver's progress line sums over ranks (pipeline.progress.EpochReport)
+        # what the driver's progress line sums over ranks (pipeline.ray.progress.EpochReport)
         throughput = {
             "captions": state.captions,
             "train_seconds": state.train_seconds,
@@ -368,7 +367,7 @@ class _RayEpochReporter(Callback):
 def sat_train_fn(run: WorkerRun) -> None:
     """Every worker: ``run.config`` (a :class:`TrainJob`) on this rank's shard; rank 0 reports
     the model folder each epoch."""
-    from .tracking import EpochLogger, flatten, log_params
+    from pipeline.tracking.runs import EpochLogger, flatten, log_params
 
     job: TrainJob = run.config
     resume = run.resume_dir or job.resume_from
@@ -496,10 +495,10 @@ def train_with_ray(
     run from a checkpoint folder (its content is part of the identity); ``hooks`` run on every
     worker (tests inject faults there).
     """
-    from .lineage import tag_trained_checkpoint
-    from .ray_runtime import resolve_storage_path
-    from .run_identity import train_identity
-    from .tracking import connect
+    from pipeline.ray.runtime import resolve_storage_path
+    from pipeline.tracking.lineage import tag_trained_checkpoint
+    from pipeline.tracking.run_identity import train_identity
+    from pipeline.tracking.runs import connect
 
     root = project_root.resolve()
     prepared = absolute(params.data.prepared_dir, root)
@@ -541,10 +540,10 @@ def _fit_run(
     job: TrainJob, root: Path, name: str, identity: RunIdentity, address: str | None
 ) -> tuple[Storage, str]:
     """Run (or resume) the Ray Train run ``name`` under its MLflow run; (checkpoint, run id)."""
-    from .lineage import lineage_tags
-    from .progress import epoch_progress
-    from .ray_runtime import ray_session, resolve_storage_path
-    from .tracking import connect, find_or_create_run
+    from pipeline.ray.progress import epoch_progress
+    from pipeline.ray.runtime import ray_session, resolve_storage_path
+    from pipeline.tracking.lineage import lineage_tags
+    from pipeline.tracking.runs import connect, find_or_create_run
 
     params, attention = job.params, job.attention
     lineage = lineage_tags(

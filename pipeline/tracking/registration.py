@@ -20,12 +20,28 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pipeline.tracking.lineage import (
+    dataset_inputs,
+    dvc_experiment,
+    find_training_run,
+    lineage_tags,
+)
+from pipeline.tracking.packaging import RegisteredVersion, log_and_register
+from pipeline.tracking.registry import (
+    checkpoint_sha256,
+    current_champion,
+    promote_if_better,
+    promotion_allowed,
+)
+from pipeline.tracking.runs import (
+    ATTENTION_TAG,
+    EXPERIMENT_TAG,
+    Tracking,
+    connect,
+    flatten,
+    with_retries,
+)
 from sat_model.config import ATTENTION_KINDS, EvalConfig, Params
-
-from .lineage import dataset_inputs, dvc_experiment, find_training_run, lineage_tags
-from .packaging import RegisteredVersion, log_and_register
-from .registry import checkpoint_sha256, current_champion, promote_if_better, promotion_allowed
-from .tracking import ATTENTION_TAG, EXPERIMENT_TAG, Tracking, connect, flatten, with_retries
 
 __all__ = ["register_models"]
 

@@ -1,13 +1,13 @@
-"""One local Ray head for a whole command: ``python -m pipeline.ray_head [--params F] -- CMD ...``.
+"""One local Ray head for a whole command: ``python -m pipeline.ray.head [--params F] -- CMD ...``.
 
 ``make run`` wraps ``dvc repro`` in this: both train stages then connect to one cluster
-(``RAY_ADDRESS=127.0.0.1:<port>``, read by :func:`pipeline.ray_runtime.resolve_address`) instead
+(``RAY_ADDRESS=127.0.0.1:<port>``, read by :func:`pipeline.ray.runtime.resolve_address`) instead
 of each starting and stopping its own local Ray, which on 2 busy cores costs several seconds per
 stage (README, "Timings"). The head is ``ray start --head --block`` on loopback, with
 ``ray.num_cpus`` CPUs, no dashboard and a private temp dir, in its own process group; it is
 stopped by that group's id when the command ends, fails or is interrupted (SIGINT, SIGTERM,
 SIGHUP), never with ``ray stop`` (which would stop every Ray on the machine). A watchdog
-(:mod:`pipeline.reaper`) does the same if this process is killed with SIGKILL.
+(:mod:`pipeline.ray.reaper`) does the same if this process is killed with SIGKILL.
 
 The head runs with token authentication (``RAY_AUTH_MODE=token``, as do the command's drivers).
 ``ray start`` turns it on only when a token exists already (``RAY_AUTH_TOKEN``,
@@ -34,8 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
-from pipeline.ray_runtime import loopback_env, resolve_address
-from pipeline.reaper import start_reaper, stop_group
+from pipeline.ray.reaper import start_reaper, stop_group
+from pipeline.ray.runtime import loopback_env, resolve_address
 from sat_model.config import ParamsError, load_params
 
 __all__ = ["RayHeadError", "main", "ray_head", "run_with_head"]
@@ -173,13 +173,13 @@ def run_with_head(command: Sequence[str], num_cpus: int, address: str | None) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.ray_head", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pipeline.ray.head", description=__doc__)
     parser.add_argument("--params", default="params.yaml", help="params file (%(default)s)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        parser.error("no command given (python -m pipeline.ray_head -- dvc repro)")
+        parser.error("no command given (python -m pipeline.ray.head -- dvc repro)")
     try:
         cfg = load_params(args.params).ray
     except ParamsError as e:  # a typo, or `make run PROFILE=<name>` with no profiles/<name>/

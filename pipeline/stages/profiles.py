@@ -10,8 +10,8 @@ The profile's ``dvc.yaml`` is the root one with the library paths (``pipeline/``
 ``sat_model/``) made relative to the profile folder, so a stage, dep or param added to the root
 pipeline reaches every profile when this module runs again::
 
-    python -m pipeline.profiles          # rewrite profiles/*/dvc.yaml
-    python -m pipeline.profiles --check  # exit 1 if one is stale (make test runs the test)
+    python -m pipeline.stages.profiles          # rewrite profiles/*/dvc.yaml
+    python -m pipeline.stages.profiles --check  # exit 1 if one is stale (make test runs the test)
 
 :func:`new_profile` (``sat profile new NAME --images DIR --captions FILE``) writes a profile for
 your own photos: the Flickr8k profile's params (real photographs, chosen on Flickr8k's dev
@@ -45,7 +45,7 @@ PROFILES_DIR = "profiles"
 # top-level folders of the repository that stage deps name; data outputs stay profile-relative
 LIBRARY_DIRS = ("pipeline", "sat_model")
 _HEADER = """\
-# Written by `python -m pipeline.profiles` from the root dvc.yaml: edit that one, then run it.
+# Written by `python -m pipeline.stages.profiles` from the root dvc.yaml: edit that, then run it.
 # The profile's stages run in this folder, with this folder's params.yaml; the library paths
 # point back to the repository root (README, "Results on Flickr8k"). Its scores:
 # `sat summary --reports profiles/<name>/reports`, or name the files to `dvc metrics show`.
@@ -200,7 +200,7 @@ def _relative(path: Path, start: Path, within: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a dvc.yaml is stale")
-    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2])
     args = parser.parse_args(argv)
     text = profile_dvc_text(args.root)
     stale = False
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         name = path.relative_to(args.root)
         if args.check:
             stale = True
-            print(f"{name} is stale: run python -m pipeline.profiles")
+            print(f"{name} is stale: run python -m pipeline.stages.profiles")
         else:
             path.write_text(text, encoding="utf-8")
             print(f"wrote {name}")

@@ -92,13 +92,13 @@ def job_address(address: str | None) -> str | None:
 
 def code_root() -> Path:
     """The folder holding the ``pipeline`` and ``sat_model`` packages (the job's working_dir)."""
-    return Path(__file__).resolve().parents[1]
+    return Path(__file__).resolve().parents[2]
 
 
 def job_runtime_env(env: Mapping[str, str] | None = None) -> dict[str, object]:
     """``working_dir`` (the code, with :data:`EXCLUDES`) and the :data:`FORWARDED_ENV` set here,
     without credentials."""
-    from .ray_runtime import loopback_env
+    from pipeline.ray.runtime import loopback_env
 
     source = loopback_env(env)
     return {
@@ -111,7 +111,7 @@ def job_runtime_env(env: Mapping[str, str] | None = None) -> dict[str, object]:
 
 
 def _entrypoint(command: Sequence[str]) -> str:
-    # `python -m pipeline.cli` from the working_dir: the uploaded code, not an installed copy
+    # `python -m pipeline.cli.main` from the working_dir: the uploaded code, not an installed copy
     return shlex.join(["python", "-m", "pipeline.cli", *command, "--address", "auto"])
 
 
