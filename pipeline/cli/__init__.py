@@ -1,2 +1,2 @@
-"""The ``sat`` command (:mod:`~pipeline.cli.main`) and how every entry point reports a user
-error in one line (:mod:`~pipeline.cli.user_errors`)."""
+"""The ``sat`` command (:mod:`~pipeline.cli.main`); its subcommands share how a stage reports a
+user error in one line (:mod:`~pipeline.stages.user_errors`)."""

@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from pipeline.cli.user_errors import is_user_error, one_line
 from pipeline.serving import command as serve
 from pipeline.stages import StageContext, add_params_args, evaluate, load_context, project_root
+from pipeline.stages.user_errors import is_user_error, one_line
 from pipeline.tracking.quiet import quiet_mlflow
 from sat_model.config import ATTENTION_KINDS
 

@@ -21,8 +21,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from pipeline.cli.user_errors import user_errors_in_one_line
 from pipeline.stages import StageContext, cli_context, run_locked, stage_parser
+from pipeline.stages.user_errors import user_errors_in_one_line
 from pipeline.tracking.model_uri import is_model_uri, resolve_model_dir
 from sat_model.config import ATTENTION_KINDS
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from pipeline.cli.user_errors import user_errors_in_one_line
 from pipeline.stages import StageContext, cli_context, stage_parser
+from pipeline.stages.user_errors import user_errors_in_one_line
 from sat_model.atomic import write_text_atomic
 from sat_model.config import Params
 from sat_model.data.tables import IMAGES_FILE
