@@ -40,7 +40,7 @@ from PIL import Image
 
 from sat_model.config import EncoderConfig, load_params
 from sat_model.data.tables import IMAGES_FILE
-from sat_model.features.encoders import ENCODER_LAYERS, build_encoder
+from sat_model.features.encoders import build_encoder, encoder_layers
 from sat_model.features.extract import extract_features, read_image_table
 from sat_model.features.images import load_image, preprocess
 from sat_model.features.store import FeatureMeta, FeatureWriter
@@ -166,7 +166,7 @@ def _layers(batch: int) -> list[dict[str, object]]:
     torch.set_num_threads(1)
     x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
     rows = []
-    for layer in ENCODER_LAYERS["efficientnet_lite0"]:
+    for layer in encoder_layers("efficientnet_lite0"):
         encoder = build_encoder("efficientnet_lite0", layer)
         d = encoder.description
         rows.append(

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -131,7 +131,9 @@ class VocabConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["synthetic", "flickr8k", "karpathy", "coco", "folder"] = "synthetic"
+    # a registered data source (sat_model.data.sources.list_sources); its settings, if it has
+    # any, are its section below
+    source: str = "synthetic"
     # dataset folder for real sources; relative paths resolve against the project root
     root: str | None = None
     prepared_dir: str = "data/prepared"
@@ -150,24 +152,28 @@ class DataConfig(_Section):
     folder: FolderConfig = FolderConfig()
     vocab: VocabConfig = VocabConfig()
 
+    @field_validator("source")
+    @classmethod
+    def _registered_source(cls, name: str) -> str:
+        from sat_model.data.sources import list_sources
+
+        if name not in list_sources():
+            raise ValueError(f"unknown data source {name!r}; registered: {list_sources()}")
+        return name
+
     @model_validator(mode="after")
     def _root_for_real_sources(self) -> DataConfig:
-        if self.source != "synthetic" and not self.root:
+        from sat_model.data.sources import source_needs_root
+
+        if source_needs_root(self.source) and not self.root:
             raise ValueError(f"data.root is required for source {self.source!r}")
         return self
 
 
 # -------------------------------------------------------------------------- encoder
 class EncoderConfig(_Section):
-    name: Literal[
-        "efficientnet_lite0",
-        "efficientnet_lite1",
-        "efficientnet_lite2",
-        "vgg16",
-        "vgg19",
-        "resnet101",
-        "random",
-    ] = "efficientnet_lite0"
+    # a registered encoder (sat_model.features.encoders.list_encoders)
+    name: str = "efficientnet_lite0"
     # feature layer: encoder-specific name (see sat_model.features.encoders); None picks the encoder
     # default
     layer: str | None = None
@@ -188,6 +194,15 @@ class EncoderConfig(_Section):
     # beyond the paper: also extract the train photos mirrored left to right, into
     # <features_dir>/train_mirrored.arrow, the features train.mirror draws from
     mirror_train: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _registered_encoder(cls, name: str) -> str:
+        from sat_model.features.encoders import list_encoders  # torch: only when params load
+
+        if name not in list_encoders():
+            raise ValueError(f"unknown encoder {name!r}; registered: {list_encoders()}")
+        return name
 
 
 # ---------------------------------------------------------------------------- model

@@ -71,21 +71,11 @@ def output_path(value: str, project_root: Path) -> Path:
 
 
 def image_root(data: DataConfig, base_dir: Path) -> Path:
-    """The folder images are read from, from params alone (the one ``read_source`` reads).
+    """The folder images are read from, from params alone: the data source's
+    (:func:`sat_model.data.sources.image_root`)."""
+    from sat_model.data.sources import image_root as source_image_root
 
-    Relative ``data.root`` and ``data.prepared_dir`` resolve against ``base_dir``; synthetic
-    images are drawn into ``<prepared_dir>/images``.
-    """
-    base = Path(base_dir)
-    if data.source == "synthetic":
-        return (base / data.prepared_dir / "images").resolve()
-    root = base / data.root if data.root else base
-    if data.source in ("flickr8k", "karpathy"):
-        section = data.flickr8k if data.source == "flickr8k" else data.karpathy
-        return (root / section.images_dir).resolve()
-    if data.source == "folder":
-        return (root / data.folder.images_dir).resolve()
-    return root.resolve()  # coco: names carry their images_dirs folder
+    return source_image_root(data, base_dir)
 
 
 def shared_data(name: str = "") -> Path:

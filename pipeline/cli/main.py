@@ -104,7 +104,9 @@ def _summary(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no metrics under {reports}/{{soft,hard}}/metrics.json yet: run `dvc repro`")
         return 1
-    keys = ["bleu_1", "bleu_2", "bleu_3", "bleu_4", "meteor", "rouge_l", "cider"]
+    from sat_model.evaluation.metrics import metric_keys
+
+    keys = list(metric_keys())
     keys += [k for k in ("pointing_accuracy",) if any(k in m for _, m in rows)]
     print("model  " + "  ".join(f"{k:>8}" for k in keys))
     for attention, metrics in rows:

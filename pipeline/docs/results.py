@@ -14,11 +14,11 @@ from pathlib import Path
 from pipeline.docs.params import replace_between
 from sat_model.atomic import write_text_atomic
 from sat_model.config import ATTENTION_KINDS
+from sat_model.evaluation.metrics import metric_keys
 
 __all__ = ["PAPER_TABLE_1", "results_section"]
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-KEYS = ("bleu_1", "bleu_2", "bleu_3", "bleu_4", "meteor", "rouge_l", "cider")
 # docs/METHOD.md, Table 1 (BLEU and METEOR in %): dataset, model, BLEU-1..4, METEOR
 PAPER_TABLE_1 = (
     ("Flickr8k", "soft", 67, 44.8, 29.9, 19.5, 18.93),
@@ -34,8 +34,18 @@ def _pct(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.1f}"
 
 
+# how the table heads the registered metrics' keys (others: the key in capitals)
+_LABELS = {f"bleu_{n}": f"BLEU-{n}" for n in range(1, 5)} | {
+    "meteor": "METEOR",
+    "rouge_l": "ROUGE-L",
+    "cider": "CIDEr",
+}
+
+
 def results_section(reports: Path) -> str:
     """Markdown: our scores (in %) per attention type, then the paper's Table 1."""
+    keys = metric_keys()
+    heads = [_LABELS.get(k, k.upper()) for k in keys] + ["point"]
     lines = [
         "## Results on the default data",
         "",
@@ -44,19 +54,19 @@ def results_section(reports: Path) -> str:
         "that object's box). Written by `python -m pipeline.docs.results --write` from "
         "`reports/` after `make run`.",
         "",
-        "| data | model | BLEU-1 | BLEU-2 | BLEU-3 | BLEU-4 | METEOR | ROUGE-L | CIDEr | point |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| data | model | " + " | ".join(heads) + " |",
+        "|---|---|" + "---|" * len(heads),
     ]
     for attention in ATTENTION_KINDS:
         path = reports / attention / "metrics.json"
         if not path.exists():
             continue
         m = json.loads(path.read_text(encoding="utf-8"))
-        cells = [_pct(m.get(k)) for k in KEYS] + [_pct(m.get("pointing_accuracy"))]
+        cells = [_pct(m.get(k)) for k in keys] + [_pct(m.get("pointing_accuracy"))]
         lines.append(f"| generated scenes | {attention} | " + " | ".join(cells) + " |")
-    for dataset, model, *scores in PAPER_TABLE_1:
-        cells = [f"{s:g}" for s in scores]
-        lines.append(f"| {dataset} (paper) | {model} | " + " | ".join(cells) + " | – | – | – |")
+    for dataset, model, *scores in PAPER_TABLE_1:  # the paper gives BLEU-1..4 and METEOR
+        cells = [f"{s:g}" for s in scores] + ["–"] * (len(heads) - len(scores))
+        lines.append(f"| {dataset} (paper) | {model} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

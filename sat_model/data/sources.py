@@ -42,6 +42,10 @@ __all__ = [
     "read_karpathy",
     "read_source",
     "read_synthetic",
+    "image_root",
+    "list_sources",
+    "register_source",
+    "source_needs_root",
 ]
 
 EXCLUDED = "excluded"
@@ -493,6 +497,67 @@ def read_synthetic(
     return SourceData("synthetic", Path(images_dir).resolve(), tuple(images), tuple(captions))
 
 
+# (data params, data.root, the prepared folder, decode workers) -> what the source holds
+SourceReader = Callable[[DataConfig, Path, Path, "int | None"], SourceData]
+# (data params, data.root, the prepared folder) -> the folder its images are read from
+ImageRoot = Callable[[DataConfig, Path, Path], Path]
+
+
+@dataclass(frozen=True)
+class _Source:
+    read: SourceReader
+    images: ImageRoot
+    needs_root: bool  # reads files under data.root (every source but the generated scenes)
+
+
+_SOURCES: dict[str, _Source] = {}
+
+
+def register_source(
+    name: str, *, images: ImageRoot | None = None, needs_root: bool = True
+) -> Callable[[SourceReader], SourceReader]:
+    """Decorator: add the data source ``name`` (``data.source`` in params). ``images`` says
+    where its images are (default: ``data.root``); a source with settings of its own reads them
+    from its section of :class:`DataConfig`."""
+
+    def add(read: SourceReader) -> SourceReader:
+        if name in _SOURCES:
+            raise ValueError(f"data source {name!r} is registered already")
+        _SOURCES[name] = _Source(read, images or (lambda data, root, prepared: root), needs_root)
+        return read
+
+    return add
+
+
+def list_sources() -> list[str]:
+    """The registered data sources, sorted."""
+    return sorted(_SOURCES)
+
+
+def source_needs_root(name: str) -> bool:
+    """Whether source ``name`` reads files under ``data.root``."""
+    return _source(name).needs_root
+
+
+def image_root(data: DataConfig, base_dir: Path) -> Path:
+    """The folder images are read from, from params alone (the one ``read_source`` reads).
+
+    Relative ``data.root`` and ``data.prepared_dir`` resolve against ``base_dir``.
+    """
+    base = Path(base_dir)
+    root = base / data.root if data.root else base
+    return _source(data.source).images(data, root, base / data.prepared_dir).resolve()
+
+
+def _source(name: str) -> _Source:
+    if name not in _SOURCES:
+        raise SourceError(f"unknown data source {name!r} (known: {list_sources()})")
+    return _SOURCES[name]
+
+
+@register_source(
+    "synthetic", needs_root=False, images=lambda data, root, prepared: prepared / "images"
+)
 def _synthetic(data: DataConfig, root: Path, prepared_dir: Path, workers: int | None) -> SourceData:
     s = data.synthetic
     return read_synthetic(
@@ -507,6 +572,7 @@ def _synthetic(data: DataConfig, root: Path, prepared_dir: Path, workers: int | 
     )
 
 
+@register_source("flickr8k", images=lambda data, root, prepared: root / data.flickr8k.images_dir)
 def _flickr8k(data: DataConfig, root: Path, prepared_dir: Path, workers: int | None) -> SourceData:
     f = data.flickr8k
     lists = {"train": f.train_list, "val": f.val_list, "test": f.test_list}
@@ -514,11 +580,13 @@ def _flickr8k(data: DataConfig, root: Path, prepared_dir: Path, workers: int | N
     return read_flickr8k(root, f.images_dir, f.token_file, present)
 
 
+@register_source("karpathy", images=lambda data, root, prepared: root / data.karpathy.images_dir)
 def _karpathy(data: DataConfig, root: Path, prepared_dir: Path, workers: int | None) -> SourceData:
     k = data.karpathy
     return read_karpathy(root, k.json_file, k.images_dir, k.restval_to_train)
 
 
+@register_source("coco")  # file names carry their images_dirs folder
 def _coco(data: DataConfig, root: Path, prepared_dir: Path, workers: int | None) -> SourceData:
     c = data.coco
     return read_coco(
@@ -533,6 +601,7 @@ def _coco(data: DataConfig, root: Path, prepared_dir: Path, workers: int | None)
     )
 
 
+@register_source("folder", images=lambda data, root, prepared: root / data.folder.images_dir)
 def _folder(data: DataConfig, root: Path, prepared_dir: Path, workers: int | None) -> SourceData:
     f = data.folder
     return read_folder(
@@ -540,24 +609,12 @@ def _folder(data: DataConfig, root: Path, prepared_dir: Path, workers: int | Non
     )
 
 
-# data.source -> (reads files under data.root, reader): the one place that maps params to readers
-_READERS: dict[str, tuple[bool, Callable[[DataConfig, Path, Path, int | None], SourceData]]] = {
-    "synthetic": (False, _synthetic),
-    "flickr8k": (True, _flickr8k),
-    "karpathy": (True, _karpathy),
-    "coco": (True, _coco),
-    "folder": (True, _folder),
-}
-
-
 def read_source(
     data: DataConfig, prepared_dir: Path, base_dir: Path, workers: int | None = None
 ) -> SourceData:
     """Read the source that ``data.source`` names."""
     root = base_dir / data.root if data.root else base_dir
-    if data.source not in _READERS:
-        raise SourceError(f"unknown data source {data.source!r} (known: {sorted(_READERS)})")
-    needs_root, reader = _READERS[data.source]
-    if needs_root and not root.is_dir():
+    source = _source(data.source)
+    if source.needs_root and not root.is_dir():
         raise SourceError(f"data.root {root} is not a folder")
-    return reader(data, root, prepared_dir, workers)
+    return source.read(data, root, prepared_dir, workers)

