@@ -9,12 +9,12 @@ Only factories read these models; leaf modules take explicit arguments.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from ruamel.yaml import YAMLError
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -446,27 +446,12 @@ class Params(_Section):
         return self
 
 
-class _Yaml12Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``2e-4`` as a float, as YAML 1.2 (and DVC's writer) does."""
-
-
-_Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
-
-
 def read_yaml(text: str) -> Any:
-    """Parse YAML text with YAML 1.2 floats (``1e-3`` is a number, not a string)."""
-    return yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader subclass: no object construction
+    """Parse YAML 1.2 as DVC does (ruamel.yaml's safe loader: ``2e-4`` is a number, ``yes`` a
+    word, a repeated key an error; no object is ever constructed)."""
+    from ruamel.yaml import YAML
+
+    return YAML(typ="safe", pure=True).load(text)
 
 
 def _format_error(err: ValidationError) -> str:
@@ -513,7 +498,7 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | None = 
         raw = read_yaml(path.read_text(encoding="utf-8")) or {}
     except FileNotFoundError as e:
         raise ParamsError(f"params file not found: {path}") from e
-    except yaml.YAMLError as e:
+    except YAMLError as e:
         raise ParamsError(f"params file {path} is not valid YAML: {e}") from e
     if not isinstance(raw, dict):
         raise ParamsError(f"params file {path} must hold a mapping of sections")

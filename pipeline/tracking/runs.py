@@ -158,15 +158,22 @@ def _is_transient(err: BaseException) -> bool:
 
 def with_retries(fn: Callable[[], T], *, retries: int, what: str, delay_s: float = 0.5) -> T:
     """Call ``fn``; retry transient tracking failures ``retries`` times with doubling delays."""
-    for attempt in range(retries + 1):
-        try:
-            return fn()
-        except (MlflowException, OSError) as err:
-            if attempt == retries or not _is_transient(err):
-                err.add_note(f"tracking: {what} failed after {attempt + 1} attempt(s)")
-                raise
-            time.sleep(delay_s * 2**attempt)
-    raise AssertionError("unreachable: the loop returns or raises")
+    from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+    retrying = Retrying(
+        retry=retry_if_exception(
+            lambda e: isinstance(e, MlflowException | OSError) and _is_transient(e)
+        ),
+        stop=stop_after_attempt(retries + 1),
+        wait=wait_exponential(multiplier=delay_s, exp_base=2, min=delay_s),  # 0.5, 1, 2 ... s
+        reraise=True,
+    )
+    try:
+        return retrying(fn)
+    except (MlflowException, OSError) as err:
+        tries = retrying.statistics.get("attempt_number", 1)
+        err.add_note(f"tracking: {what} failed after {tries} attempt(s)")
+        raise
 
 
 @dataclass(frozen=True)
