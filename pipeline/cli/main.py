@@ -461,6 +461,31 @@ def _register_more(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_evaluate)
 
 
+def _add_caption_on_ray(p: argparse.ArgumentParser) -> None:
+    """``sat caption --engine ray``'s options."""
+    p.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="local: this process (default); ray: Ray Data over one folder or s3:// prefix, "
+        "an actor pool holding the model, rows written to --out",
+    )
+    p.add_argument(
+        "--out", default=None, metavar="DEST", help="with --engine ray: a folder or s3://"
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        help="with --engine ray: the Ray cluster (default: ray.address, RAY_ADDRESS, else local)",
+    )
+    p.add_argument(
+        "--actors",
+        type=_positive_int,
+        default=1,
+        help="with --engine ray: model copies (%(default)s)",
+    )
+
+
 def _add_caption(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("caption", help="caption image files and folders; attention overlays")
     add_params_args(p)
@@ -484,27 +509,7 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
         help="text: 'path: caption' lines; jsonl: one {path, caption, error} per image; "
         "parquet: with --engine ray",
     )
-    p.add_argument(
-        "--engine",
-        choices=["local", "ray"],
-        default="local",
-        help="local: this process (default); ray: Ray Data over one folder or s3:// prefix, "
-        "an actor pool holding the model, rows written to --out",
-    )
-    p.add_argument(
-        "--out", default=None, metavar="DEST", help="with --engine ray: a folder or s3://"
-    )
-    p.add_argument(
-        "--address",
-        default=None,
-        help="with --engine ray: the Ray cluster (default: ray.address, RAY_ADDRESS, else local)",
-    )
-    p.add_argument(
-        "--actors",
-        type=_positive_int,
-        default=1,
-        help="with --engine ray: model copies (%(default)s)",
-    )
+    _add_caption_on_ray(p)
     p.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],

@@ -165,6 +165,24 @@ def _fluent_tracking_uri(uri: str) -> Iterator[None]:
             os.environ["MLFLOW_TRACKING_URI"] = previous_env
 
 
+def _log_model(checkpoint: Path, decoding: Mapping[str, Any], sha: str) -> str:
+    """Log the checkpoint as a pyfunc from code into the active run; the logged model's URI."""
+    import mlflow
+
+    info = mlflow.pyfunc.log_model(
+        name="model",
+        python_model=str(PYFUNC_FILE),
+        artifacts={"checkpoint": str(checkpoint)},
+        code_paths=[str(_SAT_MODEL_DIR)],
+        signature=_signature(int(decoding.get("beam_size", 3))),
+        input_example=_input_example(),
+        model_config=_serve_model_config(decoding),
+        pip_requirements=_pip_requirements(),
+        metadata={CHECKPOINT_TAG: sha},  # what `sat serve` checks the files against
+    )
+    return str(info.model_uri)
+
+
 def log_and_register(
     client: MlflowClient,
     *,
@@ -221,16 +239,6 @@ def log_and_register(
         _log_new_params(client, run.info.run_id, params)
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
         _log_run_artifacts(run_artifacts)
-        info = mlflow.pyfunc.log_model(
-            name="model",
-            python_model=str(PYFUNC_FILE),
-            artifacts={"checkpoint": str(_staged_checkpoint(model_dir, Path(tmp)))},
-            code_paths=[str(_SAT_MODEL_DIR)],
-            signature=_signature(int(decoding.get("beam_size", 3))),
-            input_example=_input_example(),
-            model_config=_serve_model_config(decoding),
-            pip_requirements=_pip_requirements(),
-            metadata={CHECKPOINT_TAG: sha},  # what `sat serve` checks the files against
-        )
-        version = mlflow.register_model(info.model_uri, model_name, tags=version_tags)
+        model_uri = _log_model(_staged_checkpoint(model_dir, Path(tmp)), decoding, sha)
+        version = mlflow.register_model(model_uri, model_name, tags=version_tags)
     return RegisteredVersion(model_name, str(version.version), run.info.run_id, sha, False)

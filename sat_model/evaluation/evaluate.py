@@ -157,12 +157,11 @@ def _grounding(
     captions: Sequence[DecodedCaption],
     records: Mapping[str, ImageRecord],
     *,
-    grid_h: int,
-    grid_w: int,
-    resize: int,
-    crop: int,
-    keep_aspect: bool,
+    grid: tuple[int, int],  # (grid_h, grid_w)
+    view: tuple[int, int, bool],  # (resize, crop, keep_aspect): what the encoder saw
 ) -> PointingResult | None:
+    grid_h, grid_w = grid
+    resize, crop, keep_aspect = view
     samples = []
     for c in captions:
         record = records.get(c.image_id)
@@ -234,18 +233,20 @@ def evaluate_model(
     grounding = _grounding(
         captions,
         records,
-        grid_h=meta.grid_h,
-        grid_w=meta.grid_w,
-        resize=resize,
-        crop=meta.input_size,
-        keep_aspect=keep_aspect,
+        grid=(meta.grid_h, meta.grid_w),
+        view=(resize, meta.input_size, keep_aspect),
     )
-    if grounding is not None:
-        scores["pointing_words"] = float(grounding.total)
-        if grounding.total:  # NaN is not valid JSON: an unmeasured accuracy is left out
-            scores["pointing_accuracy"] = grounding.accuracy
-    scores["images"] = float(len(ids))
+    scores.update(_grounding_scores(grounding), images=float(len(ids)))
     return EvaluationResult(scores, captions, skipped, grounding)
+
+
+def _grounding_scores(grounding: PointingResult | None) -> dict[str, float]:
+    if grounding is None:
+        return {}
+    scores = {"pointing_words": float(grounding.total)}
+    if grounding.total:  # NaN is not valid JSON: an unmeasured accuracy is left out
+        scores["pointing_accuracy"] = grounding.accuracy
+    return scores
 
 
 def write_reports(result: EvaluationResult, out_dir: str | Path, split: str) -> None:

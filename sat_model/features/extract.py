@@ -300,7 +300,6 @@ def extract_features(
     splits = read_image_table(images_table, image_root)
     if not splits:
         raise ExtractError(f"{images_table} holds no image with status 'ok' in a split")
-    d = encoder.description
     prep = Preprocessing(resize, crop, max_image_pixels, keep_aspect=keep_aspect)
     jobs = [(split, items, prep) for split, items in splits.items()]
     jobs += [
@@ -323,7 +322,7 @@ def extract_features(
         )
         for split, items, split_prep in jobs
     ]
-    report = ExtractReport(engine, d, results, time.perf_counter() - start)
+    report = ExtractReport(engine, encoder.description, results, time.perf_counter() - start)
     if not any(r.extracted for r in results):
         raise ExtractError(
             f"no image could be extracted from {images_table} (photos read under "

@@ -17,6 +17,7 @@ the best checkpoint beside it stays the best until a later epoch beats it.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import pickle
@@ -322,6 +323,46 @@ class _Setup:
         return _EpochBatches(self.dataset, self.sampler.batches(epoch), mirror)
 
 
+def _run_phases(
+    setup: _Setup,
+    phases: Sequence[_Phase],
+    resume: ResumeState,
+    validate: Any,
+    options: Callable[[int], Any],
+    writers: list[Any],
+    callbacks: Sequence[Callback],
+    wrap_model: Callable[[nn.Module], nn.Module] | None,
+) -> Any:
+    """Fit each phase in turn, the next from the best weights of the one before; the last
+    phase's fit result."""
+    for phase in phases:
+        for writer in writers:
+            writer.phase = phase.name
+        result = fit(
+            setup.model,
+            phase.criterion,
+            phase.optimizer,
+            phase.scheduler,
+            phase.batches,
+            validate,
+            options(phase.max_epochs),
+            [*writers, *callbacks],
+            resume=resume,
+            wrap_model=wrap_model,
+            step_loss=phase.step_loss,
+        )
+        # the next phase starts from the best weights, which fit leaves in the model
+        resume = ResumeState(
+            epoch=result.epochs_completed,
+            best_score=result.best_score,
+            best_epoch=result.best_epoch,
+            best_state=result.best_state,
+        )
+        if result.stopped_early:
+            break
+    return result
+
+
 def train_model(
     params: Params,
     attention: str,
@@ -360,31 +401,10 @@ def train_model(
     if rank == 0:
         validate, writer = _rank_zero(params, setup, prepared_dir, features_dir, curves, identity)
         writers = [writer]
-    for phase in phases[first:]:
-        for writer in writers:
-            writer.phase = phase.name
-        result = fit(
-            setup.model,
-            phase.criterion,
-            phase.optimizer,
-            phase.scheduler,
-            phase.batches,
-            validate,
-            _fit_options(params, setup, rank, log_every, phase.max_epochs),
-            [*writers, *callbacks],
-            resume=resume,
-            wrap_model=wrap_model,
-            step_loss=phase.step_loss,
-        )
-        # the next phase starts from the best weights, which fit leaves in the model
-        resume = ResumeState(
-            epoch=result.epochs_completed,
-            best_score=result.best_score,
-            best_epoch=result.best_epoch,
-            best_state=result.best_state,
-        )
-        if result.stopped_early:
-            break
+    options = functools.partial(_fit_options, params, setup, rank, log_every)
+    result = _run_phases(
+        setup, phases[first:], resume, validate, options, writers, callbacks, wrap_model
+    )
     metrics = _read_metrics(setup.model_dir) if rank == 0 else {}
     return TrainResult(
         setup.model_dir, metrics, result.best_epoch, result.epochs_completed, result.stopped_early
