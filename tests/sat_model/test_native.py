@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from sat_model.config import HardTrainConfig, SoftTrainConfig
-from sat_model.model import fused, native
+from sat_model.model.kernels import fused, native
 from sat_model.model.losses import build_criterion
 from tests.sat_model.test_model import tiny_batch, tiny_model
 
@@ -391,7 +391,7 @@ def test_processes_building_at_once_share_one_library(tmp_path: Path) -> None:
     """Three processes with an empty cache load the kernels at the same moment (Ray workers
     starting together): each gets a working library, and the cache holds one file."""
     script = (
-        "import torch; from sat_model.model import native\n"
+        "import torch; from sat_model.model.kernels import native\n"
         "assert native.load() is not None\n"
         "p, q, w = torch.randn(2, 4, 9), torch.randn(2, 4), torch.randn(1, 4)\n"
         "assert native.scores_forward(p, q, w) is not None\n"

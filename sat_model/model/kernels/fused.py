@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sat_model.model import native
+from sat_model.model.kernels import native
 
 __all__ = [
     "SCORE_CHUNK_ELEMENTS",
