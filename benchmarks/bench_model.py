@@ -522,6 +522,77 @@ def bench_beam(
     }
 
 
+def bench_compiled(d: Dims, batch: int, rounds: int, beam_images: int) -> dict:
+    """The readable model's step compiled by ``torch.compile`` (Inductor's CPU C++ backend:
+    ``advance`` and ``deep_output``, the equations of a step) against the hand-written backend,
+    training (soft, forward + backward) and batched beam search; interleaved rounds, best of
+    each, the compile time apart. Where Inductor cannot compile, the error instead."""
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=d.K,
+        annotation_dim=d.D,
+        num_locations=d.L,
+        embed_dim=d.m,
+        hidden_dim=d.n,
+        attention_dim=d.A,
+        dropout=0.5,
+        gate=True,
+        attention="soft",
+    )
+    fast = ShowAttendTell(config, backend="fast")
+    compiled = ShowAttendTell(config, backend="readable")
+    compiled.load_state_dict(fast.state_dict())
+    compiled.advance = torch.compile(compiled.advance, dynamic=False)  # type: ignore[method-assign]
+    compiled.deep_output = torch.compile(compiled.deep_output, dynamic=False)  # type: ignore[method-assign]
+    criterion = build_criterion("soft", SoftTrainConfig())
+    gen = torch.Generator().manual_seed(0)
+    annotations = torch.randn(batch, d.L, d.D, generator=gen)
+    captions = _captions(batch, 20, d.K, gen)
+    images = annotations[:beam_images]
+
+    def train(model: ShowAttendTell) -> Callable[[], None]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            criterion(model(annotations, captions), captions).loss.backward()
+
+        return step
+
+    def decode(model: ShowAttendTell) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
+                beam_search(model.eval(), images, 3, 20)
+            model.train()
+
+        return run
+
+    row: dict = {"dims": d.name, "batch": batch, "beam_images": beam_images, "rounds": rounds}
+    try:
+        start = time.perf_counter()
+        train(compiled)()
+        decode(compiled)()
+        row["compile_s"] = time.perf_counter() - start
+    except Exception as exc:
+        return row | {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+    runs = {
+        "fast_train": train(fast),
+        "compiled_train": train(compiled),
+        "fast_beam": decode(fast),
+        "compiled_beam": decode(compiled),
+    }
+    for run in runs.values():
+        run()  # warm-up
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, run in runs.items():
+            best[name] = min(best[name], _best_time(run, 1))
+    return row | {
+        "training_captions_per_s": {k: batch / best[f"{k}_train"] for k in ("fast", "compiled")},
+        "beam_captions_per_s": {k: beam_images / best[f"{k}_beam"] for k in ("fast", "compiled")},
+        "training_fast_over_compiled": best["compiled_train"] / best["fast_train"],
+        "beam_fast_over_compiled": best["compiled_beam"] / best["fast_beam"],
+    }
+
+
 def speedup_bound(beam: dict, peak: float) -> float:
     """The batched/one-at-a-time ratio if the batched search did nothing but its matrix
     products, at ``peak`` FLOP/s, against the one-at-a-time time measured: an upper bound
@@ -556,6 +627,12 @@ def main(argv: list[str] | None = None) -> dict:
         "tutorial's, the default and the paper's sizes (benchmarks/results/model_comparison.json)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per row")
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="only torch.compile of the readable step against the hand-written backend, at the "
+        "default, the Flickr8k profile's and the paper's sizes (model_compiled.json)",
+    )
     args = parser.parse_args(argv)
     params = load_params(args.params)
     mp = params.model
@@ -566,6 +643,15 @@ def main(argv: list[str] | None = None) -> dict:
     baseline = load_tree(args.baseline) if args.baseline else None
     if args.comparison:
         return comparison(dims[0], beam_images, args.rounds, baseline)
+    if args.compiled:
+        flickr8k = Dims("flickr8k", 81, 1280, 256, 512, 256, 2500)
+        paper = Dims("paper", 196, 512, 512, 1800, 512, 10_000)
+        rows = [bench_compiled(d, 64, args.rounds, beam_images) for d in (dims[0], flickr8k, paper)]
+        path = RESULTS.with_name("model_compiled.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+        print(json.dumps(rows, indent=2))
+        return {"compiled": rows}
     if not args.quick:
         dims.append(Dims("paper", 196, 512, 512, 1800, 512, 10_000))
     backends = matmul_flops()

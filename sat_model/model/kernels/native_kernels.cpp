@@ -1,8 +1,8 @@
 // The decoder's attention and LSTM steps, each in one pass over its tensors (issue #20).
 //
-// ``sat_model/model/native.py`` compiles this file with the machine's C++ compiler the first time
-// it is needed and calls it through ctypes on float32 CPU tensors; ``fused.py`` and
-// ``decoder.py`` fall back to their PyTorch code where there is no compiler. Dimensions as in
+// ``sat_model/model/kernels/native.py`` builds this file (torch.utils.cpp_extension) the first
+// time it is needed and calls it through ctypes on float32 CPU tensors; ``fused.py`` and
+// ``backend.py`` fall back to their PyTorch code where there is no compiler. Dimensions as in
 // docs/METHOD.md: B images, k rows per image (beams; 1 in training), A attention size, L
 // locations, D annotation size, n LSTM size. Arrays are contiguous unless a stride is passed.
 //
