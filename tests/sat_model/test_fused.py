@@ -1,10 +1,9 @@
-"""The fused training recurrence (``sat_model.model.fused.recurrence``), soft and hard.
+"""The fused training recurrence (``sat_model.model.kernels.fused.recurrence``), soft and hard.
 
 Its backward is back-propagation through time written by hand, so it is checked against finite
 differences of its own forward (``torch.autograd.gradcheck``, float64) for every input, the
-annotations included; its forward and gradients against the decoder's step loop, with the same
-draws of s̃. ``test_reference_model.py`` checks the whole training loss and every parameter's
-gradient against the plain reference of the paper's equations.
+annotations included, and its forward against the decoding steps. ``test_backend.py`` checks
+the whole training loss and every parameter's gradient against the readable model.
 """
 
 from __future__ import annotations
