@@ -52,7 +52,7 @@ def _lite0_model_dir(directory: Path) -> None:
     from sat_model.data.vocab import Vocab
     from sat_model.features.encoders import build_encoder
     from sat_model.model.checkpoint import save_checkpoint
-    from sat_model.model.decoder import build_model
+    from sat_model.model.factory import build_model
 
     d = build_encoder("efficientnet_lite0").description
     words = ("<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(996)])

@@ -34,8 +34,8 @@ from sat_model.config import ATTENTION_KINDS, Params, load_params
 from sat_model.data.tables import read_caption_rows
 from sat_model.data.vocab import END_ID, Vocab, load_vocab
 from sat_model.features.store import FeatureStore
-from sat_model.model.decoder import build_model
 from sat_model.model.decoding import greedy
+from sat_model.model.factory import build_model
 from sat_model.model.losses import SelfCriticalLoss, build_criterion
 from sat_model.train.batching import CaptionDataset, LengthGroupedBatchSampler
 from sat_model.train.run import semi_sampling_options

@@ -10,21 +10,25 @@ through the BLAS and through oneDNN, whichever is faster (``matmul_flops``).
 
     .venv/bin/python benchmarks/bench_model.py [--quick]
     .venv/bin/python benchmarks/bench_model.py --device cuda   # the GPU rows, model_cuda.json
+    .venv/bin/python benchmarks/bench_model.py --comparison --baseline /tmp/base  # beside main
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform
+import sys
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
-from reference_model import reference_forward, reference_soft_loss
+import torch.nn.functional as F
 
 from sat_model.config import (
     ATTENTION_KINDS,
@@ -34,18 +38,15 @@ from sat_model.config import (
     load_params,
 )
 from sat_model.data.vocab import END_ID, PAD_ID, START_ID
-from sat_model.model import native
-from sat_model.model.decoder import (
-    ModelConfig,
-    ShowAttendTell,
-    build_model,
-    torch_lstm_step,
-)
+from sat_model.model.decoder import ModelConfig, ShowAttendTell
 from sat_model.model.decoding import beam_search
+from sat_model.model.factory import build_model
+from sat_model.model.kernels import native
+from sat_model.model.kernels.backend import torch_lstm_step
 from sat_model.model.losses import build_criterion
 from sat_model.train.trainer import build_optimizer
 
-__all__ = ["Dims", "main", "matmul_flops", "train_step_flops"]
+__all__ = ["Dims", "load_tree", "main", "matmul_flops", "train_step_flops", "tutorial_loss"]
 
 RESULTS = Path(__file__).resolve().parent / "results" / "model.json"
 
@@ -97,7 +98,7 @@ def cpu_bf16_matmul_flops(size: int = 2048, repeats: int = 5) -> float:
 def bench_lstm_kernels(d: Dims, rows: tuple[int, ...], repeats: int = 20) -> list[dict]:
     """One LSTM step (Eq. 1-3) through nn.LSTMCell (two BLAS matmuls) and through torch.lstm
     (oneDNN's RNN primitive, which repacks the weights on every call): the two kernels the
-    decoder picks between by rows (``sat_model.model.decoder.ONEDNN_LSTM_MIN_ROWS``)."""
+    backend picks between by rows (``sat_model.model.kernels.backend.ONEDNN_LSTM_MIN_ROWS``)."""
     gen = torch.Generator().manual_seed(0)
     cell = torch.nn.LSTMCell(d.m + d.D, d.n)
     out = []
@@ -222,14 +223,78 @@ def bench_training(
     }
 
 
+def load_tree(root: str | Path) -> dict[str, ModuleType]:
+    """Another checkout's ``sat_model`` (e.g. today's main beside this branch), imported into
+    this process under its own module objects so both are timed in the same rounds: its
+    decoder, decoding, losses and trainer modules. The current tree's ``sat_model`` stays the
+    one ``import`` finds."""
+    ours = {k: sys.modules.pop(k) for k in list(sys.modules) if k.split(".")[0] == "sat_model"}
+    sys.path.insert(0, str(Path(root).resolve()))
+    try:
+        names = ("decoder", "decoding", "losses")
+        tree = {n: importlib.import_module(f"sat_model.model.{n}") for n in names}
+        tree["trainer"] = importlib.import_module("sat_model.train.trainer")
+        tree["config"] = importlib.import_module("sat_model.config")
+    finally:
+        sys.path.pop(0)
+        for k in [k for k in sys.modules if k.split(".")[0] == "sat_model"]:
+            del sys.modules[k]
+        sys.modules.update(ours)
+    return tree
+
+
+def tutorial_loss(
+    model: ShowAttendTell, annotations: torch.Tensor, captions: torch.Tensor, lam: float
+) -> torch.Tensor:
+    """The plain reference, as the most-used PyTorch tutorial decodes (sgrvinod's
+    a-PyTorch-Tutorial-to-Image-Captioning): captions sorted by length, and at each step only
+    the captions still running (``batch_size_t``), the paper's equations unfused (Eq. 4-5, the
+    gate, ``nn.LSTMCell``, Eq. 7) with ``model``'s parameters, W_a a once per batch; Eq. 14's
+    loss per caption, averaged over captions."""
+    att, targets = model.attention, captions[:, 1:]  # (B, T)
+    lengths = (targets != PAD_ID).sum(1)
+    lengths, order = lengths.sort(descending=True)
+    a, targets = annotations[order], targets[order]  # (B, L, D), (B, T)
+    embedded = model.embedding(captions[order, :-1])  # (B, T, m)
+    projected = att.annotation_proj(a)  # (B, L, A)
+    mean = a.mean(1)
+    h, c = torch.tanh(model.init_h(mean)), torch.tanh(model.init_c(mean))  # (B, n)
+    B, T = targets.shape
+    logits = a.new_zeros(B, T, model.config.vocab_size)
+    alphas = a.new_zeros(B, T, a.size(1))
+    for t in range(int(lengths[0])):
+        bt = int((lengths > t).sum())  # captions still running
+        h, c = h[:bt], c[:bt]
+        e = att.score(torch.tanh(projected[:bt] + att.hidden_proj(h).unsqueeze(1))).squeeze(2)
+        alpha = torch.softmax(e, dim=1)  # (bt, L), Eq. 4-5
+        assert model.gate is not None
+        z = torch.sigmoid(model.gate(h)) * (alpha.unsqueeze(2) * a[:bt]).sum(1)  # (bt, D)
+        emb = embedded[:bt, t]
+        h, c = model.lstm(torch.cat([emb, z], dim=1), (h, c))  # Eq. 1-3
+        pre = torch.tanh(emb + model.hidden_out(h) + model.context_out(z))  # Eq. 7
+        logits[:bt, t] = model.out(F.dropout(pre, model.config.dropout, model.training))
+        alphas[:bt, t] = alpha
+    mask = targets != PAD_ID
+    nll = F.cross_entropy(logits[mask], targets[mask], reduction="sum")  # packed, as theirs
+    penalty = ((1.0 - alphas.sum(dim=1)) ** 2).sum(dim=1)  # (B,)
+    return (nll + lam * penalty.sum()) / B
+
+
 def bench_against_reference(
-    d: Dims, batch: int, rounds: int, doubly_stochastic: float = 1.0, device: str = "cpu"
+    d: Dims,
+    batch: int,
+    rounds: int,
+    doubly_stochastic: float = 1.0,
+    device: str = "cpu",
+    baseline: dict[str, ModuleType] | None = None,
 ) -> dict:
-    """Training captions/s of the project's step and of the plain reference
-    (benchmarks/reference_model.py) at the same sizes, soft attention with the doubly
-    stochastic term, Adam, captions of 8-20 words; interleaved rounds, best of each."""
+    """Training captions/s of the project's step (its fast backend; with the compiled kernels
+    off; the readable model alone) against the tutorial's plain step (``tutorial_loss``) at
+    the same sizes, soft attention with the doubly stochastic term, Adam, captions of 10-20
+    words; with ``baseline`` (``load_tree``) also that tree's step. Interleaved rounds, best
+    of each."""
     gen = torch.Generator().manual_seed(0)
-    config = ModelConfig(
+    fields = dict(
         vocab_size=d.K,
         annotation_dim=d.D,
         num_locations=d.L,
@@ -240,55 +305,104 @@ def bench_against_reference(
         gate=True,
         attention="soft",
     )
-    ours, eager, theirs = (ShowAttendTell(config).to(device) for _ in range(3))
-    eager.load_state_dict(ours.state_dict())
-    theirs.load_state_dict(ours.state_dict())
+    config = ModelConfig(**fields)  # type: ignore[arg-type]
+    ours = ShowAttendTell(config, backend="fast").to(device)
+    eager = ShowAttendTell(config, backend="fast").to(device)
+    readable = ShowAttendTell(config, backend="readable").to(device)
+    theirs = ShowAttendTell(config, backend="readable").to(device)
+    for model in (eager, readable, theirs):
+        model.load_state_dict(ours.state_dict())
     criterion = build_criterion("soft", SoftTrainConfig(doubly_stochastic=doubly_stochastic)).to(
         device
     )
-    # the project's optimizer (Adam, fused where torch has it) for its step, torch's default
-    # Adam for the reference, as a plain implementation would write it
-    opt_ours = build_optimizer(ours.parameters(), "adam", lr=1e-4)
-    opt_eager = build_optimizer(eager.parameters(), "adam", lr=1e-4)
-    opt_theirs = torch.optim.Adam(theirs.parameters(), lr=1e-4)
     annotations = torch.randn(batch, d.L, d.D, generator=gen).to(device)
     captions = _captions(batch, 20, d.K, gen).to(device)  # lengths 10-20 tokens after <start>
 
-    def our_step() -> None:
-        opt_ours.zero_grad(set_to_none=True)
-        criterion(ours(annotations, captions), captions).loss.backward()
-        opt_ours.step()
+    def step_of(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        # the project's optimizer (Adam, fused where torch has it) for the project's steps,
+        # torch's default Adam for the reference, as a plain implementation would write it
+        fused = model is not theirs
+        opt = build_optimizer(model.parameters(), "adam", lr=1e-4) if fused else None
+        opt = opt or torch.optim.Adam(model.parameters(), lr=1e-4)
 
-    def eager_step() -> None:  # the project's step with the compiled kernels off
-        with native.turned_off():
-            opt_eager.zero_grad(set_to_none=True)
-            criterion(eager(annotations, captions), captions).loss.backward()
-            opt_eager.step()
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            loss().backward()
+            opt.step()
 
-    def reference_step() -> None:
-        opt_theirs.zero_grad(set_to_none=True)
-        out = reference_forward(theirs, annotations, captions)
-        reference_soft_loss(out, captions, doubly_stochastic).backward()
-        opt_theirs.step()
+        return step
 
-    our_step(), eager_step(), reference_step()  # warm-up
-    ours_s = eager_s = theirs_s = float("inf")
+    def eager_loss() -> torch.Tensor:
+        with native.turned_off():  # the project's fused step with the compiled kernels off
+            return criterion(eager(annotations, captions), captions).loss
+
+    steps = {
+        "ours": step_of(ours, lambda: criterion(ours(annotations, captions), captions).loss),
+        "without_native_kernels": step_of(eager, eager_loss),
+        "readable": step_of(
+            readable, lambda: criterion(readable(annotations, captions), captions).loss
+        ),
+        "reference": step_of(
+            theirs, lambda: tutorial_loss(theirs, annotations, captions, doubly_stochastic)
+        ),
+    }
+    if baseline is not None:
+        steps["baseline"] = _baseline_training_step(
+            baseline, fields, ours, device, doubly_stochastic
+        )(annotations, captions)
+    for step in steps.values():
+        step()  # warm-up
+    best = dict.fromkeys(steps, float("inf"))
     for _ in range(rounds):
-        ours_s = min(ours_s, _best_time(our_step, 1, device))
-        eager_s = min(eager_s, _best_time(eager_step, 1, device))
-        theirs_s = min(theirs_s, _best_time(reference_step, 1, device))
-    return {
+        for name, step in steps.items():
+            best[name] = min(best[name], _best_time(step, 1, device))
+    row = {
         "device": device,
         "dims": d.name,
         "batch": batch,
+        "rounds": rounds,
         "native_kernels": native.load() is not None,
-        "captions_per_s": batch / ours_s,
-        "without_native_kernels_captions_per_s": batch / eager_s,
-        "reference_captions_per_s": batch / theirs_s,
-        "speedup_over_reference": theirs_s / ours_s,
-        "speedup_over_reference_without_native_kernels": theirs_s / eager_s,
-        "matmul_flops_per_s": train_step_flops(d, batch, 20) / ours_s,
+        "captions_per_s": batch / best["ours"],
+        "without_native_kernels_captions_per_s": batch / best["without_native_kernels"],
+        "readable_captions_per_s": batch / best["readable"],
+        "reference_captions_per_s": batch / best["reference"],
+        "speedup_over_reference": best["reference"] / best["ours"],
+        "speedup_over_reference_without_native_kernels": (
+            best["reference"] / best["without_native_kernels"]
+        ),
+        "readable_speedup_over_reference": best["reference"] / best["readable"],
+        "matmul_flops_per_s": train_step_flops(d, batch, 20) / best["ours"],
     }
+    if baseline is not None:
+        row["baseline_captions_per_s"] = batch / best["baseline"]
+        row["over_baseline"] = best["baseline"] / best["ours"]
+        row["baseline_speedup_over_reference"] = best["reference"] / best["baseline"]
+    return row
+
+
+def _baseline_training_step(
+    tree: dict[str, ModuleType],
+    fields: dict,
+    ours: torch.nn.Module,
+    device: str,
+    doubly_stochastic: float,
+) -> Callable[[torch.Tensor, torch.Tensor], Callable[[], None]]:
+    """The same training step through another tree's modules, with ``ours``'s weights."""
+    model = tree["decoder"].ShowAttendTell(tree["decoder"].ModelConfig(**fields)).to(device)
+    model.load_state_dict(ours.state_dict())
+    cfg = tree["config"].SoftTrainConfig(doubly_stochastic=doubly_stochastic)
+    criterion = tree["losses"].build_criterion("soft", cfg).to(device)
+    opt = tree["trainer"].build_optimizer(model.parameters(), "adam", lr=1e-4)
+
+    def bind(annotations: torch.Tensor, captions: torch.Tensor) -> Callable[[], None]:
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            criterion(model(annotations, captions), captions).loss.backward()
+            opt.step()
+
+        return step
+
+    return bind
 
 
 def bench_attention_nonlinearity(d: Dims, rows: int, repeats: int = 20) -> dict:
@@ -312,13 +426,15 @@ def bench_beam(
     device: str = "cpu",
     rounds: int = 10,
     dtype: torch.dtype = torch.float32,
+    baseline: dict[str, ModuleType] | None = None,
 ) -> dict:
     """Batched beam search over ``images`` against one image at a time, same model and
     annotations, interleaved rounds. ``dtype`` other than float32: the model and annotations
     cast to it (the compiled kernels are float32-only, so both ways run PyTorch's ops); the row
-    then also counts the images whose batched caption equals the float32 model's."""
+    then also counts the images whose batched caption equals the float32 model's. With
+    ``baseline`` (``load_tree``), that tree's batched search on the same weights too."""
     torch.manual_seed(0)
-    config = ModelConfig(
+    fields = dict(
         vocab_size=d.K,
         annotation_dim=d.D,
         num_locations=d.L,
@@ -329,7 +445,7 @@ def bench_beam(
         gate=True,
         attention="soft",
     )
-    model = ShowAttendTell(config).to(device)
+    model = ShowAttendTell(ModelConfig(**fields)).to(device)  # type: ignore[arg-type]
     with torch.no_grad():
         model.out.bias[END_ID] = -1e4  # every caption runs to max_length: equal work both ways
     annotations = torch.randn(images, d.L, d.D, device=device)
@@ -351,19 +467,35 @@ def bench_beam(
     def single_run() -> object:
         return [beam_search(model, a.unsqueeze(0), beam, max_length) for a in annotations]
 
+    baseline_run = None
+    if baseline is not None:
+        other = baseline["decoder"].ShowAttendTell(baseline["decoder"].ModelConfig(**fields))
+        other = other.to(device=device, dtype=dtype)
+        other.load_state_dict(model.state_dict())
+        other_search = baseline["decoding"].beam_search
+        other_search(other, annotations[:2], beam, max_length)  # warm-up
+
+        def baseline_run() -> object:
+            return other_search(other, annotations, beam, max_length)
+
     # interleaved rounds, best of each: this machine's speed drifts by tens of percent over
     # seconds, and timing one way after the other would hand the drift to one side only
-    batched_s = single_s = float("inf")
+    batched_s = single_s = baseline_s = float("inf")
     eager_s = float("inf") if device == "cpu" else 0.0
     for _ in range(rounds):
         batched_s = min(batched_s, _best_time(batched_run, 1, device))
         if device == "cpu":  # the kernels are CPU code: elsewhere both runs are the same
             eager_s = min(eager_s, _best_time(batched_eager_run, 1, device))
         single_s = min(single_s, _best_time(single_run, 1, device))
+        if baseline_run is not None:
+            baseline_s = min(baseline_s, _best_time(baseline_run, 1, device))
     same = sum(x.tokens == y.tokens for x, y in zip(batched, single, strict=True))
     # one row per image at the first step, then all B*k rows (<end> is unreachable here)
     row_steps = images * (1 + beam * (max_length - 1))
     row: dict = {}
+    if baseline_run is not None:
+        row["baseline_batched_captions_per_s"] = images / baseline_s
+        row["batched_over_baseline"] = baseline_s / batched_s
     if float32_captions is not None:
         row["images_with_the_same_caption_both_ways"] = same
         row["images_with_the_float32_caption"] = sum(
@@ -390,6 +522,80 @@ def bench_beam(
     }
 
 
+def bench_compiled(d: Dims, batch: int, rounds: int, beam_images: int) -> dict:
+    """The readable model's step compiled by ``torch.compile`` (Inductor's CPU C++ backend:
+    ``advance`` and ``deep_output``, the equations of a step) against the hand-written backend,
+    training (soft, forward + backward) and batched beam search; interleaved rounds, best of
+    each, the compile time apart. Where Inductor cannot compile, the error instead."""
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=d.K,
+        annotation_dim=d.D,
+        num_locations=d.L,
+        embed_dim=d.m,
+        hidden_dim=d.n,
+        attention_dim=d.A,
+        dropout=0.5,
+        gate=True,
+        attention="soft",
+    )
+    fast = ShowAttendTell(config, backend="fast")
+    compiled = ShowAttendTell(config, backend="readable")
+    compiled.load_state_dict(fast.state_dict())
+    # one graph per shape, mode and grad mode: beam search's first step has B rows, the
+    # others B*k; training and decoding differ in dropout and autograd
+    torch._dynamo.config.recompile_limit = 64
+    compiled.advance = torch.compile(compiled.advance)  # type: ignore[method-assign]
+    compiled.deep_output = torch.compile(compiled.deep_output)  # type: ignore[method-assign]
+    criterion = build_criterion("soft", SoftTrainConfig())
+    gen = torch.Generator().manual_seed(0)
+    annotations = torch.randn(batch, d.L, d.D, generator=gen)
+    captions = _captions(batch, 20, d.K, gen)
+    images = annotations[:beam_images]
+
+    def train(model: ShowAttendTell) -> Callable[[], None]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            criterion(model(annotations, captions), captions).loss.backward()
+
+        return step
+
+    def decode(model: ShowAttendTell) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
+                beam_search(model.eval(), images, 3, 20)
+            model.train()
+
+        return run
+
+    row: dict = {"dims": d.name, "batch": batch, "beam_images": beam_images, "rounds": rounds}
+    try:
+        start = time.perf_counter()
+        train(compiled)()
+        decode(compiled)()
+        row["compile_s"] = time.perf_counter() - start
+    except Exception as exc:
+        return row | {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+    runs = {
+        "fast_train": train(fast),
+        "compiled_train": train(compiled),
+        "fast_beam": decode(fast),
+        "compiled_beam": decode(compiled),
+    }
+    for run in runs.values():
+        run()  # warm-up
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, run in runs.items():
+            best[name] = min(best[name], _best_time(run, 1))
+    return row | {
+        "training_captions_per_s": {k: batch / best[f"{k}_train"] for k in ("fast", "compiled")},
+        "beam_captions_per_s": {k: beam_images / best[f"{k}_beam"] for k in ("fast", "compiled")},
+        "training_fast_over_compiled": best["compiled_train"] / best["fast_train"],
+        "beam_fast_over_compiled": best["compiled_beam"] / best["fast_beam"],
+    }
+
+
 def speedup_bound(beam: dict, peak: float) -> float:
     """The batched/one-at-a-time ratio if the batched search did nothing but its matrix
     products, at ``peak`` FLOP/s, against the one-at-a-time time measured: an upper bound
@@ -411,6 +617,25 @@ def main(argv: list[str] | None = None) -> dict:
         help="cuda: the training and beam search rows on the GPU, float32 and bf16 autocast "
         "(benchmarks/results/model_cuda.json)",
     )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="another checkout's root (e.g. `git worktree add /tmp/base <commit>`): its training "
+        "step and batched beam search timed in the same rounds",
+    )
+    parser.add_argument(
+        "--comparison",
+        action="store_true",
+        help="only the rows against the tutorial's reference and the baseline, at the "
+        "tutorial's, the default and the paper's sizes (benchmarks/results/model_comparison.json)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per row")
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="only torch.compile of the readable step against the hand-written backend, at the "
+        "default, the Flickr8k profile's and the paper's sizes (model_compiled.json)",
+    )
     args = parser.parse_args(argv)
     params = load_params(args.params)
     mp = params.model
@@ -418,6 +643,18 @@ def main(argv: list[str] | None = None) -> dict:
     dims = [Dims("default", 196, 112, mp.embed_dim, mp.hidden_dim, mp.attention_dim, 100)]
     if args.device == "cuda":
         return _main_cuda(dims[0], beam_images)
+    baseline = load_tree(args.baseline) if args.baseline else None
+    if args.comparison:
+        return comparison(dims[0], beam_images, args.rounds, baseline)
+    if args.compiled:
+        flickr8k = Dims("flickr8k", 81, 1280, 256, 512, 256, 2500)
+        paper = Dims("paper", 196, 512, 512, 1800, 512, 10_000)
+        rows = [bench_compiled(d, 64, args.rounds, beam_images) for d in (dims[0], flickr8k, paper)]
+        path = RESULTS.with_name("model_compiled.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+        print(json.dumps(rows, indent=2))
+        return {"compiled": rows}
     if not args.quick:
         dims.append(Dims("paper", 196, 512, 512, 1800, 512, 10_000))
     backends = matmul_flops()
@@ -475,6 +712,44 @@ def main(argv: list[str] | None = None) -> dict:
         )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def comparison(
+    default: Dims, beam_images: int, rounds: int, baseline: dict[str, ModuleType] | None
+) -> dict:
+    """Training against the tutorial's plain step at the tutorial's, the default and the
+    paper's sizes, and batched beam search against one image at a time (default and paper
+    sizes), each beside ``baseline``'s where given, and beam search's fraction of the float32
+    matmul bound at the paper's sizes."""
+    tutorial = Dims("tutorial", 196, 512, 512, 512, 512, 2600)
+    paper = Dims("paper", 196, 512, 512, 1800, 512, 10_000)
+    backends = matmul_flops()
+    peak = max(backends.values())
+    result: dict = {
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "matmul_peak_flops_per_s": peak,
+        "training_against_reference": [
+            bench_against_reference(d, 64, rounds, baseline=baseline)
+            for d in (tutorial, default, paper)
+        ],
+        "beam_search": [
+            bench_beam(
+                d, beam_images, 3, 20, rounds=rounds if d is default else 1, baseline=baseline
+            )
+            for d in (default, paper)
+        ],
+    }
+    for beam in result["beam_search"]:
+        beam["batched_fraction_of_matmul_peak"] = beam["batched_matmul_flops_per_s"] / peak
+        beam["speedup_bound_at_float32_matmul_peak"] = speedup_bound(beam, peak)
+    path = RESULTS.with_name("model_comparison.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(result, indent=2))
     return result
 

@@ -222,6 +222,10 @@ class ModelParams(_Section):
     coordinates: bool = True
     # standardise each annotation channel with the training features' statistics (model.py)
     normalize_features: bool = True
+    # how the model is computed, not what: "fast" (fused and compiled kernels where they apply,
+    # sat_model/model/kernels) or "readable" (autograd through decoder.py's equations only);
+    # unset, the environment variable SAT_MODEL_BACKEND decides, else "fast"
+    backend: Literal["fast", "readable"] | None = None
 
 
 # ---------------------------------------------------------------------------- train

@@ -21,7 +21,7 @@ from sat_model.config import ModelParams
 from sat_model.data.vocab import SPECIALS, Vocab
 from sat_model.features.encoders import build_encoder
 from sat_model.model.checkpoint import save_checkpoint
-from sat_model.model.decoder import build_model
+from sat_model.model.factory import build_model
 from sat_model.paths import shared_data
 
 __all__ = ["photo_of_another_shape", "write_captions", "write_references", "write_tiny_model"]

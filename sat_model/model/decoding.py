@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from sat_model.data.vocab import END_ID, PAD_ID, START_ID, Vocab
-from sat_model.model.decoder import MODES, DecoderState, ShowAttendTell
+from sat_model.model.decoder import MODES, ShowAttendTell
+from sat_model.model.outputs import DecoderState
 
 __all__ = ["Caption", "beam_search", "greedy", "length_penalty_for", "sample"]
 

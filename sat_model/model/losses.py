@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from sat_model.config import HardTrainConfig, SoftTrainConfig
 from sat_model.data.vocab import PAD_ID
-from sat_model.model.decoder import ForwardOutput
+from sat_model.model.outputs import ForwardOutput
 
 __all__ = [
     "REWARDS",

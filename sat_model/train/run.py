@@ -48,8 +48,9 @@ from sat_model.model.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from sat_model.model.decoder import ShowAttendTell, build_model
+from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.decoding import greedy
+from sat_model.model.factory import build_model
 from sat_model.model.losses import SelfCriticalLoss, build_criterion
 from sat_model.train.batching import (
     Batch,

@@ -1,5 +1,6 @@
-"""``benchmarks/bench_model.py``'s beam search rows: batched against one image at a time in
-float32 and in bfloat16, and the bound the matrix products put on their ratio."""
+"""``benchmarks/bench_model.py``: its beam search rows (batched against one image at a time in
+float32 and in bfloat16, and the bound the matrix products put on their ratio), its plain
+reference of the training step, and the baseline tree it times beside this one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from sat_model.config import SoftTrainConfig
+from sat_model.data.vocab import PAD_ID
+from sat_model.model.decoder import ModelConfig, ShowAttendTell
+from sat_model.model.losses import build_criterion
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -22,7 +28,6 @@ def _load(name: str) -> object:
     return module
 
 
-_load("reference_model")  # bench_model imports it as a top-level module
 bench_model = _load("bench_model")
 TINY = bench_model.Dims("tiny", L=4, D=8, m=8, n=16, A=8, K=12)
 
@@ -49,3 +54,45 @@ def test_speedup_bound_is_one_at_a_time_over_products_at_the_peak() -> None:
     # 4 GFLOP of products at 1 GFLOP/s take 4 s at best; one at a time took 2 s
     beam = {"one_at_a_time_s": 2.0, "batched_matmul_flops": 4e9}
     assert bench_model.speedup_bound(beam, 1e9) == pytest.approx(0.5)
+
+
+def test_the_tutorials_reference_computes_the_models_loss_and_gradients() -> None:
+    """The reference decodes only the captions still running, sorted by length: the same loss
+    (Eq. 14) and gradients as the readable model over the padded batch, in float64."""
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=12,
+        annotation_dim=5,
+        num_locations=4,
+        embed_dim=6,
+        hidden_dim=7,
+        attention_dim=3,
+        dropout=0.0,
+        gate=True,
+        attention="soft",
+    )
+    model = ShowAttendTell(config, backend="readable").double().train()
+    gen = torch.Generator().manual_seed(1)
+    annotations = torch.randn(6, 4, 5, generator=gen, dtype=torch.float64)
+    captions = bench_model._captions(6, 8, 12, gen)
+    assert len(set((captions != PAD_ID).sum(1).tolist())) > 1  # lengths differ
+    criterion = build_criterion("soft", SoftTrainConfig(doubly_stochastic=0.7))
+    params = list(model.parameters())
+    want = criterion(model(annotations, captions), captions).loss
+    got = bench_model.tutorial_loss(model, annotations, captions, 0.7)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(
+        torch.autograd.grad(got, params), torch.autograd.grad(want, params), strict=True
+    ):
+        torch.testing.assert_close(g, w)
+
+
+def test_a_tree_loaded_beside_is_timed_in_the_same_rounds() -> None:
+    """``--baseline``: another checkout's modules (here this one's, loaded a second time) run
+    the same training step and beam search beside this tree's."""
+    tree = bench_model.load_tree(BENCHMARKS.parent)
+    assert tree["decoder"].ShowAttendTell is not ShowAttendTell
+    row = bench_model.bench_against_reference(TINY, batch=4, rounds=1, baseline=tree)
+    assert row["over_baseline"] > 0 and row["speedup_over_reference"] > 0
+    beam = bench_model.bench_beam(TINY, images=2, beam=2, max_length=4, rounds=1, baseline=tree)
+    assert beam["batched_over_baseline"] > 0 and beam["same_captions"] is True

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from sat_model.data.vocab import END_ID, START_ID
-from sat_model.model import decoder as model_module
-from sat_model.model import fused as fused_module
-from sat_model.model import native
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
 from sat_model.model.decoding import Caption, beam_search, greedy
+from sat_model.model.kernels import backend as model_module
+from sat_model.model.kernels import fused as fused_module
+from sat_model.model.kernels import native
 
 K, D, L = 15, 6, 5
 

@@ -1,10 +1,9 @@
-"""The fused training recurrence (``sat_model.model.fused.recurrence``), soft and hard.
+"""The fused training recurrence (``sat_model.model.kernels.fused.recurrence``), soft and hard.
 
 Its backward is back-propagation through time written by hand, so it is checked against finite
 differences of its own forward (``torch.autograd.gradcheck``, float64) for every input, the
-annotations included; its forward and gradients against the decoder's step loop, with the same
-draws of s̃. ``test_reference_model.py`` checks the whole training loss and every parameter's
-gradient against the plain reference of the paper's equations.
+annotations included, and its forward against the decoding steps. ``test_backend.py`` checks
+the whole training loss and every parameter's gradient against the readable model.
 """
 
 from __future__ import annotations
@@ -12,10 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sat_model.config import HardTrainConfig, SoftTrainConfig
-from sat_model.model import decoder, fused
-from sat_model.model.fused import HardPath, recurrence
-from sat_model.model.losses import build_criterion
+from sat_model.model.kernels import backend, fused
+from sat_model.model.kernels.fused import HardPath, recurrence
 from tests.sat_model.test_model import tiny_batch, tiny_model
 
 B, T, L, D, n, A = 3, 4, 5, 3, 4, 3
@@ -89,76 +86,15 @@ def test_soft_forward_gives_the_step_loops_outputs(gate: bool) -> None:
         state = step.state
 
 
-@pytest.mark.parametrize("input_dropout", [0.0, 0.4])
-@pytest.mark.parametrize("attention", ["soft", "hard"])
-def test_a_training_pass_gives_the_step_loops_loss_and_gradients(
-    attention: str, input_dropout: float, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Training mode, dropout on (before L_o, and on the LSTM's embedding input), s̃ sampled with
-    semi-sampling: seeded alike, the fused pass and the step loop draw the same s̃ and masks and
-    give the same loss and gradients."""
-    model = tiny_model(attention, dropout=0.3, input_dropout=input_dropout).double().train()
-    annotations, captions = tiny_batch()
-    annotations = annotations.double()
-    cfg = SoftTrainConfig(doubly_stochastic=1.0) if attention == "soft" else HardTrainConfig()
-    results = []
-    for fused_pass in (True, False):
-        monkeypatch.setattr(type(model), "_fused_pass", lambda *a, f=fused_pass: f)
-        torch.manual_seed(2)
-        out = model(annotations, captions)
-        loss = build_criterion(attention, cfg)(out, captions).loss
-        grads = torch.autograd.grad(loss, list(model.parameters()))
-        results.append((out, loss, grads))
-    (fused_out, fused_loss, fused_grads), (loop_out, loop_loss, loop_grads) = results
-    torch.testing.assert_close(fused_loss, loop_loss, rtol=1e-10, atol=1e-12)
-    for name, got, want in zip(
-        [n for n, _ in model.named_parameters()], fused_grads, loop_grads, strict=True
-    ):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=name)
-    torch.testing.assert_close(fused_out.alphas, loop_out.alphas)
-    if attention == "hard":
-        assert fused_out.sampled is not None and loop_out.sampled is not None
-        assert fused_out.sampled.tolist() == loop_out.sampled.tolist()
-        assert 0 < int(fused_out.sampled.sum()) < len(captions)  # both kinds of image present
-        torch.testing.assert_close(fused_out.location_log_probs, loop_out.location_log_probs)
-        torch.testing.assert_close(fused_out.entropy, loop_out.entropy)
-
-
-def test_hard_attentions_expected_pass_gives_the_step_loops_loss_and_gradients(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Hard attention's test-time path (α's expected context for every image), which
-    self-critical training back-propagates through: the fused pass gives the step loop's
-    logits, entropy and gradients, and like it reports no sampled location."""
-    model = tiny_model("hard", dropout=0.3).double().eval()
-    annotations, captions = tiny_batch()
-    annotations = annotations.double()
-    results = []
-    for fused_pass in (True, False):
-        monkeypatch.setattr(type(model), "_fused_pass", lambda *a, f=fused_pass: f)
-        out = model(annotations, captions, mode="expected")
-        loss = out.logits.log_softmax(-1)[..., 4].sum() + out.entropy.sum()
-        results.append((out, torch.autograd.grad(loss, list(model.parameters()))))
-    (fused_out, fused_grads), (loop_out, loop_grads) = results
-    torch.testing.assert_close(fused_out.logits, loop_out.logits, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(fused_out.entropy, loop_out.entropy, rtol=1e-10, atol=1e-12)
-    for name, got, want in zip(
-        [n for n, _ in model.named_parameters()], fused_grads, loop_grads, strict=True
-    ):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=name)
-    assert fused_out.sampled is None and fused_out.location_log_probs is None
-    assert loop_out.sampled is None and loop_out.location_log_probs is None
-
-
 def test_training_passes_without_autocast_take_the_fused_recurrence(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Soft attention (train or expected) and hard attention in training or with its expected
     context (self-critical training) go through one node; the sampled and argmax modes and
-    autocast (which casts per op) keep the step loop."""
+    autocast (which casts per op) run the readable step loop."""
     calls: list[int] = []
     monkeypatch.setattr(
-        decoder, "recurrence", lambda *a, **k: calls.append(1) or recurrence(*a, **k)
+        backend, "recurrence", lambda *a, **k: calls.append(1) or recurrence(*a, **k)
     )
     annotations, captions = tiny_batch()
     tiny_model("soft").train()(annotations, captions)

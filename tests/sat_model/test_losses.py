@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from sat_model.config import HardTrainConfig, SoftTrainConfig
 from sat_model.data.vocab import END_ID, PAD_ID, START_ID
-from sat_model.model.decoder import ForwardOutput, ModelConfig, ShowAttendTell
+from sat_model.model.decoder import ModelConfig, ShowAttendTell
 from sat_model.model.losses import (
     HardAttentionLoss,
     SoftAttentionLoss,
@@ -19,6 +19,7 @@ from sat_model.model.losses import (
     doubly_stochastic_penalty,
     token_log_likelihood,
 )
+from sat_model.model.outputs import ForwardOutput
 
 K, D, L = 10, 6, 4
 

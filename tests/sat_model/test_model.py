@@ -12,21 +12,23 @@ import torch
 
 from sat_model.config import HardTrainConfig, ModelParams, SoftTrainConfig
 from sat_model.data.vocab import END_ID, PAD_ID, START_ID
-from sat_model.model import decoder as model_module
-from sat_model.model import native
 from sat_model.model.decoder import (
     HardAttention,
     ModelConfig,
     ShowAttendTell,
     SoftAttention,
-    build_model,
 )
+from sat_model.model.factory import build_model
+from sat_model.model.kernels import backend as backend_module
+from sat_model.model.kernels import native
 from sat_model.model.losses import build_criterion
 
 K, D, L = 12, 8, 6
 
 
-def tiny_model(attention: str = "soft", **overrides: object) -> ShowAttendTell:
+def tiny_model(
+    attention: str = "soft", backend: str | None = None, **overrides: object
+) -> ShowAttendTell:
     fields: dict[str, object] = dict(
         vocab_size=K,
         annotation_dim=D,
@@ -39,7 +41,7 @@ def tiny_model(attention: str = "soft", **overrides: object) -> ShowAttendTell:
         attention=attention,
     )
     fields.update(overrides)
-    return ShowAttendTell(ModelConfig(**fields))  # type: ignore[arg-type]
+    return ShowAttendTell(ModelConfig(**fields), backend)  # type: ignore[arg-type]
 
 
 def tiny_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,16 +169,16 @@ def test_a_decoding_step_is_the_same_through_each_lstm_kernel(
     assert model.lstm.input_size == model.lstm.hidden_size
     annotations, captions = tiny_batch()
     calls: dict[str, int] = {"torch.lstm": 0, "blas": 0, "table": 0}
-    lstm, blas = torch.lstm, model_module._blas_lstm_step
-    from_gates = model_module._lstm_from_gates
+    lstm, blas = torch.lstm, backend_module._blas_lstm_step
+    from_gates = backend_module._lstm_from_gates
 
     def count(name: str, function: Any) -> Any:
         return lambda *args: calls.__setitem__(name, calls[name] + 1) or function(*args)
 
     monkeypatch.setattr(torch, "lstm", count("torch.lstm", lstm))
-    monkeypatch.setattr(model_module, "_blas_lstm_step", count("blas", blas))
-    monkeypatch.setattr(model_module, "_lstm_from_gates", count("table", from_gates))
-    monkeypatch.setattr(model_module, "_fast_blas", lambda: False)
+    monkeypatch.setattr(backend_module, "_blas_lstm_step", count("blas", blas))
+    monkeypatch.setattr(backend_module, "_lstm_from_gates", count("table", from_gates))
+    monkeypatch.setattr(backend_module, "_fast_blas", lambda: False)
     outputs = []
     # every step through torch.lstm; then, with the embedding's gates from decoding's table
     # and without it (a table limit of 0): the kernels off (the table's rows and PyTorch's ops,
@@ -188,8 +190,8 @@ def test_a_decoding_step_is_the_same_through_each_lstm_kernel(
         (10**9, False, False),
         (10**9, True, False),
     ):
-        monkeypatch.setattr(model_module, "ONEDNN_LSTM_MIN_ROWS", min_rows)
-        monkeypatch.setattr(model_module, "GATE_TABLE_MAX_ELEMENTS", 10**9 if table else 0)
+        monkeypatch.setattr(backend_module, "ONEDNN_LSTM_MIN_ROWS", min_rows)
+        monkeypatch.setattr(backend_module, "GATE_TABLE_MAX_ELEMENTS", 10**9 if table else 0)
         with torch.inference_mode(), contextlib.ExitStack() as stack:
             if not kernels:
                 stack.enter_context(native.turned_off())
@@ -395,16 +397,19 @@ def test_feature_standardisation_feeds_the_decoder_standardised_annotations() ->
     torch.testing.assert_close(state["feature_std"], std)
 
 
+@pytest.mark.parametrize("backend", ["fast", "readable"])
 @pytest.mark.parametrize("attention", ["soft", "hard"])
-def test_input_dropout_drops_the_lstms_embedding_input_in_training_only(attention: str) -> None:
+def test_input_dropout_drops_the_lstms_embedding_input_in_training_only(
+    attention: str, backend: str
+) -> None:
     """``input_dropout`` masks E y_{t-1} on its way into the LSTM while training: the same weights
     without it give other logits in training mode and the same ones in eval mode."""
     annotations, captions = tiny_batch()
     locations = torch.zeros(4, captions.size(1) - 1, dtype=torch.long)  # hard: forced s̃
     forced = {"locations": locations} if attention == "hard" else {}
     torch.manual_seed(0)
-    plain = tiny_model(attention)
-    dropped = tiny_model(attention, input_dropout=0.5)
+    plain = tiny_model(attention, backend)
+    dropped = tiny_model(attention, backend, input_dropout=0.5)
     dropped.load_state_dict(plain.state_dict())
     for mode, same in (("train", False), ("eval", True)):
         plain.train(mode == "train"), dropped.train(mode == "train")
@@ -453,7 +458,7 @@ def test_decodings_gate_table_follows_the_weights(
                 parameter.add_(0.3)
         model.load_state_dict(other.state_dict())
     with_table = first_step()
-    monkeypatch.setattr(model_module, "GATE_TABLE_MAX_ELEMENTS", 0)
+    monkeypatch.setattr(backend_module, "GATE_TABLE_MAX_ELEMENTS", 0)
     without_table = first_step()
     assert not torch.allclose(before, without_table)
     torch.testing.assert_close(with_table, without_table)

@@ -1,16 +1,16 @@
 // The decoder's attention and LSTM steps, each in one pass over its tensors (issue #20).
 //
-// ``sat_model/model/native.py`` compiles this file with the machine's C++ compiler the first time
-// it is needed and calls it through ctypes on float32 CPU tensors; ``fused.py`` and
-// ``decoder.py`` fall back to their PyTorch code where there is no compiler. Dimensions as in
+// ``sat_model/model/kernels/native.py`` builds this file (torch.utils.cpp_extension) the first
+// time it is needed and calls it through ctypes on float32 CPU tensors; ``fused.py`` and
+// ``backend.py`` fall back to their PyTorch code where there is no compiler. Dimensions as in
 // docs/METHOD.md: B images, k rows per image (beams; 1 in training), A attention size, L
 // locations, D annotation size, n LSTM size. Arrays are contiguous unless a stride is passed.
 //
 // projected (B, A, L) holds 2(W_a a_i + b), query (B*k, A) 2 W_h h, weight2 (A) 2 w_att, so
 // that 2 w_att^T tanh(u) = 2 w_att^T (2σ(2u) - 1) is Σ_a weight2_a σ(projected + query) up to a
-// constant that the softmax removes (SoftAttention.scores). Where PyTorch's eager path streams
-// the (B*k, A, L) tensor through memory five to seven times per step (add, σ, product, sums,
-// gradient), this reads it once per direction and never stores it.
+// constant that the softmax removes (backend.py, docs/METHOD.md). Where PyTorch's eager path
+// streams the (B*k, A, L) tensor through memory five to seven times per step (add, σ, product,
+// sums, gradient), this reads it once per direction and never stores it.
 //
 // Compiled with -ffast-math, so that the loops below vectorise, and linked without it, so that
 // loading the library does not switch the process to flush-to-zero.

@@ -11,15 +11,15 @@ pieces in one pass (docs/EXPERIMENTS.md, "Training speed"):
   the expected context, in training and decoding;
 - ``lstm_forward`` / ``lstm_backward``: Eq. 1-3 after the gates' matrix product.
 
-The matrix products stay with PyTorch (MKL, oneDNN). The first call compiles the source with the
-machine's C++ compiler (``$CXX``, else ``c++``) for this CPU (``-march=native``) into
-``$XDG_CACHE_HOME/sat/kernels`` (default ``~/.cache``), named by a hash of the source, the flags,
-the compiler's version and the CPU's features, so another machine or compiler builds its own;
-later processes load the cached library. Where there is no compiler, the build fails or
-``SAT_NATIVE_KERNELS=0`` is set, ``load`` returns None, a warning says why (once per process),
-every function here returns None or False, and the callers (``fused.py``, ``decoder.py``) run
-their PyTorch code instead: the same numbers up to float rounding. float32 on CPU only; other
-dtypes and devices always take the PyTorch code.
+The matrix products stay with PyTorch (MKL, oneDNN). The first call compiles the source through
+``torch.utils.cpp_extension`` with the machine's C++ compiler (``$CXX``, else ``c++``) for this
+CPU (``-march=native``) into ``$XDG_CACHE_HOME/sat/kernels`` (default ``~/.cache``), in a folder
+named by the CPU's features, so another machine builds its own; later processes load the built
+library (ninja rebuilds it when the source or the flags change). Where there is no compiler,
+the build fails or ``SAT_NATIVE_KERNELS=0`` is set, ``load`` returns None, a warning says why
+(once per process), every function here returns None or False, and the callers (``fused.py``,
+``backend.py``) run their PyTorch code instead: the same numbers up to float rounding. float32
+on CPU only; other dtypes and devices always take the PyTorch code.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -69,8 +69,8 @@ ENV_SWITCH = "SAT_NATIVE_KERNELS"  # "0" turns the kernels off
 PROJECTED_CLAMP, QUERY_BOUND = 52.0, 34.0
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 # compiled with -ffast-math, so that the loops vectorise, and linked without it (see the source)
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
-LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+LINK_FLAGS = ("-fopenmp", "-lm")
 
 _log = logging.getLogger(__name__)
 # the C functions (``sat_<name>``): how many pointer arguments, then how many int64 ones
@@ -140,8 +140,7 @@ def load() -> NativeKernels | None:
     be had, or when ``SAT_NATIVE_KERNELS=0``."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
-    compiler = shutil.which(os.environ.get("CXX") or "c++")
-    if compiler is None:
+    if shutil.which(os.environ.get("CXX") or "c++") is None:
         _log.warning(
             "no C++ compiler (CXX or c++) on PATH: the attention and LSTM steps run in "
             "PyTorch's eager ops, slower (set %s=0 to silence this)",
@@ -149,8 +148,8 @@ def load() -> NativeKernels | None:
         )
         return None
     try:
-        return NativeKernels(ctypes.CDLL(str(_build(compiler))))
-    except (OSError, subprocess.SubprocessError) as exc:
+        return NativeKernels(ctypes.CDLL(str(_build())))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         _log.warning(
             "the native attention and LSTM kernels could not be built (%s); running PyTorch's "
@@ -161,38 +160,32 @@ def load() -> NativeKernels | None:
         return None
 
 
-def _build(compiler: str) -> Path:
-    """The library for this source, compiler and CPU: compiled into the cache unless there.
-    Concurrent builders (Ray workers, test processes) each write a private file and rename it
-    into place, so a reader never sees half a library."""
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
-    key = hashlib.sha256()
-    for part in (
-        SOURCE.read_bytes(),
-        " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
-        version.encode(),
-        _cpu_features().encode(),
-    ):
-        key.update(part)
-        key.update(b"\0")
-    target = cache_dir() / f"sat_kernels_{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        obj, lib = Path(work) / "kernels.o", Path(work) / target.name
-        _run([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)])
-        _run([compiler, str(obj), *LINK_FLAGS, "-o", str(lib)])
-        os.replace(lib, target)
-    return target
-
-
-def _run(command: list[str]) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        raise OSError(f"{Path(command[0]).name} exited {done.returncode}: {done.stderr.strip()}")
+def _build() -> Path:
+    """The library for this source and CPU, built by PyTorch's extension machinery
+    (``torch.utils.cpp_extension.load``: ninja, rebuilt when the source or the flags change, a
+    lock for processes that build at once) into a folder named by the CPU's features, since
+    ``-march=native`` compiles for this CPU only."""
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its import logs where it looked for CUDA, which we never use
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        quiet.setLevel(level)
+    name = "sat_kernels_" + hashlib.sha256(_cpu_features().encode()).hexdigest()[:16]
+    directory = cache_dir() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():  # its compiler checks warn on their own; one warning here
+        warnings.simplefilter("ignore")
+        path = cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=list(COMPILE_FLAGS),
+            extra_ldflags=list(LINK_FLAGS),
+            build_directory=str(directory),
+            is_python_module=False,
+        )
+    return Path(str(path))
 
 
 @functools.cache

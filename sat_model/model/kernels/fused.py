@@ -4,7 +4,7 @@ Dimensions as in ``decoder.py`` (docs/METHOD.md): ``B`` batch, ``T`` caption ste
 locations, ``D`` annotation size, ``n`` LSTM size, ``A`` attention-MLP size; ``k`` rows per image
 (beams).
 
-- ``FusedScores``: the attention scores 2 w_att^T σ(P + q) of ``SoftAttention.scores`` (Eq. 4
+- ``FusedScores``: the attention scores 2 w_att^T σ(P + q), ``SoftAttention.scores`` (Eq. 4
   with tanh(u) = 2σ(2u) - 1), a few images at a time on CPU (``score_chunks``; all at once on a
   GPU), its backward recomputing σ rather than keeping the (B*k, A, L) tensor. Used by every
   per-step pass (decoding, hard attention).
@@ -15,7 +15,7 @@ locations, ``D`` annotation size, ``n`` LSTM size, ``A`` attention-MLP size; ``k
   time written out, so that the weight gradients of the LSTM, W_h and f_β are one matrix product
   each over all T·B rows rather than T small ones, and the step's products take their faster
   layouts. ``tests/sat_model/test_fused.py`` checks it against finite differences and the step
-  loop, ``test_reference_model.py`` against the plain reference of the same equations;
+  loop, ``test_backend.py`` the whole training loss and gradients against the readable model;
   ``benchmarks/bench_model.py`` times it (docs/EXPERIMENTS.md, "Training speed").
 
 On float32 CPU tensors the recurrence's T steps, forward and backward, each run in one call into
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sat_model.model import native
+from sat_model.model.kernels import native
 
 __all__ = [
     "SCORE_CHUNK_ELEMENTS",
@@ -85,7 +85,7 @@ class CollectProjected(torch.autograd.Function):
 
 class FusedScores(torch.autograd.Function):
     """2 w_att^T σ(P + q): (B, A, L), (B*k, A), (1, A) -> (B*k, L), a few images at a time; the
-    backward recomputes σ rather than keeping it (``SoftAttention.scores``). The three inputs
+    backward recomputes σ rather than keeping it (Eq. 4 as in ``backend.py``). The three inputs
     share one dtype (the caller's cast); autocast is off inside, so that it casts nothing."""
 
     @staticmethod
@@ -270,7 +270,7 @@ def recurrence(
 
 @dataclass(frozen=True)
 class _Weights:
-    hidden2: Tensor  # (A, n), 2 W_h: σ(2u) takes 2u (SoftAttention.scores)
+    hidden2: Tensor  # (A, n), 2 W_h: σ(2u) takes 2u (backend.py, Eq. 4)
     score: Tensor  # (1, A), w_att
     gate: Tensor | None  # (1, n)
     gate_bias: Tensor | None  # (1,)
