@@ -7,8 +7,8 @@ photo per request (base64 in JSON, as a client does) for a fixed time; images/s 
 percentiles over the answered requests, medians over rounds.
 
 Batch captioning, on the same photos: ``sat caption``'s one-process path
-(:meth:`Captioner.caption_files`) and the encoder alone (decode, preprocess, forward: the rate no
-captioning can beat), interleaved round by round; Ray Data
+(:meth:`Captioner.caption_files`) and the encoder's forward pass alone on the same photos already
+decoded (the rate no captioning can beat), interleaved round by round; Ray Data
 (:func:`pipeline.ray.caption.caption_with_ray_data`, one actor, on a Ray started beforehand) over
 a quarter and all of the photos, whose difference leaves out the job's fixed costs.
 
@@ -183,27 +183,18 @@ def bench_serving(
     return figures
 
 
-def _rate(captioner: Any, photos: list[Path], batch_size: int, *, encode_only: bool) -> float:
-    """Images/s of the encoder alone (decode, preprocess, forward) or of ``sat caption``'s
-    one-process path."""
+def _rate(captioner: Any, photos: list[Path], pixels: list[Any], *, encode_only: bool) -> float:
+    """Images/s of ``sat caption``'s one-process path (decode, encode, beam search), or of the
+    encoder's forward pass alone over the same photos already decoded (``pixels``, batches)."""
     import torch
 
-    from sat_model.features.images import load_image
-
-    if not encode_only:
-        start = time.perf_counter()
-        list(captioner.caption_files(photos))
-        return len(photos) / (time.perf_counter() - start)
-
-    def encode(batch: list[Path]) -> None:
-        images = [load_image(p, min_side=captioner.resize) for p in batch]
-        pixels = torch.stack([captioner._preprocess(im) for im in images])
-        with torch.inference_mode():
-            captioner.encoder(pixels)
-
     start = time.perf_counter()
-    for i in range(0, len(photos), batch_size):
-        encode(photos[i : i + batch_size])
+    if encode_only:
+        with torch.inference_mode():
+            for batch in pixels:
+                captioner.encoder(batch)
+    else:
+        list(captioner.caption_files(photos))
     return len(photos) / (time.perf_counter() - start)
 
 
@@ -224,16 +215,21 @@ def _ray_data_seconds(root: Path, photos: list[Path], options: dict, name: str) 
 
 def bench_batch(root: Path, photos: list[Path], batch_size: int, rounds: int) -> dict:
     import ray
+    import torch
 
     from sat_model.captioner import Captioner
+    from sat_model.features.images import load_image
 
     options = {"beam_size": 3, "max_length": 20, "batch_size": batch_size}
     captioner = Captioner.from_dir(root / "model", **options)
     list(captioner.caption_files(photos[:batch_size]))  # warm-up
+    images = [load_image(p, min_side=captioner.resize) for p in photos]
+    tensors = torch.stack([captioner._preprocess(im) for im in images])  # (N, 3, S, S)
+    pixels = list(tensors.split(batch_size))
     rates: dict[bool, list[float]] = {True: [], False: []}
     for r in range(rounds):  # interleaved, the first alternating: a drifting load slows both
         for encode_only in (True, False) if r % 2 == 0 else (False, True):
-            rates[encode_only].append(_rate(captioner, photos, batch_size, encode_only=encode_only))
+            rates[encode_only].append(_rate(captioner, photos, pixels, encode_only=encode_only))
     one_process, encoder = statistics.median(rates[False]), statistics.median(rates[True])
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
     try:
