@@ -1,15 +1,16 @@
 """Serving and batch captioning: Ray Serve against ``sat serve``, Ray Data against one process.
 
-Serving: the same registered model (untrained, over the default encoder EfficientNet-Lite0;
-beam search costs the same whatever the weights) served by ``sat serve`` (the local engine) and
-by ``sat serve --engine ray`` on a local Ray, one after the other on the same cores; 16 client
-threads each post one real photo per request (base64 in JSON, as a client does) for a fixed
-time; images/s and latency percentiles over the answered requests.
+Serving: the same registered model (untrained, over the default encoder EfficientNet-Lite0)
+served by ``sat serve`` (the local engine) and by ``sat serve --engine ray`` on a local Ray, both
+up on the same cores and loaded in turn, round by round; 16 client threads each post one real
+photo per request (base64 in JSON, as a client does) for a fixed time; images/s and latency
+percentiles over the answered requests, medians over rounds.
 
 Batch captioning, on the same photos: ``sat caption``'s one-process path
-(:meth:`Captioner.caption_files`), Ray Data (:func:`pipeline.ray.caption.caption_with_ray_data`,
-one actor, on a Ray started beforehand), and the encoder alone (decode, preprocess, forward: the
-rate no captioning can beat).
+(:meth:`Captioner.caption_files`) and the encoder's forward pass alone on the same photos already
+decoded (the rate no captioning can beat), interleaved round by round; Ray Data
+(:func:`pipeline.ray.caption.caption_with_ray_data`, one actor, on a Ray started beforehand) over
+a quarter and all of the photos, whose difference leaves out the job's fixed costs.
 
     .venv/bin/python benchmarks/bench_serving.py [--seconds 30] [--clients 16] [--images 128]
 
@@ -32,6 +33,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SAT = Path(sys.executable).with_name("sat")
@@ -145,50 +147,54 @@ def _load(url: str, bodies: list[bytes], clients: int, seconds: float) -> dict:
     }
 
 
-def bench_serving(root: Path, photos: list[Path], clients: int, seconds: float) -> dict:
-    bodies = [
-        json.dumps(
-            {
-                "dataframe_split": {
-                    "columns": ["image"],
-                    "data": [[base64.b64encode(p.read_bytes()).decode()]],
-                }
-            }
-        ).encode()
-        for p in photos
-    ]
-    figures = {}
-    for port, engine in enumerate(("local", "ray"), start=18761):
-        process = _serve(root, engine, port)
-        try:
+def bench_serving(
+    root: Path, photos: list[Path], clients: int, seconds: float, rounds: int
+) -> dict:
+    """Both servers up at once, loaded in turn (the first alternating round by round), so a
+    machine whose load drifts slows both alike; medians over rounds."""
+    rows = [[[base64.b64encode(p.read_bytes()).decode()]] for p in photos]
+    split = [{"dataframe_split": {"columns": ["image"], "data": r}} for r in rows]
+    bodies = [json.dumps(doc).encode() for doc in split]
+    engines = {"local": 18761, "ray": 18762}
+    processes = [_serve(root, engine, port) for engine, port in engines.items()]
+    runs: dict[str, list[dict]] = {engine: [] for engine in engines}
+    try:
+        for port in engines.values():
             _load(f"http://127.0.0.1:{port}", bodies[:4], 4, 5)  # warm-up
-            figures[engine] = _load(f"http://127.0.0.1:{port}", bodies, clients, seconds)
-        finally:
+        for r in range(rounds):
+            order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+            for engine in order:
+                url = f"http://127.0.0.1:{engines[engine]}"
+                runs[engine].append(_load(url, bodies, clients, seconds))
+    finally:
+        for process in processes:
             _stop(process)
+    figures: dict = {}
+    for engine, results in runs.items():
+        figures[engine] = {
+            "rounds": results,
+            "images_per_s": statistics.median(x["images_per_s"] for x in results),
+            "latency_p50_s": statistics.median(x["latency_p50_s"] for x in results),
+            "latency_p95_s": statistics.median(x["latency_p95_s"] for x in results),
+        }
     figures["ray_over_local_images_per_s"] = (
         figures["ray"]["images_per_s"] / figures["local"]["images_per_s"]
     )
     return figures
 
 
-def _encoder_only(model_dir: Path, photos: list[Path], batch_size: int) -> float:
+def _rate(captioner: Any, photos: list[Path], pixels: list[Any], *, encode_only: bool) -> float:
+    """Images/s of ``sat caption``'s one-process path (decode, encode, beam search), or of the
+    encoder's forward pass alone over the same photos already decoded (``pixels``, batches)."""
     import torch
 
-    from sat_model.captioner import Captioner
-    from sat_model.features.images import load_image
-
-    captioner = Captioner.from_dir(model_dir, batch_size=batch_size)
-
-    def encode(batch: list[Path]) -> None:
-        images = [load_image(p, min_side=captioner.resize) for p in batch]
-        pixels = torch.stack([captioner._preprocess(im) for im in images])
-        with torch.inference_mode():
-            captioner.encoder(pixels)
-
-    encode(photos[:batch_size])  # warm-up
     start = time.perf_counter()
-    for i in range(0, len(photos), batch_size):
-        encode(photos[i : i + batch_size])
+    if encode_only:
+        with torch.inference_mode():
+            for batch in pixels:
+                captioner.encoder(batch)
+    else:
+        list(captioner.caption_files(photos))
     return len(photos) / (time.perf_counter() - start)
 
 
@@ -207,17 +213,24 @@ def _ray_data_seconds(root: Path, photos: list[Path], options: dict, name: str) 
     return time.perf_counter() - start
 
 
-def bench_batch(root: Path, photos: list[Path], batch_size: int) -> dict:
+def bench_batch(root: Path, photos: list[Path], batch_size: int, rounds: int) -> dict:
     import ray
+    import torch
 
     from sat_model.captioner import Captioner
+    from sat_model.features.images import load_image
 
     options = {"beam_size": 3, "max_length": 20, "batch_size": batch_size}
     captioner = Captioner.from_dir(root / "model", **options)
     list(captioner.caption_files(photos[:batch_size]))  # warm-up
-    start = time.perf_counter()
-    found = list(captioner.caption_files(photos))
-    one_process = len(found) / (time.perf_counter() - start)
+    images = [load_image(p, min_side=captioner.resize) for p in photos]
+    tensors = torch.stack([captioner._preprocess(im) for im in images])  # (N, 3, S, S)
+    pixels = list(tensors.split(batch_size))
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):  # interleaved, the first alternating: a drifting load slows both
+        for encode_only in (True, False) if r % 2 == 0 else (False, True):
+            rates[encode_only].append(_rate(captioner, photos, pixels, encode_only=encode_only))
+    one_process, encoder = statistics.median(rates[False]), statistics.median(rates[True])
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
     try:
         # a quarter and all of the photos: the difference cancels the job's fixed costs (actor
@@ -228,7 +241,6 @@ def bench_batch(root: Path, photos: list[Path], batch_size: int) -> dict:
     finally:
         ray.shutdown()
     ray_data = (len(photos) - len(part)) / (whole - small)
-    encoder = _encoder_only(root / "model", photos, batch_size)
     return {
         "images": len(photos),
         "one_process_images_per_s": one_process,
@@ -243,7 +255,8 @@ def bench_batch(root: Path, photos: list[Path], batch_size: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--seconds", type=float, default=20, help="of load per round")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--images", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -255,8 +268,8 @@ def main() -> None:
         root = Path(tmp) / "bench"
         root.mkdir()
         _register(root)
-        serving = bench_serving(root, photos, args.clients, args.seconds)
-        batch = bench_batch(root, photos, args.batch_size)
+        serving = bench_serving(root, photos, args.clients, args.seconds, args.rounds)
+        batch = bench_batch(root, photos, args.batch_size, args.rounds)
     result = {
         "source": source,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
