@@ -39,10 +39,15 @@ def test_identity_holds_every_declared_param_and_dvc_md5_of_every_dep(project: P
     identity = train_identity(params, "hard", project)
     assert set(identity.inputs["params"]) == _declared(project, "hard")
     assert identity.inputs["params"]["eval.batch_size"] == params.eval.batch_size
-    model_py = (project / "sat_model" / "model" / "decoder.py").read_bytes()
-    assert (
-        identity.inputs["deps"]["sat_model/model/decoder.py"] == hashlib.md5(model_py).hexdigest()
-    )
+    # a file dep is its md5; a folder dep (the model's code) DVC's directory hash, which
+    # follows every file in it
+    config_py = (project / "sat_model" / "config.py").read_bytes()
+    assert identity.inputs["deps"]["sat_model/config.py"] == hashlib.md5(config_py).hexdigest()
+    folder = identity.inputs["deps"]["sat_model/model"]
+    assert folder.endswith(".dir")
+    with (project / "sat_model" / "model" / "decoder.py").open("a") as f:
+        f.write("# one more line\n")
+    assert train_identity(params, "hard", project).inputs["deps"]["sat_model/model"] != folder
     assert identity.inputs["deps"]["data/features"] == "missing"  # not extracted here
     assert set(identity.inputs["versions"]) == {"torch", "sat"}
 
