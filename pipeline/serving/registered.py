@@ -11,7 +11,6 @@ checkpoint changed in the artifact store is refused with one line.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,4 +144,4 @@ def _mlmodel(model_dir: Path, model_uri: str) -> dict[str, Any]:
         raise ServeError(f"{model_uri}: unreadable MLmodel file ({type(e).__name__})") from None
     if not isinstance(doc, dict):
         raise ServeError(f"{model_uri}: the MLmodel file is not a mapping")
-    return json.loads(json.dumps(doc, default=str))  # plain JSON types only
+    return doc
