@@ -1,5 +1,5 @@
-"""Tiny artefacts the tests share: a saved model folder, a hand-made ``captions.parquet`` and a
-real photo of the Flickr8k sample that is not square.
+"""Tiny artefacts the tests share: a model config, a saved model folder, a hand-made
+``captions.parquet`` and a real photo of the Flickr8k sample that is not square.
 
 Plain functions (``from tests.factories import ...``) rather than fixtures: module-scoped
 fixtures and helpers that build whole projects call them too.
@@ -21,10 +21,17 @@ from sat_model.config import ModelParams
 from sat_model.data.vocab import SPECIALS, Vocab
 from sat_model.features.encoders import build_encoder
 from sat_model.model.checkpoint import save_checkpoint
+from sat_model.model.config import ModelConfig
 from sat_model.model.factory import build_model
 from sat_model.paths import shared_data
 
-__all__ = ["photo_of_another_shape", "write_captions", "write_references", "write_tiny_model"]
+__all__ = [
+    "model_config",
+    "photo_of_another_shape",
+    "write_captions",
+    "write_references",
+    "write_tiny_model",
+]
 
 
 def photo_of_another_shape() -> Path:
@@ -38,6 +45,27 @@ def photo_of_another_shape() -> Path:
             if image.width != image.height:
                 return path
     pytest.skip(f"no photo of {root} is other than square")
+
+
+def model_config(
+    *, vocab_size: int, annotation_dim: int, num_locations: int, **changes: Any
+) -> ModelConfig:
+    """A small ``ModelConfig`` (m = 8, n = 12, A = 8, no dropout, β gate on, soft attention)
+    over the given K, D and L; ``changes`` set any other field."""
+    values: dict[str, Any] = {
+        "embed_dim": 8,
+        "hidden_dim": 12,
+        "attention_dim": 8,
+        "dropout": 0.0,
+        "gate": True,
+        "attention": "soft",
+    }
+    return ModelConfig(
+        vocab_size=vocab_size,
+        annotation_dim=annotation_dim,
+        num_locations=num_locations,
+        **{**values, **changes},
+    )
 
 
 def write_tiny_model(

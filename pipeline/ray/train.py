@@ -50,7 +50,7 @@ from sat_model.paths import absolute, output_path
 from sat_model.train.trainer import Callback, EpochState
 
 if TYPE_CHECKING:
-    from pipeline.tracking.runs import Tracking
+    from pipeline.tracking.runs import Run
 
 __all__ = [
     "RUN_RECORD",
@@ -292,8 +292,7 @@ class TrainJob:
     features_dir: Path
     resume_from: Path | None = None  # a checkpoint folder seeding a new run
     identity: str | None = None  # recorded in config.json (pipeline.tracking.run_identity)
-    tracking: Tracking | None = None  # rank 0 logs each epoch to MLflow when set
-    mlflow_run_id: str | None = None
+    run: Run | None = None  # rank 0 logs each epoch to it when set
     logged_params: Mapping[str, Any] = field(default_factory=dict)
     hooks: WorkerHooks = WorkerHooks()
     # None: workers open prepared_dir/features_dir (shared); else fetched from storage
@@ -367,14 +366,14 @@ class _RayEpochReporter(Callback):
 def sat_train_fn(run: WorkerRun) -> None:
     """Every worker: ``run.config`` (a :class:`TrainJob`) on this rank's shard; rank 0 reports
     the model folder each epoch."""
-    from pipeline.tracking.runs import EpochLogger, flatten, log_params
+    from pipeline.tracking.runs import flatten
 
     job: TrainJob = run.config
     resume = run.resume_dir or job.resume_from
     logger = None
-    if run.rank == 0 and job.tracking is not None and job.mlflow_run_id is not None:
-        log_params(job.tracking, job.mlflow_run_id, flatten(dict(job.logged_params)))
-        logger = EpochLogger(job.tracking, job.mlflow_run_id)
+    if run.rank == 0 and job.run is not None:
+        job.run.log_params(flatten(dict(job.logged_params)))
+        logger = job.run.epochs()
     with tempfile.TemporaryDirectory(prefix="sat-train-") as out:
         job = job.with_local_inputs(Path(out) / "inputs")
         model_dir = Path(out) / job.attention
@@ -543,7 +542,7 @@ def _fit_run(
     from pipeline.ray.progress import epoch_progress
     from pipeline.ray.runtime import ray_session, resolve_storage_path
     from pipeline.tracking.lineage import lineage_tags
-    from pipeline.tracking.runs import connect, find_or_create_run
+    from pipeline.tracking.runs import connect
 
     params, attention = job.params, job.attention
     lineage = lineage_tags(
@@ -552,14 +551,13 @@ def _fit_run(
     tracking = connect(params.mlflow, root)
     warn_if_tracking_is_driver_only(tracking.tracking_uri, job.staged_inputs is not None)
     tags = {"sat.attention": attention, "sat.identity": identity.digest, **lineage}
-    run_id = find_or_create_run(tracking, name, tags=tags)
+    run = tracking.start_run(name, tags=tags)
     storage = resolve_storage_path(params.ray, root)
-    record = {"identity": identity.digest, "inputs": identity.inputs, "mlflow_run_id": run_id}
+    record = {"identity": identity.digest, "inputs": identity.inputs, "mlflow_run_id": run.run_id}
     _write_record(storage, name, {**record, "status": "RUNNING"})
     job = replace(
         job,
-        tracking=tracking,
-        mlflow_run_id=run_id,
+        run=run,
         logged_params={"attention": attention, **identity.inputs["params"]},
     )
     cfg = getattr(params.train, attention)
@@ -581,7 +579,7 @@ def _fit_run(
                 callbacks=[progress.callback],
             )
     except BaseException:
-        tracking.call(lambda c: c.set_terminated(run_id, "FAILED"), f"end run {run_id}")
+        run.fail()
         raise
     if outcome.checkpoint is None:
         raise RuntimeError(f"Ray Train run {name} finished without a checkpoint")
@@ -589,8 +587,8 @@ def _fit_run(
     checkpoint = os.path.relpath(outcome.checkpoint.path, outcome.storage_dir.path)
     finished = {**record, "status": "FINISHED", "checkpoint": checkpoint}
     _write_record(storage, name, finished)
-    tracking.call(lambda c: c.set_terminated(run_id, "FINISHED"), f"end run {run_id}")
-    return outcome.checkpoint, run_id
+    run.finish()
+    return outcome.checkpoint, run.run_id
 
 
 def warn_if_tracking_is_driver_only(tracking_uri: str, workers_elsewhere: bool) -> None:

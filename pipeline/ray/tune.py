@@ -42,7 +42,7 @@ from pipeline.ray.train import (
     warn_if_tracking_is_driver_only,
 )
 from pipeline.tracking.lineage import lineage_tags
-from pipeline.tracking.runs import PARENT_TAG, Tracking, connect, find_or_create_run, log_params
+from pipeline.tracking.runs import Run, connect
 from sat_model.atomic import write_text_atomic
 from sat_model.config import Params, TuneConfig
 from sat_model.paths import absolute
@@ -105,8 +105,7 @@ class _Sweep:
     name: str
     job: TrainJob  # the worker config; each trial sets its params and its MLflow run
     max_epochs: int
-    parent_run_id: str
-    tracking: Tracking
+    parent: Run  # the sweep's run; each trial's run is its child
     storage: Storage
     scaling: ScalingSpec
 
@@ -119,17 +118,15 @@ def _trial(config: dict[str, Any], sweep: _Sweep) -> None:
     values = dict(config)
     params: Params = _with_overrides(sweep.job.params, values, sweep.max_epochs)
     trial_id = tune.get_context().get_trial_id()
-    tracking = sweep.tracking
-    run_id = find_or_create_run(
-        tracking,
+    run = sweep.parent.tracking.start_run(
         f"{sweep.name}-{trial_id}",
         tags={"sat.attention": params.tune.attention, "sat.trial_id": trial_id},
-        parent_run_id=sweep.parent_run_id,
+        parent=sweep.parent,
     )
-    log_params(tracking, run_id, {k: repr(v) for k, v in values.items()})
+    run.log_params({k: repr(v) for k, v in values.items()})
     fit_on_ray(
         sat_train_fn,
-        config=replace(sweep.job, params=params, tracking=tracking, mlflow_run_id=run_id),
+        config=replace(sweep.job, params=params, run=run),
         run_name=f"{sweep.name}-{trial_id}",
         storage_path=sweep.storage,
         scaling=sweep.scaling,
@@ -140,7 +137,7 @@ def _trial(config: dict[str, Any], sweep: _Sweep) -> None:
     # driver from Tune's verdict (_close_stopped_children): a stopped trial's fit raises while its
     # Train controller is torn down, which can be the very moment the driver closes the runs, and
     # a FAILED written from here then overwrote the driver's FINISHED (seen once in CI)
-    tracking.call(lambda c: c.set_terminated(run_id, "FINISHED"), f"end run {run_id}")
+    run.finish()
 
 
 def _search_alg(cfg: TuneConfig) -> Any:
@@ -227,8 +224,8 @@ def run_tune(params: Params, *, project_root: Path, address: str | None = None) 
         # the last trials' controllers die after fit returns: free their groups too, or a
         # cluster that outlives this sweep (a shared one, --address) keeps them reserved
         remove_orphaned_placement_groups(wait_s=30.0)
-    _close_stopped_children(results, sweep.tracking, sweep.parent_run_id)
-    return _record_best(results, params.tune, root, sweep.tracking, sweep.parent_run_id)
+    _close_stopped_children(results, sweep.parent)
+    return _record_best(results, params.tune, root, sweep.parent)
 
 
 def _start_sweep(params: Params, root: Path) -> _Sweep:
@@ -241,10 +238,10 @@ def _start_sweep(params: Params, root: Path) -> _Sweep:
         f"sweep-{cfg.attention}", params.model_dump(mode="json", exclude={"ray", "mlflow"}), lineage
     )
     tracking = connect(params.mlflow, root)
-    parent_id = find_or_create_run(
-        tracking, name, tags={"sat.attention": cfg.attention, "sat.sweep": "1", **lineage}
+    parent = tracking.start_run(
+        name, tags={"sat.attention": cfg.attention, "sat.sweep": "1", **lineage}
     )
-    log_params(tracking, parent_id, {f"tune.{k}": str(v) for k, v in cfg.model_dump().items()})
+    parent.log_params({f"tune.{k}": str(v) for k, v in cfg.model_dump().items()})
     storage = resolve_storage_path(params.ray, root)
     share = workers_share_files(params.ray.worker_inputs, storage)
     warn_if_tracking_is_driver_only(tracking.tracking_uri, not share)
@@ -263,8 +260,7 @@ def _start_sweep(params: Params, root: Path) -> _Sweep:
         name=name,
         job=job,
         max_epochs=cfg.max_epochs,
-        parent_run_id=parent_id,
-        tracking=tracking,
+        parent=parent,
         storage=storage,
         scaling=ScalingSpec.from_params(params.ray),
     )
@@ -288,7 +284,7 @@ def _tune_config(cfg: TuneConfig) -> Any:
     )
 
 
-def _close_stopped_children(results: Any, tracking: Tracking, parent_id: str) -> None:
+def _close_stopped_children(results: Any, parent: Run) -> None:
     """Set each child run's status from Tune's verdict on its trial.
 
     Tune stops a trial (ASHA, or ``max_t`` reached before ``fit`` returned) by ending its actor,
@@ -297,24 +293,14 @@ def _close_stopped_children(results: Any, tracking: Tracking, parent_id: str) ->
     FINISHED, any other FAILED.
     """
     succeeded = {r.metrics.get("trial_id") for r in results if r.error is None and r.metrics}
-
-    def close(client: Any) -> None:
-        children = client.search_runs(
-            [tracking.experiment_id], f"tags.`{PARENT_TAG}` = '{parent_id}'"
-        )
-        for child in children:
-            ok = child.data.tags.get("sat.trial_id") in succeeded
-            client.set_terminated(child.info.run_id, "FINISHED" if ok else "FAILED")
-
-    tracking.call(close, "set the child runs' status")
+    for child, tags in parent.children():
+        child.finish() if tags.get("sat.trial_id") in succeeded else child.fail()
 
 
-def _record_best(
-    results: Any, cfg: TuneConfig, root: Path, tracking: Tracking, parent_id: str
-) -> TuneOutcome:
+def _record_best(results: Any, cfg: TuneConfig, root: Path, parent: Run) -> TuneOutcome:
     best = results.get_best_result(metric=METRIC, mode=MODE, scope="last")
     if best is None or best.metrics is None or METRIC not in best.metrics:
-        tracking.call(lambda c: c.set_terminated(parent_id, "FAILED"), "end sweep")
+        parent.fail()
         raise RuntimeError(f"no trial of the sweep reported {METRIC}; see the Ray logs")
     values = {k: float(v) for k, v in best.config.items()}
     score = float(best.metrics[METRIC])
@@ -328,13 +314,11 @@ def _record_best(
         "apply": shlex.join(exp_run_command(values)),
     }
     write_text_atomic(path, yaml.safe_dump(doc, sort_keys=True))
-    tracking.call(
-        lambda c: c.log_metric(parent_id, f"best_{METRIC}", score), "log best score of the sweep"
-    )
-    log_params(tracking, parent_id, {f"best.{k}": repr(v) for k, v in values.items()})
-    tracking.call(lambda c: c.set_terminated(parent_id, "FINISHED"), "end sweep")
+    parent.log_metric(f"best_{METRIC}", score)
+    parent.log_params({f"best.{k}": repr(v) for k, v in values.items()})
+    parent.finish()
     print(
         f"best {METRIC} = {score:.4f} with " + ", ".join(f"{k}={v:.4g}" for k, v in values.items())
     )
     print(f"train the winner with:  {doc['apply']}")
-    return TuneOutcome(values, score, path, parent_id, len(results))
+    return TuneOutcome(values, score, path, parent.run_id, len(results))

@@ -5,9 +5,10 @@ The tracking URI comes from ``MLFLOW_TRACKING_URI``, else ``mlflow.tracking_uri`
 ``<project root>/<mlflow.artifact_root>`` on a local store; on a tracking server (``http(s)://``)
 the server decides (its ``--artifacts-destination``, e.g. ``s3://...``, proxies them) unless
 ``mlflow.artifact_root`` is itself a URI. The driver creates (or finds, by its deterministic
-name) a run and hands its id to the Ray workers; rank 0 alone logs params and per-epoch metrics
-through :class:`EpochLogger`, which skips epochs the run already holds so a restarted worker
-never logs an epoch twice.
+name) a :class:`Run` and hands it to the Ray workers; rank 0 alone logs params and per-epoch
+metrics through :class:`EpochLogger`, which skips epochs the run already holds so a restarted
+worker never logs an epoch twice. :class:`Tracking` and :class:`Run` are the seam: the verbs the
+pipeline uses (start, log params, log an epoch, finish, fail); another backend implements them.
 
 Every call to the tracking store goes through :func:`with_retries`: SQLite under concurrent
 writers and a restarting tracking server both fail transiently. MLflow's HTTP client retries on
@@ -44,14 +45,13 @@ __all__ = [
     "EXPERIMENT_TAG",
     "GIT_COMMIT_TAG",
     "EpochLogger",
+    "Run",
     "Tracking",
     "artifact_location",
     "bound_http_retries",
     "connect",
-    "find_or_create_run",
     "flatten",
     "is_tracking_server",
-    "log_params",
     "redact",
     "resolve_tracking_uri",
     "tracking_root",
@@ -192,6 +192,51 @@ class Tracking:
         client = self.client()
         return with_retries(lambda: fn(client), retries=self.retries, what=what)
 
+    def start_run(
+        self, name: str, *, tags: Mapping[str, str] | None = None, parent: Run | None = None
+    ) -> Run:
+        """The newest run called ``name`` (under ``parent``), so a re-run resumes it, else a
+        new one."""
+        parent_id = parent.run_id if parent else None
+        return Run(self, _find_or_create_run(self, name, tags=tags, parent_run_id=parent_id))
+
+
+@dataclass(frozen=True)
+class Run:
+    """One tracked run: plain fields, so it travels to Ray workers."""
+
+    tracking: Tracking
+    run_id: str
+
+    def log_params(self, params: Mapping[str, str]) -> None:
+        _log_params(self.tracking, self.run_id, params)
+
+    def log_metric(self, key: str, value: float) -> None:
+        self.tracking.call(lambda c: c.log_metric(self.run_id, key, value), f"log {key}")
+
+    def epochs(self) -> EpochLogger:
+        """Per-epoch metrics, each epoch at most once across restarts."""
+        return EpochLogger(self.tracking, self.run_id)
+
+    def children(self) -> list[tuple[Run, dict[str, str]]]:
+        """The runs started under this one, each with its tags."""
+        query = f"tags.`{PARENT_TAG}` = '{self.run_id}'"
+        found = self.tracking.call(
+            lambda c: c.search_runs([self.tracking.experiment_id], query), "child runs"
+        )
+        return [(Run(self.tracking, r.info.run_id), dict(r.data.tags)) for r in found]
+
+    def finish(self) -> None:
+        self._end("FINISHED")
+
+    def fail(self) -> None:
+        self._end("FAILED")
+
+    def _end(self, status: str) -> None:
+        self.tracking.call(
+            lambda c: c.set_terminated(self.run_id, status), f"end run {self.run_id}"
+        )
+
 
 def connect(cfg: MlflowConfig, project_root: Path, experiment: str | None = None) -> Tracking:
     """Resolve the store and get or create the experiment (artifacts under the project)."""
@@ -223,7 +268,7 @@ def connect(cfg: MlflowConfig, project_root: Path, experiment: str | None = None
     return Tracking(uri, exp_id, name, cfg.retries)
 
 
-def find_or_create_run(
+def _find_or_create_run(
     tracking: Tracking,
     run_name: str,
     *,
@@ -264,7 +309,7 @@ def flatten(tree: Mapping[str, object], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def log_params(tracking: Tracking, run_id: str, params: Mapping[str, str]) -> None:
+def _log_params(tracking: Tracking, run_id: str, params: Mapping[str, str]) -> None:
     """Log params the run does not hold yet (MLflow refuses to change a logged param)."""
 
     def log(client: MlflowClient) -> None:

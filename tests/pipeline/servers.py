@@ -244,10 +244,12 @@ def mlflow_server(
     artifacts_destination: str,
     env: dict[str, str] | None = None,
     admin: tuple[str, str] | None = None,
+    port: int | None = None,
 ) -> Iterator[str]:
     """``mlflow server`` proxying artifacts to ``artifacts_destination``; yields its URL. With
-    ``admin`` (user, password): MLflow's basic authentication on, everyone else read-only."""
-    port = free_port()
+    ``admin`` (user, password): MLflow's basic authentication on, everyone else read-only. A
+    ``port`` given again restarts "the same server" after it went down."""
+    port = port or free_port()
     bin_dir = Path(sys.executable).parent
     cmd = [
         str(bin_dir / "mlflow"),
@@ -263,7 +265,11 @@ def mlflow_server(
         "--workers",
         "1",
     ]
-    path_env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    path_env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        # MLflow's job runner (GenAI jobs: six Huey consumers) halves start-up and is unused here
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    }
     if admin is not None:
         cmd += ["--app-name", "basic-auth"]
         path_env["MLFLOW_AUTH_CONFIG_PATH"] = str(_auth_config(tmp, *admin))

@@ -12,11 +12,9 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +26,7 @@ from PIL import Image
 from sat_model.features.encoders import build_encoder
 from sat_model.features.store import FeatureMeta, FeatureStore, FeatureWriter
 from tests.factories import write_references, write_tiny_model
+from tests.pipeline.servers import free_port, mlflow_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -136,54 +135,6 @@ def test_a_live_writers_temp_file_is_left_alone(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ MLflow down at register
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(root: Path, port: int) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "mlflow",
-        "server",
-        "--backend-store-uri",
-        f"sqlite:///{root / 'server.db'}",
-        "--artifacts-destination",
-        str(root / "server-artifacts"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-    ]
-    log = (root / "server.log").open("ab")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_env())
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"mlflow server exited: {(root / 'server.log').read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return process
-        except OSError:
-            time.sleep(0.5)
-    process.kill()
-    raise TimeoutError("mlflow server did not start within 120 s")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 def _register_project(root: Path) -> None:
     write_tiny_model(root / "models" / "soft", crop=32, resize=36)
     reports = root / "reports" / "soft"
@@ -222,10 +173,14 @@ def test_register_with_the_server_down_fails_clearly_then_succeeds_once_it_is_ba
     project.mkdir()
     server_root.mkdir()
     _register_project(project)
-    port = _free_port()
+    port = free_port()
     uri = f"http://sat-user:s3cret-token@127.0.0.1:{port}"  # credentials must never be shown
-    server = _start_server(server_root, port)
-    _stop(server)  # the server existed, then went down (same port and backend reused below)
+    backend, artifacts = (
+        f"sqlite:///{server_root / 'server.db'}",
+        str(server_root / "server-artifacts"),
+    )
+    with mlflow_server(server_root, backend, artifacts, port=port):
+        pass  # the server existed, then went down (same port and backend reused below)
     before = _tree_digest(project / "models") | _tree_digest(project / "reports")
 
     code, output, seconds = _register(project, uri)
@@ -237,8 +192,7 @@ def test_register_with_the_server_down_fails_clearly_then_succeeds_once_it_is_ba
     assert _tree_digest(project / "models") | _tree_digest(project / "reports") == before
     assert not (project / "reports" / "registry.json").exists()
 
-    server = _start_server(server_root, port)
-    try:
+    with mlflow_server(server_root, backend, artifacts, port=port):
         code, output, _ = _register(project, uri)
         assert code == 0, output
         assert "s3cret-token" not in output
@@ -255,8 +209,6 @@ def test_register_with_the_server_down_fails_clearly_then_succeeds_once_it_is_ba
         assert not list((project / "mlartifacts").rglob("MLmodel"))
         (mlmodel,) = (server_root / "server-artifacts").rglob("MLmodel")
         _assert_model_is_code_not_pickle(mlmodel.parent)
-    finally:
-        _stop(server)
 
 
 def _assert_model_is_code_not_pickle(model_dir: Path) -> None:

@@ -33,7 +33,7 @@ from pipeline.ray.train import (
     fit_on_ray,
     train_with_ray,
 )
-from pipeline.tracking.runs import EpochLogger, Tracking, connect, find_or_create_run
+from pipeline.tracking.runs import Tracking, connect
 from sat_model.config import MlflowConfig, load_params
 from sat_model.train.batching import LengthGroupedBatchSampler
 from sat_model.train.run import load_training_state
@@ -83,8 +83,8 @@ def linear_train_fn(run: WorkerRun) -> None:
         [5] * N, BATCH, seed=3, num_replicas=run.world_size, rank=run.rank
     )
     logger = None
-    if run.rank == 0 and cfg.get("tracking"):
-        logger = EpochLogger(Tracking(**cfg["tracking"]), cfg["mlflow_run_id"])
+    if run.rank == 0 and cfg.get("tracked"):
+        logger = cfg["tracked"].epochs()
     for epoch in range(start, cfg["max_epochs"] + 1):
         if epoch == cfg.get("die_at_epoch") and run.rank == run.world_size - 1:
             marker = Path(cfg["marker"])
@@ -167,14 +167,13 @@ def tracking(tmp_path: Path) -> Tracking:
 def test_worker_killed_in_epoch_2_resumes_from_epoch_1_and_logs_each_epoch_once(
     ray_local: object, tmp_path: Path, tracking: Tracking
 ) -> None:
-    run_id = find_or_create_run(tracking, "killed")
+    tracked = tracking.start_run("killed")
     config = _config(
         tmp_path,
         max_epochs=3,
         die_at_epoch=2,
         marker=str(tmp_path / "died"),
-        tracking=tracking.__dict__,
-        mlflow_run_id=run_id,
+        tracked=tracked,
     )
     outcome = fit_on_ray(
         linear_train_fn,
@@ -190,7 +189,7 @@ def test_worker_killed_in_epoch_2_resumes_from_epoch_1_and_logs_each_epoch_once(
     assert outcome.metrics["epoch"] == 3
     final = torch.load(outcome.checkpoint_dir / "state.pt", weights_only=True)
     assert final["epoch"] == 3
-    history = tracking.client().get_metric_history(run_id, "loss")
+    history = tracking.client().get_metric_history(tracked.run_id, "loss")
     assert sorted(m.step for m in history) == [1, 2, 3]
 
 

@@ -7,11 +7,6 @@ import dataclasses
 import io
 import math
 import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pandas as pd
@@ -29,6 +24,7 @@ from pipeline.tracking.registry import (
     promotion_allowed,
 )
 from tests.factories import write_tiny_model
+from tests.pipeline.servers import mlflow_server
 
 NAME = "sat-captioner"
 
@@ -73,71 +69,11 @@ def test_checkpoint_hash_follows_the_files_not_the_folder(tmp_path):
     assert checkpoint_sha256(a) != checkpoint_sha256(copy)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for(url: str, process: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args[:4]} exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
-
-
-def start_mlflow_server(root: Path) -> tuple[str, subprocess.Popen]:
-    """A real tracking server (SQLite backend, local artifact store) on a free loopback port."""
-    port = _free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "mlflow",
-        "server",
-        "--backend-store-uri",
-        f"sqlite:///{root / 'mlflow.db'}",
-        "--artifacts-destination",
-        str(root / "mlartifacts"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-    ]
-    log = (root / "server.log").open("wb")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for(f"{uri}/health", process)
-    except BaseException:
-        stop(process)
-        raise
-    return uri, process
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow_server")
-    uri, process = start_mlflow_server(root)
-    yield uri
-    stop(process)
+    with mlflow_server(root, f"sqlite:///{root / 'mlflow.db'}", str(root / "mlartifacts")) as uri:
+        yield uri
 
 
 def _register(client, model_dir, bleu_4, experiment_id):

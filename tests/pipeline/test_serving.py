@@ -35,17 +35,12 @@ from pipeline.tracking.registry import promote_if_better
 from sat_model.captioner import Captioner
 from sat_model.paths import shared_data
 from tests.factories import photo_of_another_shape, write_tiny_model
+from tests.pipeline.servers import free_port, mlflow_server
 
 pytestmark = [pytest.mark.mlflow, pytest.mark.slow]
 SAT = Path(sys.executable).with_name("sat")
 NAME = "sat-captioner"
 WORDS = {"a", "red", "circle"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(command: list[str], health_url: str, log: Path, env=None, cwd=None) -> subprocess.Popen:
@@ -106,29 +101,8 @@ def served(tmp_path_factory):
     from mlflow import MlflowClient
 
     root = tmp_path_factory.mktemp("serving")
-    port = _free_port()
-    tracking = f"http://127.0.0.1:{port}"
-    server = _start(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{root / 'mlflow.db'}",
-            "--artifacts-destination",
-            str(root / "mlartifacts"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        f"{tracking}/health",
-        root / "server.log",
-    )
-    try:
+    backend, artifacts = f"sqlite:///{root / 'mlflow.db'}", str(root / "mlartifacts")
+    with mlflow_server(root, backend, artifacts) as tracking:
         client = MlflowClient(tracking)
         model_dir = write_tiny_model(root / "model", words=sorted(WORDS), resize=72)
         registered = log_and_register(
@@ -143,7 +117,7 @@ def served(tmp_path_factory):
         )
         promote_if_better(client, NAME, registered.version, "bleu_4")
         (root / "params.yaml").write_text(PARAMS)
-        serve_port = _free_port()
+        serve_port = free_port()
         env = {**os.environ, "MLFLOW_TRACKING_URI": tracking}
         scoring = _start(
             [str(SAT), "serve", "--params", str(root / "params.yaml"), "--port", str(serve_port)],
@@ -156,8 +130,6 @@ def served(tmp_path_factory):
             yield Served(f"http://127.0.0.1:{serve_port}", scoring.pid, tracking, root)
         finally:
             _stop(scoring)
-    finally:
-        _stop(server)
 
 
 def test_sat_serve_listens_on_loopback_by_default(served):
@@ -637,7 +609,7 @@ def test_a_burst_of_16_one_row_requests_is_served(served):
 
 def _sat_serve(served: Served, model: str, tmp: Path) -> subprocess.Popen:
     env = {**os.environ, "MLFLOW_TRACKING_URI": served.tracking, "TMPDIR": str(tmp)}
-    port = _free_port()
+    port = free_port()
     command = [str(SAT), "serve", "--model", model, "--port", str(port)]
     process = _start(command, f"http://127.0.0.1:{port}/ping", tmp / "serve.log", env, tmp)
     process.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
@@ -696,7 +668,7 @@ def test_a_checkpoint_that_does_not_match_its_record_is_refused(served, tmp_path
     vocab.write_text(vocab.read_text().replace("circle", "square"))
     env = {**os.environ, "MLFLOW_TRACKING_URI": served.tracking}
     done = subprocess.run(
-        [str(SAT), "serve", "--model", f"models:/{NAME}/{version}", "--port", str(_free_port())],
+        [str(SAT), "serve", "--model", f"models:/{NAME}/{version}", "--port", str(free_port())],
         env=env,
         capture_output=True,
         text=True,
@@ -724,9 +696,9 @@ def test_a_sigkilled_sat_serve_leaves_no_process_and_no_folder(served, tmp_path)
 
 def test_a_tracking_server_that_is_down_fails_at_once_and_keeps_its_credentials(tmp_path):
     # MLflow alone retries for about four minutes; mlflow.retries (3) bounds it to seconds
-    down = f"http://alice:s3cret@127.0.0.1:{_free_port()}"  # nothing listens there
+    down = f"http://alice:s3cret@127.0.0.1:{free_port()}"  # nothing listens there
     done = subprocess.run(
-        [str(SAT), "serve", "--port", str(_free_port())],
+        [str(SAT), "serve", "--port", str(free_port())],
         cwd=tmp_path,
         env={**os.environ, "MLFLOW_TRACKING_URI": down},
         capture_output=True,
@@ -761,7 +733,7 @@ def test_sat_serve_user_errors_are_one_line_and_exit_1(tmp_path, model_arg, stor
     extra = ["--model", model_arg] if model_arg else []
     extra += ["-S", "serve.max_rows=0"] if "max_rows" in expected else []
     done = subprocess.run(
-        [str(SAT), "serve", "--port", str(_free_port()), *extra],
+        [str(SAT), "serve", "--port", str(free_port()), *extra],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -12,13 +12,10 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UN
 from pipeline.tracking.lineage import dvc_experiment, lineage_tags
 from pipeline.tracking.runs import (
     PARENT_TAG,
-    EpochLogger,
     Tracking,
     artifact_location,
     connect,
-    find_or_create_run,
     flatten,
-    log_params,
     resolve_tracking_uri,
     with_retries,
 )
@@ -62,40 +59,51 @@ def test_new_experiment_puts_artifacts_under_the_project(tmp_path: Path) -> None
 
 @pytest.mark.mlflow
 def test_same_run_name_resumes_the_same_run(tracking: Tracking) -> None:
-    first = find_or_create_run(tracking, "sat-soft-abc", tags={"sat.attention": "soft"})
-    again = find_or_create_run(tracking, "sat-soft-abc")
-    other = find_or_create_run(tracking, "sat-soft-def")
+    first = tracking.start_run("sat-soft-abc", tags={"sat.attention": "soft"})
+    again = tracking.start_run("sat-soft-abc")
+    other = tracking.start_run("sat-soft-def")
     assert first == again != other
-    assert tracking.client().get_run(first).data.tags["sat.attention"] == "soft"
+    assert tracking.client().get_run(first.run_id).data.tags["sat.attention"] == "soft"
 
 
 @pytest.mark.mlflow
-def test_child_run_records_its_parent(tracking: Tracking) -> None:
-    parent = find_or_create_run(tracking, "sweep")
-    child = find_or_create_run(tracking, "trial-0", parent_run_id=parent)
-    assert tracking.client().get_run(child).data.tags[PARENT_TAG] == parent
+def test_child_runs_record_their_parent_and_end_as_told(tracking: Tracking) -> None:
+    parent = tracking.start_run("sweep")
+    done = tracking.start_run("trial-0", tags={"sat.trial_id": "0"}, parent=parent)
+    failed = tracking.start_run("trial-1", tags={"sat.trial_id": "1"}, parent=parent)
+    tracking.start_run("trial-0", parent=tracking.start_run("another sweep"))
+    assert tracking.client().get_run(done.run_id).data.tags[PARENT_TAG] == parent.run_id
+    children = {tags["sat.trial_id"]: child for child, tags in parent.children()}
+    assert children == {"0": done, "1": failed}
+    done.finish()
+    failed.fail()
+    status = {r.run_id: tracking.client().get_run(r.run_id).info.status for r in (done, failed)}
+    assert status == {done.run_id: "FINISHED", failed.run_id: "FAILED"}
 
 
 @pytest.mark.mlflow
-def test_epoch_logger_logs_each_epoch_once_across_restarts(tracking: Tracking) -> None:
-    run_id = find_or_create_run(tracking, "restarts")
-    first = EpochLogger(tracking, run_id)
+def test_epochs_are_logged_once_across_restarts(tracking: Tracking) -> None:
+    run = tracking.start_run("restarts")
+    first = run.epochs()
     first.log_epoch(1, {"loss": 3.0, "bleu_4": 0.1})
     first.log_epoch(2, {"loss": 2.0, "bleu_4": 0.2})
     # a restarted worker replays epoch 2 (it died before its checkpoint) and goes on
-    second = EpochLogger(tracking, run_id)
+    second = run.epochs()
     assert second.log_epoch(2, {"loss": 9.0, "bleu_4": 0.9}) == {}
     assert second.log_epoch(3, {"loss": 1.0, "bleu_4": 0.3}) == {"loss": 1.0, "bleu_4": 0.3}
-    history = tracking.client().get_metric_history(run_id, "loss")
+    history = tracking.client().get_metric_history(run.run_id, "loss")
     assert sorted((m.step, m.value) for m in history) == [(1, 3.0), (2, 2.0), (3, 1.0)]
 
 
 @pytest.mark.mlflow
 def test_log_params_keeps_the_first_value_and_adds_new_keys(tracking: Tracking) -> None:
-    run_id = find_or_create_run(tracking, "params")
-    log_params(tracking, run_id, {"lr": "0.001"})
-    log_params(tracking, run_id, {"lr": "0.001", "epochs": "3"})  # a resumed worker re-logs
-    assert tracking.client().get_run(run_id).data.params == {"lr": "0.001", "epochs": "3"}
+    run = tracking.start_run("params")
+    run.log_params({"lr": "0.001"})
+    run.log_params({"lr": "0.001", "epochs": "3"})  # a resumed worker re-logs
+    run.log_metric("best_val_bleu_4", 0.25)
+    logged = tracking.client().get_run(run.run_id).data
+    assert logged.params == {"lr": "0.001", "epochs": "3"}
+    assert logged.metrics == {"best_val_bleu_4": 0.25}
 
 
 def test_flatten_joins_nested_keys_with_dots() -> None:

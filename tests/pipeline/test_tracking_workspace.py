@@ -54,10 +54,10 @@ def test_a_relative_sqlite_uri_resolves_against_the_project(tmp_path: Path) -> N
 _STAGE = textwrap.dedent(
     """
     from pathlib import Path
-    from pipeline.tracking.runs import connect, find_or_create_run
+    from pipeline.tracking.runs import connect
     from sat_model.config import MlflowConfig
     tracking = connect(MlflowConfig(), Path.cwd())
-    find_or_create_run(tracking, "temp-workspace-run")
+    tracking.start_run("temp-workspace-run")
     Path("out.txt").write_text(tracking.tracking_uri)
     """
 )

@@ -18,11 +18,12 @@ from torch import Tensor, nn
 
 from sat_model.config import HardTrainConfig, ModelParams, SoftTrainConfig
 from sat_model.data.vocab import END_ID, PAD_ID, START_ID
-from sat_model.model.decoder import BACKEND_ENV, ModelConfig, ShowAttendTell, SoftAttention
+from sat_model.model.decoder import BACKEND_ENV, ShowAttendTell, SoftAttention
 from sat_model.model.decoding import beam_search
 from sat_model.model.factory import build_model
 from sat_model.model.kernels import FastBackend, backend, native
 from sat_model.model.losses import build_criterion
+from tests.factories import model_config
 
 B, L, D, K, A = 5, 9, 6, 15, 7
 
@@ -30,15 +31,12 @@ B, L, D, K, A = 5, 9, 6, 15, 7
 def _pair(attention: str, dtype: torch.dtype = torch.float64) -> tuple[ShowAttendTell, ...]:
     """The same weights behind the fast backend and the readable code."""
     torch.manual_seed(0)
-    config = ModelConfig(
+    config = model_config(
         vocab_size=K,
         annotation_dim=D,
         num_locations=L,
-        embed_dim=8,
         hidden_dim=10,
         attention_dim=A,
-        dropout=0.0,
-        gate=True,
         attention=attention,
         coordinates=True,
         grid_w=3,

@@ -13,8 +13,9 @@ import torch
 
 from sat_model.config import SoftTrainConfig
 from sat_model.data.vocab import PAD_ID
-from sat_model.model.decoder import ModelConfig, ShowAttendTell
+from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.losses import build_criterion
+from tests.factories import model_config
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -60,16 +61,8 @@ def test_the_tutorials_reference_computes_the_models_loss_and_gradients() -> Non
     """The reference decodes only the captions still running, sorted by length: the same loss
     (Eq. 14) and gradients as the readable model over the padded batch, in float64."""
     torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=12,
-        annotation_dim=5,
-        num_locations=4,
-        embed_dim=6,
-        hidden_dim=7,
-        attention_dim=3,
-        dropout=0.0,
-        gate=True,
-        attention="soft",
+    config = model_config(
+        vocab_size=12, annotation_dim=5, num_locations=4, embed_dim=6, hidden_dim=7, attention_dim=3
     )
     model = ShowAttendTell(config, backend="readable").double().train()
     gen = torch.Generator().manual_seed(1)

@@ -21,6 +21,7 @@ from sat_model.model.checkpoint import (
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
 from sat_model.model.decoding import greedy
 from sat_model.model.losses import HardAttentionLoss
+from tests.factories import model_config
 
 WORDS = ["a", "red", "blue", "circle", "square", "left", "of", "the"]
 L, D = 6, 5
@@ -31,15 +32,12 @@ def _vocab(words=WORDS):
 
 
 def _config(vocab_size: int, attention: str = "soft") -> ModelConfig:
-    return ModelConfig(
+    return model_config(
         vocab_size=vocab_size,
         annotation_dim=D,
         num_locations=L,
-        embed_dim=8,
-        hidden_dim=12,
         attention_dim=7,
         dropout=0.3,
-        gate=True,
         attention=attention,
     )
 

@@ -21,24 +21,15 @@ from sat_model.model.checkpoint import (
     save_checkpoint,
 )
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
+from tests.factories import model_config
 
 WORDS = ["a", "red", "circle", "square"]
 
 
 def _config(vocab_size: int, **changes: object) -> ModelConfig:
-    values = dict(
-        vocab_size=vocab_size,
-        annotation_dim=5,
-        num_locations=6,
-        embed_dim=8,
-        hidden_dim=12,
-        attention_dim=7,
-        dropout=0.0,
-        gate=True,
-        attention="soft",
+    return model_config(
+        vocab_size=vocab_size, annotation_dim=5, num_locations=6, attention_dim=7, **changes
     )
-    values.update(changes)
-    return ModelConfig(**values)
 
 
 @pytest.fixture

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from sat_model.data.vocab import END_ID, START_ID
-from sat_model.model.decoder import ModelConfig, ShowAttendTell
+from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.decoding import Caption, beam_search, greedy
 from sat_model.model.kernels import backend as model_module
 from sat_model.model.kernels import fused as fused_module
 from sat_model.model.kernels import native
+from tests.factories import model_config
 
 K, D, L = 15, 6, 5
 
@@ -23,16 +24,8 @@ def random_model(
 ) -> ShowAttendTell:
     """A random model; a positive ``end_bias`` makes captions end after a few words."""
     torch.manual_seed(seed)
-    config = ModelConfig(
-        vocab_size=vocab_size,
-        annotation_dim=D,
-        num_locations=L,
-        embed_dim=8,
-        hidden_dim=12,
-        attention_dim=8,
-        dropout=0.3,
-        gate=True,
-        attention=attention,
+    config = model_config(
+        vocab_size=vocab_size, annotation_dim=D, num_locations=L, dropout=0.3, attention=attention
     )
     model = ShowAttendTell(config)
     with torch.no_grad():
@@ -190,7 +183,7 @@ def test_batched_and_one_image_decoding_agree_at_the_papers_sizes(
     monkeypatch.setattr(model_module, "_fast_blas", lambda: False)
     monkeypatch.setattr(fused_module, "SCORE_CHUNK_ELEMENTS", 2 * 3 * 512 * 196)
     torch.manual_seed(0)
-    config = ModelConfig(
+    config = model_config(  # the paper's sizes
         vocab_size=10_000,
         annotation_dim=512,
         num_locations=196,
@@ -198,8 +191,6 @@ def test_batched_and_one_image_decoding_agree_at_the_papers_sizes(
         hidden_dim=1800,
         attention_dim=512,
         dropout=0.5,
-        gate=True,
-        attention="soft",
     )
     model = ShowAttendTell(config)
     with torch.no_grad():

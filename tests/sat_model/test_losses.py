@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from sat_model.config import HardTrainConfig, SoftTrainConfig
 from sat_model.data.vocab import END_ID, PAD_ID, START_ID
-from sat_model.model.decoder import ModelConfig, ShowAttendTell
+from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.losses import (
     HardAttentionLoss,
     SoftAttentionLoss,
@@ -20,24 +21,24 @@ from sat_model.model.losses import (
     token_log_likelihood,
 )
 from sat_model.model.outputs import ForwardOutput
+from tests.factories import model_config
 
 K, D, L = 10, 6, 4
 
 
 def tiny_model(attention: str, **overrides: object) -> ShowAttendTell:
-    fields: dict[str, object] = dict(
+    fields: dict[str, Any] = dict(
         vocab_size=K,
         annotation_dim=D,
         num_locations=L,
         embed_dim=5,
         hidden_dim=7,
         attention_dim=5,
-        dropout=0.0,
-        gate=True,
         attention=attention,
     )
     fields.update(overrides)
-    return ShowAttendTell(ModelConfig(**fields))  # type: ignore[arg-type]
+    config = model_config(**fields)
+    return ShowAttendTell(config)
 
 
 def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:

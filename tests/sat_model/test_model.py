@@ -22,6 +22,7 @@ from sat_model.model.factory import build_model
 from sat_model.model.kernels import backend as backend_module
 from sat_model.model.kernels import native
 from sat_model.model.losses import build_criterion
+from tests.factories import model_config
 
 K, D, L = 12, 8, 6
 
@@ -29,19 +30,12 @@ K, D, L = 12, 8, 6
 def tiny_model(
     attention: str = "soft", backend: str | None = None, **overrides: object
 ) -> ShowAttendTell:
-    fields: dict[str, object] = dict(
-        vocab_size=K,
-        annotation_dim=D,
-        num_locations=L,
-        embed_dim=8,
-        hidden_dim=16,
-        attention_dim=8,
-        dropout=0.0,
-        gate=True,
-        attention=attention,
+    fields: dict[str, Any] = dict(
+        vocab_size=K, annotation_dim=D, num_locations=L, hidden_dim=16, attention=attention
     )
     fields.update(overrides)
-    return ShowAttendTell(ModelConfig(**fields), backend)  # type: ignore[arg-type]
+    config = model_config(**fields)
+    return ShowAttendTell(config, backend)  # type: ignore[arg-type]
 
 
 def tiny_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 
 from sat_model.data.vocab import build_vocab
 from sat_model.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from sat_model.model.decoder import ModelConfig, ShowAttendTell
+from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.losses import SoftAttentionLoss
 from sat_model.train.batching import Batch
 from sat_model.train.trainer import (
@@ -23,7 +23,7 @@ from sat_model.train.trainer import (
     build_scheduler,
     fit,
 )
-from tests.factories import write_captions
+from tests.factories import model_config, write_captions
 
 L, D, K = 4, 6, 12
 
@@ -31,16 +31,13 @@ L, D, K = 4, 6, 12
 def _model(seed: int = 0) -> ShowAttendTell:
     torch.manual_seed(seed)
     return ShowAttendTell(
-        ModelConfig(
+        model_config(
             vocab_size=K,
             annotation_dim=D,
             num_locations=L,
-            embed_dim=8,
             hidden_dim=10,
             attention_dim=6,
             dropout=0.5,
-            gate=True,
-            attention="soft",
         )
     )
 
