@@ -10,6 +10,7 @@ sees it current), and ``serve.port`` is a free port, written into the copy's par
 place of 8080 in the request, so a server already on 8080 cannot answer for ours. `sat serve`
 runs in the background and is stopped by its PID.
 
+The README's command blocks are lines of this page (a test checks it), so they are walked too.
 The Flickr8k profile (two hours on the real photos) and the own-data blocks (a user's
 ``~/photos``) are not run here: each says why, and tests/pipeline/test_own_data.py walks the
 own-data commands on a folder of sample photos.
@@ -130,6 +131,17 @@ def test_quickstart_from_make_run_to_a_served_caption(project: Path) -> None:
     (prediction,) = json.loads(out.stdout)["predictions"]
     assert prediction["error"] is None
     assert isinstance(prediction["caption"], str) and prediction["caption"].split()
+
+
+def test_every_readme_command_is_a_quickstart_command() -> None:
+    """The README's blocks are the quickstart's lines (and `make test`, which runs this), so
+    walking the quickstart walks them."""
+    readme = BLOCK.findall((ROOT / "README.md").read_text(encoding="utf-8"))
+    quickstart = {line for b in quickstart_blocks() for line in b.splitlines()}
+    commands = [line.split("#")[0].strip() for b in readme for line in b.splitlines()]
+    assert "make run" in commands and "make test" in commands
+    missing = [c for c in commands if c and c != "make test" and c not in quickstart]
+    assert not missing, f"README commands the quickstart does not walk: {missing}"
 
 
 @pytest.mark.parametrize("first_line", sorted(NOT_RUN))
