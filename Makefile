@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-# ray start / workers must stay on loopback on a single machine (see README, "Ray").
+# ray start / workers must stay on loopback on a single machine (docs/guide/troubleshooting.md).
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 # Material for MkDocs prints a banner about its successor on every build
@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 # `make run PROFILE=flickr8k`: the same pipeline on a dataset profile, profiles/<name>/ (its own
-# params.yaml, dvc.yaml and outputs; README, "Results on Flickr8k")
+# params.yaml, dvc.yaml and outputs; docs/guide/datasets.md)
 PROFILE ?=
 PROJECT := $(if $(PROFILE),profiles/$(PROFILE),.)
 
