@@ -3,12 +3,14 @@ SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-# ray start / workers must stay on loopback on a single machine (see README, "Ray").
+# ray start / workers must stay on loopback on a single machine (docs/guide/troubleshooting.md).
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
+# Material for MkDocs prints a banner about its successor on every build
+export NO_MKDOCS_2_WARNING := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: run test lint format bench clean
+.PHONY: run test docs lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +24,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 # `make run PROFILE=flickr8k`: the same pipeline on a dataset profile, profiles/<name>/ (its own
-# params.yaml, dvc.yaml and outputs; README, "Results on Flickr8k")
+# params.yaml, dvc.yaml and outputs; docs/guide/datasets.md)
 PROFILE ?=
 PROJECT := $(if $(PROFILE),profiles/$(PROFILE),.)
 
@@ -36,7 +38,12 @@ test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest
+
+# The documentation site (mkdocs.yml), rebuilt on every edit, on loopback only
+docs: $(VENV)/.installed
+	$(BIN)/mkdocs serve -a 127.0.0.1:8000
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check --fix .
@@ -46,4 +53,4 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf data models reports ray_results mlflow.db mlartifacts
+	rm -rf data models reports ray_results mlflow.db mlartifacts site

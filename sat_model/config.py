@@ -62,14 +62,18 @@ class _Section(BaseModel):
 
 # ----------------------------------------------------------------------------- data
 class SyntheticConfig(_Section):
-    seed: int = 0
-    train_images: int = Field(5000, ge=1)
-    val_images: int = Field(250, ge=1)  # what train.val_images scores each epoch
-    test_images: int = Field(500, ge=1)
-    image_size: int = Field(224, ge=64)
-    captions_per_image: int = Field(5, ge=1)
-    min_objects: int = Field(1, ge=1)
-    max_objects: int = Field(4, ge=1, le=4)
+    """The generated scenes: captioned pictures of coloured shapes, with every object's box."""
+
+    seed: int = Field(0, description="seed of the generator: the same seed, the same scenes")
+    train_images: int = Field(5000, ge=1, description="scenes in the train split")
+    val_images: int = Field(
+        250, ge=1, description="scenes in the val split (what `train.val_images` scores)"
+    )
+    test_images: int = Field(500, ge=1, description="scenes in the test split")
+    image_size: int = Field(224, ge=64, description="side of each square picture, in pixels")
+    captions_per_image: int = Field(5, ge=1, description="reference captions per scene")
+    min_objects: int = Field(1, ge=1, description="fewest shapes in a scene")
+    max_objects: int = Field(4, ge=1, le=4, description="most shapes in a scene")
 
     @model_validator(mode="after")
     def _objects_range(self) -> SyntheticConfig:
@@ -79,72 +83,133 @@ class SyntheticConfig(_Section):
 
 
 class Flickr8kConfig(_Section):
-    # paths relative to data.root, as in the original distribution
-    images_dir: str = "Flickr8k_Dataset"
-    token_file: str = "Flickr8k_text/Flickr8k.token.txt"
-    train_list: str = "Flickr8k_text/Flickr_8k.trainImages.txt"
-    val_list: str = "Flickr8k_text/Flickr_8k.devImages.txt"
-    test_list: str = "Flickr8k_text/Flickr_8k.testImages.txt"
+    """Flickr8k as distributed; paths relative to `data.root`."""
+
+    images_dir: str = Field("Flickr8k_Dataset", description="folder of the photos")
+    token_file: str = Field(
+        "Flickr8k_text/Flickr8k.token.txt", description="captions, `<file>#<n>\\t<caption>`"
+    )
+    train_list: str = Field(
+        "Flickr8k_text/Flickr_8k.trainImages.txt", description="file names of the train split"
+    )
+    val_list: str = Field(
+        "Flickr8k_text/Flickr_8k.devImages.txt", description="file names of the val (dev) split"
+    )
+    test_list: str = Field(
+        "Flickr8k_text/Flickr_8k.testImages.txt", description="file names of the test split"
+    )
 
 
 class KarpathyConfig(_Section):
-    json_file: str = "dataset_flickr8k.json"
-    images_dir: str = "Flickr8k_Dataset"
-    # Karpathy's "restval" images (COCO) are usually trained on; False drops them with a reason.
-    restval_to_train: bool = True
+    """Karpathy's split files (`dataset_flickr8k.json`, `_flickr30k`, `_coco`)."""
+
+    json_file: str = Field("dataset_flickr8k.json", description="the split file, under data.root")
+    images_dir: str = Field("Flickr8k_Dataset", description="folder of the photos, under data.root")
+    restval_to_train: bool = Field(
+        True,
+        description="train on the 'restval' images (COCO), as usual; false drops them with "
+        "a reason",
+    )
 
 
 class CocoConfig(_Section):
-    annotation_files: tuple[str, ...] = (
-        "annotations/captions_train2014.json",
-        "annotations/captions_val2014.json",
+    """MS COCO 2014 captions; val and test are drawn from the files after the first."""
+
+    annotation_files: tuple[str, ...] = Field(
+        (
+            "annotations/captions_train2014.json",
+            "annotations/captions_val2014.json",
+        ),
+        description="caption files under data.root; the first one trains",
     )
-    # one folder per annotation file, same order
-    images_dirs: tuple[str, ...] = ("train2014", "val2014")
-    # split policy: the first file trains; val/test are drawn from the others (paper: 5000/5000)
-    val_images: int = Field(5000, ge=0)
-    test_images: int = Field(5000, ge=0)
-    seed: int = 0
-    max_captions_per_image: int = Field(5, ge=1)  # paper truncates COCO to 5 references
-    # held-out images beyond val/test train (as Karpathy's restval); False leaves them out
-    restval_to_train: bool = True
+    images_dirs: tuple[str, ...] = Field(
+        ("train2014", "val2014"), description="one photo folder per annotation file, same order"
+    )
+    val_images: int = Field(
+        5000, ge=0, description="val images drawn from the held-out files (paper: 5000)"
+    )
+    test_images: int = Field(
+        5000, ge=0, description="test images drawn from the held-out files (paper: 5000)"
+    )
+    seed: int = Field(0, description="seed of the val/test draw")
+    max_captions_per_image: int = Field(
+        5, ge=1, description="references kept per image (the paper truncates COCO to 5)"
+    )
+    restval_to_train: bool = Field(
+        True,
+        description="held-out images beyond val/test train (as Karpathy's restval); "
+        "false leaves them out",
+    )
 
 
 class FolderConfig(_Section):
-    # your own photos: a folder of images and a captions file (CSV or JSON lines) with the
-    # columns file, caption and an optional split; paths relative to data.root
-    images_dir: str = "."
-    captions_file: str = "captions.csv"
-    # csv | jsonl, or auto: by the file's extension (.jsonl and .json are JSON lines)
-    format: Literal["auto", "csv", "jsonl"] = "auto"
-    # without a split column: a seeded draw of this many images for val and for test; the
-    # rest trains
-    val_images: int = Field(50, ge=0)
-    test_images: int = Field(50, ge=0)
-    seed: int = 0
+    """Your own photos: a folder of images and a captions file (CSV or JSON lines) with the
+    columns `file`, `caption` and an optional `split`; paths relative to `data.root`."""
+
+    images_dir: str = Field(".", description="folder of the photos, under data.root")
+    captions_file: str = Field("captions.csv", description="the captions file, under data.root")
+    format: Literal["auto", "csv", "jsonl"] = Field(
+        "auto", description="auto: by the file's extension (.jsonl and .json are JSON lines)"
+    )
+    val_images: int = Field(
+        50,
+        ge=0,
+        description="without a split column: a seeded draw of this many images for val; "
+        "the rest trains",
+    )
+    test_images: int = Field(50, ge=0, description="without a split column: the same for test")
+    seed: int = Field(0, description="seed of that draw")
 
 
 class VocabConfig(_Section):
-    min_count: int = Field(5, ge=1)
-    max_size: int = Field(10_000, ge=5)  # paper: 10,000 words
-    max_caption_length: int = Field(20, ge=1)  # tokens, without <start>/<end>; longer are skipped
+    """The vocabulary built from the train captions."""
+
+    min_count: int = Field(5, ge=1, description="a word seen fewer times is `<unk>`")
+    max_size: int = Field(
+        10_000, ge=5, description="words kept, special tokens included (paper: 10,000)"
+    )
+    max_caption_length: int = Field(
+        20, ge=1, description="tokens, without <start>/<end>; longer captions are skipped"
+    )
 
 
 class DataConfig(_Section):
-    # a registered data source (sat_model.data.sources.list_sources); its settings, if it has
-    # any, are its section below
-    source: str = "synthetic"
-    # dataset folder for real sources; relative paths resolve against the project root
-    root: str | None = None
-    prepared_dir: str = "data/prepared"
-    # splits that must hold at least one valid image (the Flickr8k sample has no test split)
-    required_splits: tuple[Split, ...] = ("train", "val", "test")
-    # fail when more than this share of images or captions had to be skipped
-    max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0)
-    # decode every image while preparing (catches truncated files before extract does)
-    verify_images: bool = True
-    # decompression-bomb guard while checking images: larger ones are skipped with a reason
-    max_image_pixels: int = Field(50_000_000, ge=1)
+    """Where the captions and images come from, and how bad input is handled (stage `prepare`)."""
+
+    source: str = Field(
+        "synthetic",
+        description="a registered data source (`sat_model.data.sources.list_sources`); "
+        "its settings, if any, are its section below",
+    )
+    root: str | None = Field(
+        None,
+        description="dataset folder for real sources; relative paths resolve against the "
+        "project root",
+    )
+    prepared_dir: str = Field(
+        "data/prepared", description="where prepare writes the captions, images and vocabulary"
+    )
+    required_splits: tuple[Split, ...] = Field(
+        ("train", "val", "test"),
+        description="splits that must hold at least one valid image",
+    )
+    max_bad_fraction: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="fail when more than this share of images or captions had to be skipped",
+    )
+    verify_images: bool = Field(
+        True,
+        description="decode every image while preparing (catches truncated files before "
+        "extract does)",
+    )
+    max_image_pixels: int = Field(
+        50_000_000,
+        ge=1,
+        description="decompression-bomb guard while checking images: larger ones are skipped "
+        "with a reason",
+    )
     synthetic: SyntheticConfig = SyntheticConfig()
     flickr8k: Flickr8kConfig = Flickr8kConfig()
     karpathy: KarpathyConfig = KarpathyConfig()
@@ -172,28 +237,49 @@ class DataConfig(_Section):
 
 # -------------------------------------------------------------------------- encoder
 class EncoderConfig(_Section):
-    # a registered encoder (sat_model.features.encoders.list_encoders)
-    name: str = "efficientnet_lite0"
-    # feature layer: encoder-specific name (see sat_model.features.encoders); None picks the encoder
-    # default
-    layer: str | None = None
-    # weights file for torchvision encoders; None looks in the torch hub cache (never downloads)
-    weights: str | None = None
-    resize: int = Field(256, ge=32, le=4096)  # shorter side, paper: 256
-    crop: int = Field(224, ge=32)  # centre crop, paper: 224
-    # false: both sides to `resize` (aspect not kept), as the photos of a squeezed dataset were
-    keep_aspect: bool = True
-    batch_size: int = Field(32, ge=1)
-    num_workers: int = Field(2, ge=0)  # DataLoader decoding workers
-    engine: Literal["local", "ray"] = "local"
-    features_dir: str = "data/features"
-    max_image_pixels: int = Field(50_000_000, ge=1)  # decompression-bomb guard
-    # threads of the encoder forward in both engines: CPU float results depend on the thread count,
-    # so the local and Ray engines write byte-identical stores only with the same value
-    torch_threads: int = Field(1, ge=1)
-    # beyond the paper: also extract the train photos mirrored left to right, into
-    # <features_dir>/train_mirrored.arrow, the features train.mirror draws from
-    mirror_train: bool = False
+    """The frozen ImageNet CNN whose feature map gives the annotation vectors (stage `extract`)."""
+
+    name: str = Field(
+        "efficientnet_lite0",
+        description="a registered encoder (`sat_model.features.encoders.list_encoders`)",
+    )
+    layer: str | None = Field(
+        None,
+        description="feature layer, an encoder-specific name (`sat_model.features.encoders`); "
+        "null picks the encoder's default",
+    )
+    weights: str | None = Field(
+        None,
+        description="weights file for torchvision encoders; null looks in the torch hub cache "
+        "(never downloads)",
+    )
+    resize: int = Field(256, ge=32, le=4096, description="shorter side, in pixels (paper: 256)")
+    crop: int = Field(224, ge=32, description="centre crop, in pixels (paper: 224)")
+    keep_aspect: bool = Field(
+        True,
+        description="false: both sides to `resize` (aspect not kept), as the photos of a "
+        "squeezed dataset were",
+    )
+    batch_size: int = Field(32, ge=1, description="images per encoder forward pass")
+    num_workers: int = Field(2, ge=0, description="DataLoader decoding workers")
+    engine: Literal["local", "ray"] = Field(
+        "local", description="a local DataLoader, or a Ray Data actor pool"
+    )
+    features_dir: str = Field(
+        "data/features", description="where extract writes the feature stores"
+    )
+    max_image_pixels: int = Field(50_000_000, ge=1, description="decompression-bomb guard")
+    torch_threads: int = Field(
+        1,
+        ge=1,
+        description="threads of the encoder forward in both engines: CPU float results depend "
+        "on the thread count, so the engines write identical stores only with the same value",
+    )
+    mirror_train: bool = Field(
+        False,
+        description="beyond the paper: also extract the train photos mirrored left to right "
+        "(`<features_dir>/train_mirrored.arrow`), which `train.mirror` draws from",
+    )
 
     @field_validator("name")
     @classmethod
@@ -207,91 +293,151 @@ class EncoderConfig(_Section):
 
 # ---------------------------------------------------------------------------- model
 class ModelParams(_Section):
-    # sized for the 10-minute default pipeline on 2 CPU cores; use the paper's for real datasets
-    embed_dim: int = Field(96, ge=1)  # m (paper: 512)
-    hidden_dim: int = Field(192, ge=1)  # n (paper: 1800)
-    attention_dim: int = Field(32, ge=1)  # hidden size of f_att (Eq. 4)
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)  # before L_o (authors' code); the paper's 0.5
-    # beyond the paper: dropout on the word embedding where it enters the LSTM (Eq. 1), in
-    # training; the deep output (Eq. 7) sees it whole. Off here; docs/REALDATA.md for photos
-    input_dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    # gating scalar β_t = σ(f_β(h_{t-1})), Sec. 4.2.1
-    gate: bool = True
-    # beyond the paper: each annotation vector gets its cell's (x, y), so attention knows where it
-    # looks (captions that order objects left to right or relate them need it; see model.py)
-    coordinates: bool = True
-    # standardise each annotation channel with the training features' statistics (model.py)
-    normalize_features: bool = True
-    # how the model is computed, not what: "fast" (fused and compiled kernels where they apply,
-    # sat_model/model/kernels) or "readable" (autograd through decoder.py's equations only);
-    # unset, the environment variable SAT_MODEL_BACKEND decides, else "fast"
-    backend: Literal["fast", "readable"] | None = None
+    """The decoder's sizes and switches; the defaults are sized for the generated scenes on a CPU,
+    use the paper's for real datasets."""
+
+    embed_dim: int = Field(96, ge=1, description="m, the word embedding size (paper: 512)")
+    hidden_dim: int = Field(192, ge=1, description="n, the LSTM size (paper: 1800)")
+    attention_dim: int = Field(32, ge=1, description="hidden size of f_att (Eq. 4)")
+    dropout: float = Field(
+        0.1, ge=0.0, lt=1.0, description="before L_o (authors' code; the paper: 0.5)"
+    )
+    input_dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="beyond the paper: dropout on the word embedding where it enters the LSTM "
+        "(Eq. 1), in training; the deep output (Eq. 7) sees it whole",
+    )
+    gate: bool = Field(True, description="gating scalar β_t = σ(f_β(h_{t-1})), Sec. 4.2.1")
+    coordinates: bool = Field(
+        True,
+        description="beyond the paper: each annotation vector gets its cell's (x, y), so "
+        "attention knows where it looks (captions that order objects left to right need it)",
+    )
+    normalize_features: bool = Field(
+        True,
+        description="standardise each annotation channel with the training features' statistics",
+    )
+    backend: Literal["fast", "readable"] | None = Field(
+        None,
+        description="how the model is computed, not what: fast (fused and compiled kernels "
+        "where they apply) or readable (autograd through the decoder's equations only); null: "
+        "the environment variable SAT_MODEL_BACKEND decides, else fast",
+    )
 
 
 # ---------------------------------------------------------------------------- train
 class _OptimFields(_Section):
-    optimizer: Literal["adam", "rmsprop"] = "adam"
-    lr: float = Field(6e-3, gt=0)  # cosine from here, for both variants at the default sizes
-    weight_decay: float = Field(0.0, ge=0)
-    lr_schedule: Literal["constant", "cosine", "step"] = "cosine"
-    lr_decay: float = Field(0.8, gt=0, le=1)  # factor per epoch for "step"
-    max_epochs: int = Field(10, ge=1)
-    batch_size: int = Field(64, ge=1)
-    grad_clip: float = Field(5.0, gt=0)
-    # epochs without a better val BLEU-4 before stopping. The best weights are kept either way;
-    # with the cosine schedule they come from the last, low-lr epochs, and the high-lr epochs
-    # swing val BLEU-4 for several epochs in a row, so the default lets all 10 run (README)
-    patience: int = Field(10, ge=1)
-    # beyond the paper: validate, keep and ship an exponential moving average of the weights,
-    # updated every optimiser step (0 = off, the weights as trained). On the scenes 0.99 smooths
-    # the validation curve (one-length batches swing the raw weights) but leaves test BLEU-4 where
-    # it was (docs/EXPERIMENTS.md, "How the defaults were chosen")
-    ema_decay: float = Field(0.0, ge=0, lt=1)
-    # beyond the paper: self-critical epochs after max_epochs of likelihood (0 = off): REINFORCE
-    # on the CIDEr-D of captions the model draws, from the best likelihood epoch's weights
-    # (sat_model/train/self_critical.py, docs/REALDATA.md)
-    scst_epochs: int = Field(0, ge=0)
-    scst_lr: float = Field(5e-4, gt=0)  # a new optimiser's rate for those epochs, on lr_schedule
-    scst_samples: int = Field(5, ge=2)  # captions drawn per image, each against the others' mean
-    scst_batch_size: int = Field(32, ge=1)  # images a self-critical step
-    # the reward is CIDEr-D plus this times the caption's own BLEU-4 (pycocoevalcap's per-caption
-    # BLEU against its image's references; 0 = CIDEr-D alone, as Rennie et al.)
-    scst_bleu_weight: float = Field(0.0, ge=0)
-    # plus this times its BLEU-1 (clipped unigram precision times the brevity penalty): a word
-    # that no reference of the photo holds costs reward, however common (docs/REALDATA.md)
-    scst_bleu1_weight: float = Field(0.0, ge=0)
+    """The optimiser, schedule and stopping of one attention variant."""
+
+    optimizer: Literal["adam", "rmsprop"] = Field("adam", description="the optimiser")
+    lr: float = Field(6e-3, gt=0, description="learning rate at the schedule's start")
+    weight_decay: float = Field(0.0, ge=0, description="L2 weight decay of the optimiser")
+    lr_schedule: Literal["constant", "cosine", "step"] = Field(
+        "cosine", description="the learning rate over the epochs"
+    )
+    lr_decay: float = Field(0.8, gt=0, le=1, description='factor per epoch for "step"')
+    max_epochs: int = Field(10, ge=1, description="epochs of maximum likelihood")
+    batch_size: int = Field(64, ge=1, description="captions per optimiser step")
+    grad_clip: float = Field(5.0, gt=0, description="gradient norm clipping")
+    patience: int = Field(
+        10,
+        ge=1,
+        description="epochs without a better validation score before stopping; the best "
+        "weights are kept either way",
+    )
+    ema_decay: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="beyond the paper: validate, keep and ship an exponential moving average "
+        "of the weights, updated every optimiser step (0 = off, the weights as trained)",
+    )
+    scst_epochs: int = Field(
+        0,
+        ge=0,
+        description="beyond the paper: self-critical epochs after max_epochs of likelihood "
+        "(0 = off): REINFORCE on the reward of captions the model draws, from the best "
+        "likelihood epoch's weights",
+    )
+    scst_lr: float = Field(
+        5e-4, gt=0, description="a new optimiser's rate for those epochs, on lr_schedule"
+    )
+    scst_samples: int = Field(
+        5, ge=2, description="captions drawn per image, each against the others' mean"
+    )
+    scst_batch_size: int = Field(32, ge=1, description="images per self-critical step")
+    scst_bleu_weight: float = Field(
+        0.0,
+        ge=0,
+        description="the reward is CIDEr-D plus this times the caption's own BLEU-4 "
+        "(0 = CIDEr-D alone, as Rennie et al.)",
+    )
+    scst_bleu1_weight: float = Field(
+        0.0,
+        ge=0,
+        description="plus this times its BLEU-1: a word that no reference of the photo holds "
+        "costs reward, however common",
+    )
 
 
 class SoftTrainConfig(_OptimFields):
-    # λ, Eq. 14 (paper: 1). 0 on the generated scenes, where it spreads α over all L locations
-    doubly_stochastic: float = Field(0.0, ge=0)
+    """Training of deterministic soft attention (Sec. 4.2)."""
+
+    doubly_stochastic: float = Field(
+        0.0,
+        ge=0,
+        description="λ of the doubly stochastic penalty, Eq. 14 (paper: 1); on the generated "
+        "scenes it spreads α over all L locations, hence 0",
+    )
 
 
 class HardTrainConfig(_OptimFields):
-    lambda_r: float = Field(0.1, ge=0)  # REINFORCE weight (authors' code)
-    lambda_e: float = Field(0.002, ge=0)  # entropy weight (authors' code)
-    baseline_decay: float = Field(0.9, ge=0, lt=1)  # b_k = 0.9 b_{k-1} + 0.1 r, Sec. 4.1
-    semi_sampling_p: float = Field(0.5, ge=0, le=1)  # chance of using α instead of s̃
-    semi_sampling_per: Literal["image", "batch"] = "image"  # paper text: image; code: batch
+    """Training of stochastic hard attention (Sec. 4.1)."""
+
+    lambda_r: float = Field(0.1, ge=0, description="REINFORCE weight λ_r (authors' code)")
+    lambda_e: float = Field(0.002, ge=0, description="entropy weight λ_e (authors' code)")
+    baseline_decay: float = Field(
+        0.9, ge=0, lt=1, description="b_k = 0.9 b_{k-1} + 0.1 r, Sec. 4.1"
+    )
+    semi_sampling_p: float = Field(
+        0.5, ge=0, le=1, description="chance of using the expected context α instead of s̃"
+    )
+    semi_sampling_per: Literal["image", "batch"] = Field(
+        "image", description="that draw per image (the paper's text) or per batch (its code)"
+    )
 
 
 class TrainConfig(_Section):
-    seed: int = 0
-    # validation BLEU-4 from free-running greedy decoding on this many val images (0 = all)
-    val_images: int = Field(250, ge=0)
-    val_max_length: int = Field(20, ge=1)
-    # the validation score that picks the shipped epoch and drives early stopping. CIDEr weighs
-    # each n-gram by how rare it is across the references and is steadier than BLEU-4 between
-    # epochs on real photographs (docs/REALDATA.md); the scenes' captions are too regular for it
-    monitor: Literal["bleu_4", "cider"] = "bleu_4"
-    models_dir: str = "models"
-    # bf16: the training forward pass and loss under torch.autocast (GPUs with bfloat16: A100,
-    # H100); weights, optimiser and validation stay float32. Changes results, so a stage param
-    mixed_precision: Literal["none", "bf16"] = "none"
-    # beyond the paper: the chance that a training caption is paired, each epoch, with its photo
-    # mirrored left to right ("left" and "right" swapped in the caption); needs
-    # encoder.mirror_train. 0 = off
-    mirror: float = Field(0.0, ge=0, le=1)
+    """Training, shared by both variants, and one section per variant."""
+
+    seed: int = Field(0, description="seed of initialisation, batching and sampling")
+    val_images: int = Field(
+        250,
+        ge=0,
+        description="val images scored each epoch by greedy decoding (0 = all)",
+    )
+    val_max_length: int = Field(20, ge=1, description="longest caption decoded in validation")
+    monitor: Literal["bleu_4", "cider"] = Field(
+        "bleu_4",
+        description="the validation score that picks the shipped epoch and drives early "
+        "stopping; CIDEr is steadier between epochs on real photographs",
+    )
+    models_dir: str = Field("models", description="where the trained models are written")
+    mixed_precision: Literal["none", "bf16"] = Field(
+        "none",
+        description="bf16: the training forward pass and loss under torch.autocast (GPUs with "
+        "bfloat16); weights, optimiser and validation stay float32",
+    )
+    mirror: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="beyond the paper: the chance that a training caption is paired, each "
+        'epoch, with its photo mirrored ("left" and "right" swapped in the caption); needs '
+        "encoder.mirror_train (0 = off)",
+    )
     soft: SoftTrainConfig = SoftTrainConfig()
     hard: HardTrainConfig = HardTrainConfig()
 
@@ -300,43 +446,62 @@ class TrainConfig(_Section):
 class LengthPenaltyConfig(_Section):
     """Finished beams rank by summed log-probability / length^α, one α per attention variant."""
 
-    # finished beams rank by summed log-probability / length^α: 0 ranks by the sum, which
-    # favours the shortest caption (README, Results); 1 by log-probability per token; above 1
-    # favours longer captions
-    soft: float = Field(1.0, ge=0)
-    # the same for hard attention (the Flickr8k profile: 2, docs/REALDATA.md)
-    hard: float = Field(1.0, ge=0)
+    soft: float = Field(
+        1.0,
+        ge=0,
+        description="α for soft attention: 0 ranks by the sum, which favours the shortest "
+        "caption; 1 by log-probability per token; above 1 favours longer captions",
+    )
+    hard: float = Field(1.0, ge=0, description="α for hard attention")
 
 
 class EvalConfig(_Section):
-    split: Split = "test"
-    beam_size: int = Field(3, ge=1)
-    max_length: int = Field(20, ge=1)
+    """Beam search and scoring (stage `evaluate`, `sat evaluate`)."""
+
+    split: Split = Field("test", description="the split scored")
+    beam_size: int = Field(3, ge=1, description="beams of the beam search")
+    max_length: int = Field(20, ge=1, description="longest caption decoded")
     length_penalty: LengthPenaltyConfig = LengthPenaltyConfig()
-    # hard attention at test time: expected α (authors' default), a sample, or the argmax
-    hard_decode: Literal["expected", "sample", "argmax"] = "expected"
-    batch_size: int = Field(64, ge=1)
-    meteor_timeout_s: float = Field(600.0, gt=0)
-    gallery_images: int = Field(8, ge=0)
-    reports_dir: str = "reports"
+    hard_decode: Literal["expected", "sample", "argmax"] = Field(
+        "expected",
+        description="hard attention at test time: the expected α (the authors' default), a "
+        "sample, or the argmax",
+    )
+    batch_size: int = Field(64, ge=1, description="images decoded together")
+    meteor_timeout_s: float = Field(
+        600.0, gt=0, description="seconds before METEOR's Java process is killed"
+    )
+    gallery_images: int = Field(
+        8, ge=0, description="images in the attention gallery, one overlay per word"
+    )
+    reports_dir: str = Field("reports", description="where the reports are written")
 
 
 # ----------------------------------------------------------------------------- tune
 class TuneConfig(_Section):
-    attention: AttentionKind = "soft"
-    num_samples: int = Field(8, ge=1)
-    max_concurrent: int = Field(2, ge=1)
-    # optuna: Optuna's TPE (model-based) through Ray Tune; random: Tune's random search
-    search_alg: Literal["optuna", "random"] = "optuna"
-    seed: int = 0  # the searcher's seed (TPE sampler or random search)
-    max_epochs: int = Field(4, ge=1)
-    grace_period: int = Field(1, ge=1)  # ASHA
-    lr: tuple[float, float] = (1e-4, 1e-2)  # log-uniform bounds; contain the default 6e-3
-    doubly_stochastic: tuple[float, float] = (0.0, 2.0)
-    lambda_r: tuple[float, float] = (0.01, 1.0)
-    lambda_e: tuple[float, float] = (0.0, 0.01)
-    semi_sampling_p: tuple[float, float] = (0.0, 1.0)
-    output_dir: str = "reports/tune"
+    """The Ray Tune sweep (`sat tune`, `sweeps/dvc.yaml`); each bound pair contains the default."""
+
+    attention: AttentionKind = Field("soft", description="the variant swept")
+    num_samples: int = Field(8, ge=1, description="trials")
+    max_concurrent: int = Field(2, ge=1, description="trials at once")
+    search_alg: Literal["optuna", "random"] = Field(
+        "optuna",
+        description="optuna: Optuna's TPE (model-based) through Ray Tune; random: Tune's "
+        "random search",
+    )
+    seed: int = Field(0, description="the searcher's seed (TPE sampler or random search)")
+    max_epochs: int = Field(4, ge=1, description="epochs of a trial that is not stopped")
+    grace_period: int = Field(1, ge=1, description="epochs before ASHA may stop a trial")
+    lr: tuple[float, float] = Field((1e-4, 1e-2), description="log-uniform bounds of lr")
+    doubly_stochastic: tuple[float, float] = Field((0.0, 2.0), description="bounds of λ (soft)")
+    lambda_r: tuple[float, float] = Field(
+        (0.01, 1.0), description="log-uniform bounds of λ_r (hard)"
+    )
+    lambda_e: tuple[float, float] = Field((0.0, 0.01), description="bounds of λ_e (hard)")
+    semi_sampling_p: tuple[float, float] = Field(
+        (0.0, 1.0), description="bounds of semi_sampling_p (hard)"
+    )
+    output_dir: str = Field("reports/tune", description="where best_params.yaml is written")
 
     @model_validator(mode="after")
     def _ordered_bounds(self) -> TuneConfig:
@@ -351,85 +516,146 @@ class TuneConfig(_Section):
 
 # --------------------------------------------------------------------------- mlflow
 class MlflowConfig(_Section):
-    # None: MLFLOW_TRACKING_URI, else sqlite:///<absolute project root>/mlflow.db
-    tracking_uri: str | None = None
-    artifact_root: str = "mlartifacts"
-    experiment: str = "sat"
-    model_name: str = "sat-captioner"
-    champion_metric: str = "bleu_4"
-    # auto: the register stage moves champion when better, except in a `dvc exp run`;
-    # always: in experiments too; never: only `sat promote` moves it
-    promote: Literal["auto", "always", "never"] = "auto"
-    retries: int = Field(3, ge=0)
+    """The tracking store and the model registry."""
+
+    tracking_uri: str | None = Field(
+        None,
+        description="null: MLFLOW_TRACKING_URI, else sqlite:///<absolute project root>/mlflow.db",
+    )
+    artifact_root: str = Field(
+        "mlartifacts",
+        description="artifact folder of a local store (on a tracking server: only a URI counts)",
+    )
+    experiment: str = Field("sat", description="the MLflow experiment of the runs")
+    model_name: str = Field("sat-captioner", description="the registered model's name")
+    champion_metric: str = Field(
+        "bleu_4", description="the test metric that decides which version is champion"
+    )
+    promote: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="auto: the register stage moves champion when better, except in a "
+        "`dvc exp run`; always: in experiments too; never: only `sat promote` moves it",
+    )
+    retries: int = Field(
+        3, ge=0, description="tries of a tracking-store call before the command fails"
+    )
 
 
 # ---------------------------------------------------------------------------- serve
 class RayServeConfig(_Section):
     """``sat serve --engine ray``: the model's Ray Serve deployment."""
 
-    # replicas of the model, scaled between these on the requests each has in flight
-    min_replicas: int = Field(1, ge=1)
-    max_replicas: int = Field(1, ge=1)
-    target_ongoing_requests: float = Field(4.0, gt=0)
-    num_cpus: float = Field(2.0, gt=0)  # per replica (its torch threads)
-    # concurrent requests captioned together in one batched beam search (@serve.batch): at
-    # most this many requests, collected for at most this long
-    max_batch_size: int = Field(8, ge=1)
-    batch_wait_timeout_s: float = Field(0.05, ge=0)
-    # seconds between looks at the champion alias; a version moved there by `sat promote` is
-    # checked and loaded by the running replicas (0: never look)
-    reload_interval_s: float = Field(30.0, ge=0)
+    min_replicas: int = Field(
+        1,
+        ge=1,
+        description="fewest replicas of the model (scaled on the requests each has in flight)",
+    )
+    max_replicas: int = Field(1, ge=1, description="most replicas of the model")
+    target_ongoing_requests: float = Field(
+        4.0, gt=0, description="requests in flight per replica that the autoscaler aims at"
+    )
+    num_cpus: float = Field(2.0, gt=0, description="CPUs per replica (its torch threads)")
+    max_batch_size: int = Field(
+        8,
+        ge=1,
+        description="concurrent requests captioned together in one batched beam search",
+    )
+    batch_wait_timeout_s: float = Field(0.05, ge=0, description="seconds a batch waits to fill")
+    reload_interval_s: float = Field(
+        30.0,
+        ge=0,
+        description="seconds between looks at the champion alias; a version that "
+        "`sat promote` moved there is checked and loaded by the running replicas (0: never)",
+    )
 
 
 class ServeConfig(_Section):
     """Limits of the served model (``sat serve``); a request beyond one is refused, not tried."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
-    # decompression-bomb guard: width x height from the header, checked before any pixel decodes
-    max_image_pixels: int = Field(16_000_000, ge=1)
-    # Pillow format names; an image in any other format is refused before it is decoded
-    formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP")
-    max_rows: int = Field(64, ge=1)  # images per request
-    # bytes of one request: its HTTP body, refused while it is read (before any parsing); the
-    # image fields of a request handed to the model in-process are held to it too
-    max_request_bytes: int = Field(32_000_000, ge=1)
-    max_beam_size: int = Field(10, ge=1)  # beam_size must lie in 1..max_beam_size
-    batch_size: int = Field(8, ge=1)  # rows decoded, encoded and captioned together
-    # predictions running at once; later requests wait their turn, in order of arrival
-    max_concurrent_requests: int = Field(4, ge=1)
-    # requests admitted at once (being read, waiting or running); one more is answered 503
-    # with Retry-After before its body is read, so memory is bounded by this x max_request_bytes
-    max_queued_requests: int = Field(32, ge=1)
-    # seconds an admitted request waits for its turn before a 503 with Retry-After
-    queue_timeout_s: float = Field(60.0, gt=0)
-    # seconds a connection may stay silent: before its request head is complete, between
-    # reads of its body, and idle between requests; then it is closed
-    read_timeout_s: float = Field(10.0, gt=0)
+    host: str = Field("127.0.0.1", description="address the server listens on")
+    port: int = Field(8080, ge=0, le=65535, description="port the server listens on")
+    max_image_pixels: int = Field(
+        16_000_000,
+        ge=1,
+        description="decompression-bomb guard: width x height from the header, checked before "
+        "any pixel decodes",
+    )
+    formats: tuple[str, ...] = Field(
+        ("JPEG", "PNG", "WEBP"),
+        description="Pillow format names; an image in any other format is refused before it "
+        "is decoded",
+    )
+    max_rows: int = Field(64, ge=1, description="images per request")
+    max_request_bytes: int = Field(
+        32_000_000,
+        ge=1,
+        description="bytes of one request's HTTP body, refused while it is read (before any "
+        "parsing); in-process requests' image fields are held to it too",
+    )
+    max_beam_size: int = Field(10, ge=1, description="beam_size must lie in 1..max_beam_size")
+    batch_size: int = Field(8, ge=1, description="rows decoded, encoded and captioned together")
+    max_concurrent_requests: int = Field(
+        4,
+        ge=1,
+        description="predictions running at once; later requests wait their turn, in order",
+    )
+    max_queued_requests: int = Field(
+        32,
+        ge=1,
+        description="requests admitted at once (read, waiting or running); one more is "
+        "answered 503 with Retry-After before its body is read",
+    )
+    queue_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="seconds an admitted request waits for its turn before a 503 with Retry-After",
+    )
+    read_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="seconds a connection may stay silent (an incomplete head, a stalled body, "
+        "idle between requests) before it is closed",
+    )
     ray: RayServeConfig = RayServeConfig()
 
 
 # ------------------------------------------------------------------------------ ray
 class RayConfig(_Section):
-    # None: RAY_ADDRESS, else a local ray.init with num_cpus
-    address: str | None = None
-    num_cpus: int = Field(2, ge=1)
-    num_workers: int = Field(1, ge=1)
-    cpus_per_worker: int = Field(2, ge=1)
-    use_gpu: Literal["auto", "true", "false"] = "auto"
-    max_failures: int = Field(2, ge=0)
-    # a folder (relative to the project root) or an object-store URI every node reaches
-    # (s3://bucket/prefix; credentials and endpoint from the AWS_* environment variables)
-    storage_path: str = "ray_results"
-    # how workers get data/prepared and data/features: "shared" opens the driver's paths (one
-    # machine, or the same mount on every node); "upload" copies them through storage_path;
-    # "auto": shared when storage_path is a folder, upload when it is a URI
-    worker_inputs: Literal["auto", "shared", "upload"] = "auto"
-    # where Ray puts the workers: PACK fills a node first, STRICT_SPREAD one worker per node
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Where Ray runs the training, the sweeps and the Ray engines, and how workers get data."""
+
+    address: str | None = Field(
+        None, description="null: RAY_ADDRESS, else a local ray.init with num_cpus"
+    )
+    num_cpus: int = Field(2, ge=1, description="CPUs of a local Ray")
+    num_workers: int = Field(1, ge=1, description="DDP workers of a training run")
+    cpus_per_worker: int = Field(2, ge=1, description="CPUs per training worker")
+    use_gpu: Literal["auto", "true", "false"] = Field(
+        "auto", description="auto: one GPU per worker where the cluster has them"
+    )
+    max_failures: int = Field(
+        2, ge=0, description="worker failures a training run survives (restarts from a checkpoint)"
+    )
+    storage_path: str = Field(
+        "ray_results",
+        description="a folder (relative to the project root) or an object-store URI every "
+        "node reaches (s3://bucket/prefix; credentials from the AWS_* environment variables)",
+    )
+    worker_inputs: Literal["auto", "shared", "upload"] = Field(
+        "auto",
+        description="how workers get the prepared data and features: shared opens the "
+        "driver's paths; upload copies them through storage_path; auto: shared for a folder, "
+        "upload for a URI",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="where Ray puts the workers: PACK fills a node first, STRICT_SPREAD one "
+        "worker per node",
+    )
 
 
 class Params(_Section):
+    """All of ``params.yaml``: one section per concern."""
+
     data: DataConfig = DataConfig()
     encoder: EncoderConfig = EncoderConfig()
     model: ModelParams = ModelParams()

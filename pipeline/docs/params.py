@@ -1,106 +1,121 @@
-"""Generate the README's params reference from the params models, so it cannot drift.
+"""The params reference page, generated from the params models' JSON schema at docs build time.
 
-Each row is one leaf key: dotted path, type, default, and the why-comment written beside (or
-just above) the field in ``sat_model/config.py``.
+Every key's type, bounds and default come from ``Params.model_json_schema()``; its meaning from
+the field's ``description`` in ``sat_model/config.py``, and a section's from its class docstring.
+A field without a description fails the build (:class:`MissingDescriptionError`).
 
-    python -m pipeline.docs.params           # print the table
-    python -m pipeline.docs.params --write   # rewrite README.md between the params markers
+    python -m pipeline.docs.params   # print the page
 """
 
 from __future__ import annotations
 
-import argparse
-import inspect
+import json
 import re
 from collections.abc import Iterator, Sequence
-from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any
 
 from pydantic import BaseModel
 
-from sat_model.atomic import write_text_atomic
 from sat_model.config import Params
 
-__all__ = ["params_table", "replace_between", "update_readme"]
+__all__ = ["MissingDescriptionError", "params_page", "params_rows"]
 
-START, END = "<!-- params:start -->", "<!-- params:end -->"
-_FIELD = re.compile(r"^\s+(\w+):[^#]*?(?:#\s*(.*))?$")
-_COMMENT = re.compile(r"^\s+#\s*(.*)$")
+_BOUNDS = (
+    ("minimum", "≥"),
+    ("exclusiveMinimum", ">"),
+    ("maximum", "≤"),
+    ("exclusiveMaximum", "<"),
+)
 
 
-def _field_comments(cls: type[BaseModel]) -> dict[str, str]:
-    """Map field name -> its trailing comment, or the comment lines just above it."""
-    out: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not (isinstance(klass, type) and issubclass(klass, BaseModel)) or klass is BaseModel:
-            continue
-        pending: list[str] = []
-        for line in inspect.getsource(klass).splitlines()[1:]:
-            if m := _COMMENT.match(line):
-                pending.append(m.group(1))
+class MissingDescriptionError(ValueError):
+    """A params field or section that the reference would have to leave unexplained."""
+
+
+def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    ref = node.get("$ref")
+    return defs[ref.rsplit("/", 1)[-1]] if ref else node
+
+
+def _type(node: dict[str, Any], defs: dict[str, Any]) -> str:
+    node = _resolve(node, defs)
+    if "enum" in node:
+        return " \\| ".join(f"`{json.dumps(v)}`" for v in node["enum"])
+    if "const" in node:
+        return f"`{json.dumps(node['const'])}`"
+    if "anyOf" in node:
+        return " or ".join(_type(n, defs) for n in node["anyOf"])
+    kind = node.get("type", "any")
+    if kind == "array":
+        if "prefixItems" in node:
+            return "[" + ", ".join(_type(n, defs) for n in node["prefixItems"]) + "]"
+        return "list of " + _type(node.get("items", {}), defs)
+    bounds = [f"{sign} {node[key]}" for key, sign in _BOUNDS if key in node]
+    return f"{kind} {', '.join(bounds)}" if bounds else kind
+
+
+def params_rows(
+    model: type[BaseModel] = Params,
+) -> Iterator[tuple[str, str, list[tuple[str, str, str, str]]]]:
+    """Yield ``(section key, section description, rows)`` for every section, depth first;
+    each row is ``(key, type, default, description)``."""
+    schema = model.model_json_schema()
+    defs = schema.get("$defs", {})
+
+    def walk(prefix: str, node: dict[str, Any]) -> Iterator[Any]:
+        rows, sections = [], []
+        for name, prop in node.get("properties", {}).items():
+            key = f"{prefix}.{name}" if prefix else name
+            target = _resolve(prop, defs)
+            if target.get("type") == "object" and "properties" in target:
+                sections.append((key, target))
                 continue
-            if (m := _FIELD.match(line)) and m.group(1) in klass.model_fields:
-                out[m.group(1)] = m.group(2) or " ".join(pending)
-            pending = []
-    return out
+            if not prop.get("description"):
+                raise MissingDescriptionError(f"params key {key} has no Field(description=...)")
+            default = json.dumps(prop.get("default"), ensure_ascii=False)
+            rows.append((key, _type(prop, defs), f"`{default}`", prop["description"]))
+        if prefix:
+            if not node.get("description"):
+                raise MissingDescriptionError(f"params section {prefix} has no docstring")
+            yield prefix, node["description"], rows
+        for key, target in sections:
+            yield from walk(key, target)
+
+    yield from walk("", schema)
 
 
-def _type_name(annotation: Any) -> str:
-    if get_origin(annotation) is Literal:
-        return " | ".join(repr(a) for a in get_args(annotation))
-    if get_origin(annotation) is tuple:
-        return "list of " + _type_name(get_args(annotation)[0])
-    text = getattr(annotation, "__name__", None) or str(annotation)
-    return text.replace("typing.", "").replace("|", "or")
+def _cell(text: str) -> str:
+    """One line, its bare pipes escaped (the type's own separators already are)."""
+    return re.sub(r"(?<!\\)\|", r"\\|", " ".join(text.split()))
 
 
-def _rows(model: type[BaseModel], prefix: str) -> Iterator[tuple[str, str, str, str]]:
-    comments = _field_comments(model)
-    for name, field in model.model_fields.items():
-        key = f"{prefix}{name}"
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            yield from _rows(annotation, key + ".")
-            continue
-        default = field.get_default(call_default_factory=True)
-        if isinstance(default, tuple):
-            default = list(default)
-        yield key, _type_name(annotation), repr(default), comments.get(name, "")
-
-
-def params_table() -> str:
-    """The markdown table of every params key."""
-    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    for key, type_name, default, comment in _rows(Params, ""):
-        cells = (key, type_name, default, comment)
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return "\n".join(lines)
-
-
-def replace_between(text: str, start: str, end: str, body: str) -> str:
-    """Return ``text`` with what lies between the ``start`` and ``end`` markers set to ``body``."""
-    head, sep, rest = text.partition(start)
-    _, sep2, tail = rest.partition(end)
-    if not (sep and sep2):
-        raise ValueError(f"README lacks the markers {start} ... {end}")
-    return f"{head}{start}\n{body}\n{end}{tail}"
-
-
-def update_readme(text: str) -> str:
-    """Return README text with the table between the params markers replaced."""
-    return replace_between(text, START, END, params_table())
+def params_page(model: type[BaseModel] = Params) -> str:
+    """The markdown page: one table per section, every leaf key a row."""
+    lines = [
+        "# Params reference",
+        "",
+        "`params.yaml` has one section per concern. It is loaded into frozen, typed models "
+        "(`sat_model/config.py`) that reject unknown keys and wrong types and name the dotted "
+        "key (`train.soft.lr: Input should be a valid number`). Override any key the DVC way, "
+        "`dvc exp run -S train.soft.lr=2e-4`, or on a `sat` command, `sat train -S "
+        "train.soft.lr=2e-4`.",
+        "",
+        "This page is generated from those models' JSON schema when the site is built.",
+    ]
+    for key, description, rows in params_rows(model):
+        level = "#" * min(2 + key.count("."), 4)
+        lines += ["", f"{level} `{key}`", "", " ".join(description.split())]
+        if rows:
+            lines += ["", "| key | type | default | meaning |", "|---|---|---|---|"]
+            for row_key, type_name, default, meaning in rows:
+                cells = (f"`{row_key}`", _cell(type_name), _cell(default), _cell(meaning))
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite README.md in place")
-    parser.add_argument("--readme", default="README.md")
-    args = parser.parse_args(argv)
-    if not args.write:
-        print(params_table())
-        return 0
-    path = Path(args.readme)
-    write_text_atomic(path, update_readme(path.read_text(encoding="utf-8")))
+    del argv
+    print(params_page(), end="")
     return 0
 
 

@@ -11,7 +11,6 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.docs.params import replace_between
 from sat_model.atomic import write_text_atomic
 from sat_model.config import ATTENTION_KINDS
 from sat_model.evaluation.metrics import metric_keys
@@ -68,6 +67,15 @@ def results_section(reports: Path) -> str:
         cells = [f"{s:g}" for s in scores] + ["–"] * (len(heads) - len(scores))
         lines.append(f"| {dataset} (paper) | {model} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def replace_between(text: str, start: str, end: str, body: str) -> str:
+    """Return ``text`` with what lies between the ``start`` and ``end`` markers set to ``body``."""
+    head, sep, rest = text.partition(start)
+    _, sep2, tail = rest.partition(end)
+    if not (sep and sep2):
+        raise ValueError(f"the file lacks the markers {start} ... {end}")
+    return f"{head}{start}\n{body}\n{end}{tail}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

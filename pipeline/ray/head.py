@@ -41,9 +41,8 @@ from sat_model.config import ParamsError, load_params
 __all__ = ["RayHeadError", "main", "ray_head", "run_with_head"]
 
 _START_TIMEOUT_S = 120.0
-# SIGTERM first, SIGKILL what is left after this long. An idle head's group is gone in ~1.5 s;
-# after a Ray Train run its raylet and GCS were still up 15 s after SIGTERM (waiting on Train's
-# leftover actors), which cost every `make run` ~10 s of grace. The head's state is private to
+# SIGTERM first, SIGKILL what is left after this long: after a Ray Train run the raylet and GCS
+# linger on Train's leftover actors (docs/EXPERIMENTS.md), and the head's state is private to
 # this command (its own temp dir, removed below), so nothing is lost by killing it.
 _TERM_GRACE_S = 2.0
 

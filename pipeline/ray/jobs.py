@@ -11,9 +11,10 @@ and returns the job's exit status. Inside the job the command connects to the cl
 Data is not uploaded: the job opens the params file, and everything params name relative to it
 (prepared tables, features, ``ray.storage_path``, the default SQLite tracking store), at the
 project folder's absolute path, so that folder must be one every node sees (one machine, or a
-shared file system); on a cluster without one the data goes to object storage (README, "Scaling
-out"). Token authentication (``ray start`` enables it) needs ``RAY_AUTH_MODE=token`` here; the
-client then sends the token from ``~/.ray/auth_token`` (or ``RAY_AUTH_TOKEN``) with every request.
+shared file system); on a cluster without one the data goes to object storage
+(docs/guide/scaling-out.md). Token authentication (``ray start`` enables it) needs
+``RAY_AUTH_MODE=token`` here; the client then sends the token from ``~/.ray/auth_token`` (or
+``RAY_AUTH_TOKEN``) with every request.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ EXCLUDES = [
 # what the job's processes need from this environment: loopback/quiet Ray settings, where MLflow
 # and object storage are. The runtime env is readable by anyone who can see the dashboard, so no
 # secret goes in it (a tracking URI's user:password@ is removed): credentials reach the job from
-# the cluster's own environment, the one its nodes were started with (README, "Scaling out")
+# the cluster's own environment, the one its nodes were started with (docs/guide/scaling-out.md)
 FORWARDED_ENV = (
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
     "RAY_USAGE_STATS_ENABLED",

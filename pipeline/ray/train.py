@@ -598,5 +598,5 @@ def warn_if_tracking_is_driver_only(tracking_uri: str, workers_elsewhere: bool) 
         _say(
             f"warning: mlflow tracking URI {tracking_uri} is a file on this machine; workers on "
             "other nodes cannot log to it: a cluster needs an MLflow tracking server "
-            "(README, Scaling out)"
+            "(docs/guide/scaling-out.md)"
         )

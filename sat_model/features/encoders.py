@@ -170,9 +170,9 @@ class Encoder(nn.Module):
 
     def __init__(self, trunk: nn.Module, description: EncoderDescription) -> None:
         super().__init__()
-        # BatchNorm folded into the convolution before it (a third of Lite0's forward time on
-        # 2 cores) and channels_last (depthwise and 1x1 convolutions ~1.8x faster on CPU, measured
-        # with one thread in benchmarks/bench_extract.py): the values change by float rounding
+        # BatchNorm folded into the convolution before it and channels_last (faster depthwise
+        # and 1x1 convolutions on CPU; benchmarks/bench_extract.py, docs/EXPERIMENTS.md): the
+        # values change by float rounding only
         trunk = fold_batch_norms(trunk.eval().requires_grad_(False))
         self.trunk = trunk.to(memory_format=torch.channels_last)
         self.description = description

@@ -1,40 +1,14 @@
-"""Self-critical sequence training (SCST): fine-tuning on the evaluation metric, after the paper.
+"""Self-critical sequence training (SCST): fine-tuning on the evaluation metric, beyond the paper.
 
-Beyond the paper, which trains by maximum likelihood only (Eq. 14; docs/METHOD.md, "Beyond the
-paper"). Rennie et al. (2017, "Self-critical Sequence Training for Image Captioning") fine-tune
-a likelihood-trained captioner with REINFORCE, the reward being the CIDEr-D of a caption the
-model samples itself. Here the baseline is the mean reward of the *other* captions sampled for
-the same image (Luo, 2020, "A Better Variant of Self-Critical Sequence Training"), so no greedy
-decode is needed and the advantages of one image's samples sum to zero:
+Rennie et al. (2017) fine-tune a likelihood-trained captioner with REINFORCE on the CIDEr-D of
+captions it draws itself; the baseline here is the mean reward of the image's other drawn
+captions (Luo, 2020), so no greedy decode is needed:
 
     ∇L = -Σ_i (r_i - mean_{j≠i} r_j) ∇ log p(w^i | a),   w^i ~ p(· | a), i = 1..n per image.
 
-The captions are drawn by :func:`sat_model.model.decoding.sample` (no dropout) and scored against
-the training references; the gradient is taken by one teacher-forced pass over the drawn
-captions (the training recurrence), also without dropout, so it is the gradient of the policy
-that drew them. Hard attention is fine-tuned along α's expected context, the path it decodes
-with by default (``eval.hard_decode: expected``) and the only one both the drawing and the pass
-can follow: a sampled s̃ would be drawn anew by the pass.
-
-The reward, :class:`CiderD`, is CIDEr-D as pycocoevalcap computes it (n-grams 1-4, clipped
-counts, a Gaussian length penalty with σ = 6, times 10), with two differences that every SCST
-implementation makes: the document frequencies come from the whole training corpus, computed
-once, not from the scored batch's own references; and captions are scored on vocabulary ids
-with their ``<end>`` token, so an unfinished ending ("a dog in the") loses the n-grams that a
-finished reference has. pycocoevalcap recomputes its frequencies from the references it is
-given on every call and offers no way to fix them, hence this implementation.
-
-:class:`Reward` may add the caption's own BLEU-4 to CIDEr-D (``scst_bleu_weight``): CIDEr-D
-alone shortens the captions (docs/REALDATA.md), and BLEU's brevity penalty and its precisions of
-the common n-grams pull the other way. It may add BLEU-1 too (``scst_bleu1_weight``): CIDEr-D
-weighs words by rarity, so a common word that no reference holds costs it little, and BLEU-1
-counts every word alike. BLEU is pycocoevalcap's own per-caption score (``BleuScorer``, the
-closest reference's length), on the words without ``<end>``, as the evaluation scores them.
-
-A drawn ``<unk>`` matches nothing, as in the evaluation: there the references are the words
-themselves, and the rare word that a training reference holds as ``<unk>`` is never the string
-"<unk>". Scored on ids, a drawn ``<unk>`` would match every reference ``<unk>`` and be rewarded
-for a word the evaluation counts wrong.
+The reward is CIDEr-D with document frequencies fixed from the training corpus (pycocoevalcap
+recomputes them on every call, hence :class:`CiderD`), plus, optionally, the caption's own
+BLEU-4 and BLEU-1. docs/METHOD.md ("Self-critical fine-tuning") gives every detail and why.
 """
 
 from __future__ import annotations
@@ -280,8 +254,7 @@ class ImageBatches:
 def self_critical_step(model: nn.Module, criterion: nn.Module, batch: SampledBatch) -> LossOutput:
     """The teacher-forced pass over the drawn captions, without dropout (the sampling policy),
     and the loss; ``fit``'s ``step_loss`` for self-critical epochs. Each image's annotations
-    are prepared once for its n captions (``rows_per_image``): ~10 % of the pass at the
-    Flickr8k profile's sizes with n = 5 (docs/EXPERIMENTS.md)."""
+    are prepared once for its n captions (``rows_per_image``), not n times."""
     model.eval()
     try:
         output = model(

@@ -1,6 +1,12 @@
+"""The generated reference pages: params from the config types, `sat` from its parser."""
+
 from pathlib import Path
 
-from pipeline.docs.params import params_table, update_readme
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.docs.cli import cli_page
+from pipeline.docs.params import MissingDescriptionError, params_page, params_rows
 from sat_model.config import Params
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,16 +23,41 @@ def _leaf_keys(model: type, prefix: str = "") -> set[str]:
     return keys
 
 
-def test_table_lists_every_leaf_key_of_the_params_models() -> None:
-    table = params_table()
-    rows = {line.split(" | ")[0].lstrip("| ") for line in table.splitlines()[2:]}
-    assert rows == _leaf_keys(Params)
-    assert "train.soft.doubly_stochastic" in rows
+def test_params_page_has_a_row_with_a_meaning_for_every_leaf_key() -> None:
+    rows = {key: meaning for _, _, section in params_rows() for key, *_, meaning in section}
+    assert set(rows) == _leaf_keys(Params)
+    assert all(meaning.strip() for meaning in rows.values())
+    page = params_page()
+    assert "| `train.soft.doubly_stochastic` | number ≥ 0 | `0.0` | λ of the doubly" in page
+    assert '| `tune.attention` | `"soft"` \\| `"hard"` |' in page  # a Literal's choices
+    assert "| `data.max_bad_fraction` | number ≥ 0.0, ≤ 1.0 |" in page
 
 
-def test_readme_params_reference_is_up_to_date() -> None:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert update_readme(text) == text, "run `python -m pipeline.docs.params --write`"
+class _Leaf(BaseModel):
+    """A section with one undocumented field."""
+
+    model_config = ConfigDict(extra="forbid")
+    documented: int = Field(1, description="says what it is")
+    bare: int = 2
+
+
+class _Root(BaseModel):
+    """The top."""
+
+    leaf: _Leaf = _Leaf()
+
+
+def test_a_field_without_a_description_fails_the_build() -> None:
+    with pytest.raises(MissingDescriptionError, match=r"leaf\.bare"):
+        params_page(_Root)
+
+
+def test_cli_page_has_every_subcommand_help_from_the_parser() -> None:
+    page = cli_page()
+    for command in ("caption", "serve", "train", "tune", "models", "promote", "evaluate"):
+        assert f"## `sat {command}`" in page
+    assert "## `sat profile new`" in page
+    assert "--attention-out" in page
 
 
 def test_results_section_shows_our_scores_in_percent_beside_the_paper(tmp_path: Path) -> None:

@@ -165,7 +165,7 @@ def fused_scores_backward(
         sig = _sigmoid_of_sum(projected, hidden, b0, b1)  # (rows, A, L)
         g = grad[b0 * k : b1 * k].unsqueeze(1)  # (rows, 1, L)
         # an elementwise product and a sum, not bmm(σ, g): MKL's batched matrix-vector
-        # product ran ~6x slower than this on (64, 32, 196) on the 2-core CI machine
+        # product is slower at these shapes (docs/EXPERIMENTS.md)
         pre = torch.mul(sig, g)  # (rows, A, L), σ g
         grad_weight += pre.sum((0, 2))  # (A,), Σ σ g
         pre.addcmul_(pre, sig, value=-1.0)  # σ (1 - σ) g = ∂/∂(P + q) before w_att
@@ -484,7 +484,7 @@ def gather_location(annotations: Tensor, location: Tensor) -> Tensor:
 def sample_locations(alpha: Tensor) -> Tensor:
     """s̃ ~ Multinoulli(α) (Eq. 8) as an index (B,), by the inverse CDF: the first location
     whose cumulative α exceeds u ~ U[0, Σα). The same distribution as ``torch.multinomial``,
-    which draws L exponentials per row (~8x slower)."""
+    which draws L exponentials per row and is slower (docs/EXPERIMENTS.md)."""
     cdf = alpha.detach().cumsum(-1)  # (B, L)
     u = torch.rand_like(cdf[:, :1]) * cdf[:, -1:]  # (B, 1)
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=alpha.size(-1) - 1)

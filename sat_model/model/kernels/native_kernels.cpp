@@ -25,8 +25,8 @@ namespace {
 // e^x in float32 for x in [-87, 88] (clamped there): x = n ln2 + r with |r| <= ln2 / 2, e^r by
 // Cephes' degree-6 polynomial and 2^n built in the exponent bits; within 0.95 ulp of the exact
 // value over that range in steps of 3e-4. Written so that the compiler vectorises it inside the
-// ``omp simd`` loops below: the attention kernels ran ~8% faster than with glibc's vector expf
-// (libmvec), which also leaves scalar calls in the loops' tails.
+// ``omp simd`` loops below, where it beat glibc's vector expf (libmvec), which also leaves
+// scalar calls in the loops' tails (docs/EXPERIMENTS.md).
 inline float fast_exp(float x) {
   x = std::fmin(std::fmax(x, -87.0f), 88.0f);
   const float n = std::nearbyint(x * 1.44269504088896341f);
