@@ -13,6 +13,7 @@ from pathlib import Path
 
 from sat_model.atomic import write_text_atomic
 from sat_model.config import ATTENTION_KINDS
+from sat_model.evaluation.evaluate import METRICS_FILE
 from sat_model.evaluation.metrics import metric_keys
 
 __all__ = ["PAPER_TABLE_1", "results_section"]
@@ -57,7 +58,7 @@ def results_section(reports: Path) -> str:
         "|---|---|" + "---|" * len(heads),
     ]
     for attention in ATTENTION_KINDS:
-        path = reports / attention / "metrics.json"
+        path = reports / attention / METRICS_FILE
         if not path.exists():
             continue
         m = json.loads(path.read_text(encoding="utf-8"))

@@ -45,7 +45,7 @@ from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir
 from sat_model.config import Params, RayConfig
 from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE
 from sat_model.features.store import MIRRORED_SUFFIX
-from sat_model.model.checkpoint import is_checkpoint_dir
+from sat_model.model.checkpoint import TRAIN_METRICS_FILE, is_checkpoint_dir
 from sat_model.paths import absolute, output_path
 from sat_model.train.trainer import Callback, EpochState
 
@@ -530,7 +530,7 @@ def train_with_ray(
     copy_checkpoint(checkpoint, model_dir)
     if run_id:  # how `register` finds the training run of the model it registers
         tag_trained_checkpoint(connect(params.mlflow, root), run_id, model_dir)
-    metrics_file = model_dir / "train_metrics.json"
+    metrics_file = model_dir / TRAIN_METRICS_FILE
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
     return TrainOutcome(model_dir, name, run_id, metrics)
 

@@ -25,6 +25,8 @@ from pipeline.stages import StageContext, cli_context, run_locked, stage_parser
 from pipeline.stages.user_errors import user_errors_in_one_line
 from pipeline.tracking.model_uri import is_model_uri, resolve_model_dir
 from sat_model.config import ATTENTION_KINDS
+from sat_model.evaluation.evaluate import GALLERY_DIR
+from sat_model.model.checkpoint import CONFIG_FILE
 
 if TYPE_CHECKING:
     from sat_model.data.tables import ImageRecord
@@ -86,7 +88,7 @@ def _write_gallery(out_dir: Path, write: Callable[[Path], T]) -> T:
     staging = temp_dir(out_dir, "attention")
     try:
         written = write(staging)
-        replace_dir(staging, out_dir / "attention", owned=_is_gallery)
+        replace_dir(staging, out_dir / GALLERY_DIR, owned=_is_gallery)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -206,7 +208,7 @@ def _tracking_uri(ctx: StageContext, model: str) -> str | None:
 
 def _grid(model_dir: Path, attention: str) -> tuple[int, int, int, str]:
     """``(grid_h, grid_w, crop, attention)`` recorded in the model's ``config.json``."""
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
     enc = config["encoder"]
     grid = int(enc["grid_h"]), int(enc["grid_w"]), int(enc["input_size"])
     return (*grid, str(config.get("attention", attention)))

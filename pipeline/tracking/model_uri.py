@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sat_model.model.checkpoint import MODEL_FILE
+
 __all__ = ["is_model_uri", "resolve_model_dir"]
 
 
@@ -30,12 +32,12 @@ def resolve_model_dir(model: str, workdir: Path, tracking_uri: str | None = None
     local = mlflow.artifacts.download_artifacts(
         artifact_uri=model, dst_path=str(workdir), tracking_uri=tracking_uri
     )
-    found = sorted(Path(local).rglob("model.pt"))
+    found = sorted(Path(local).rglob(MODEL_FILE))
     checkpoints = [p.parent for p in found if p.parent.name == CHECKPOINT_ARTIFACT] or [
         p.parent for p in found
     ]
     if not checkpoints:
-        raise FileNotFoundError(f"{model} holds no checkpoint (model.pt)")
+        raise FileNotFoundError(f"{model} holds no checkpoint ({MODEL_FILE})")
     return checkpoints[0]
 
 

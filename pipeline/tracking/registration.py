@@ -42,6 +42,8 @@ from pipeline.tracking.runs import (
     with_retries,
 )
 from sat_model.config import ATTENTION_KINDS, EvalConfig, Params
+from sat_model.evaluation.evaluate import CAPTIONS_FILE, GALLERY_DIR, METRICS_FILE
+from sat_model.model.checkpoint import CONFIG_FILE, CURVES_FILE, MODEL_FILE, TRAIN_METRICS_FILE
 
 __all__ = ["register_models"]
 
@@ -88,18 +90,18 @@ def register_models(params: Params, project_root: Path) -> dict[str, Any]:
 
 def _evaluated(params: Params, root: Path, attention: str) -> bool:
     model_dir = root / params.train.models_dir / attention
-    metrics_file = root / params.eval.reports_dir / attention / "metrics.json"
-    return (model_dir / "model.pt").is_file() and metrics_file.is_file()
+    metrics_file = root / params.eval.reports_dir / attention / METRICS_FILE
+    return (model_dir / MODEL_FILE).is_file() and metrics_file.is_file()
 
 
 def _run_artifacts(model_dir: Path, reports: Path) -> list[tuple[str, str | Path]]:
     """What the version's run shows beside the model (missing files are left out)."""
     return [
-        ("evaluation", reports / "metrics.json"),
-        ("evaluation", reports / "captions.json"),
-        ("evaluation/attention", reports / "attention"),
-        ("training", model_dir / "curves.csv"),
-        ("training", model_dir / "train_metrics.json"),
+        ("evaluation", reports / METRICS_FILE),
+        ("evaluation", reports / CAPTIONS_FILE),
+        ("evaluation/attention", reports / GALLERY_DIR),
+        ("training", model_dir / CURVES_FILE),
+        ("training", model_dir / TRAIN_METRICS_FILE),
     ]
 
 
@@ -120,7 +122,7 @@ def _register_one(
     cfg = params.mlflow
     model_dir = root / params.train.models_dir / attention
     reports = root / params.eval.reports_dir / attention
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
     logged = {"model": config.get("model", {}), "train": config.get("train", {})}
     sha = checkpoint_sha256(model_dir)
     training_run = find_training_run(tracking, sha)
@@ -132,7 +134,7 @@ def _register_one(
             model_dir=model_dir,
             model_name=cfg.model_name,
             experiment_id=tracking.experiment_id,
-            metrics=json.loads((reports / "metrics.json").read_text(encoding="utf-8")),
+            metrics=json.loads((reports / METRICS_FILE).read_text(encoding="utf-8")),
             params=flatten({**logged, "eval": params.eval.model_dump()}),
             tags=tags,
             run_artifacts=_run_artifacts(model_dir, reports),

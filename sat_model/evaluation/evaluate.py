@@ -48,7 +48,10 @@ from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.decoding import beam_search, length_penalty_for
 
 __all__ = [
+    "CAPTIONS_FILE",
+    "GALLERY_DIR",
     "GALLERY_IMAGES_DIR",
+    "METRICS_FILE",
     "DecodedCaption",
     "EvaluationError",
     "EvaluationResult",
@@ -59,8 +62,10 @@ __all__ = [
     "write_reports",
 ]
 
-# the gallery's PNGs, under the gallery folder (beside its index.html)
-GALLERY_IMAGES_DIR = "images"
+# A report folder (reports/<attention>/): its file names, spelled here only
+METRICS_FILE, CAPTIONS_FILE = "metrics.json", "captions.json"
+GALLERY_DIR = "attention"  # the attention gallery: index.html and its pictures
+GALLERY_IMAGES_DIR = "images"  # the gallery's PNGs, under GALLERY_DIR
 
 
 class EvaluationError(RuntimeError):
@@ -253,7 +258,7 @@ def write_reports(result: EvaluationResult, out_dir: str | Path, split: str) -> 
     """``metrics.json`` (flat keys, for ``dvc metrics``) and ``captions.json``."""
     out_dir = Path(out_dir)
     metrics = {k: round(v, 6) for k, v in result.metrics.items() if math.isfinite(v)}
-    write_text_atomic(out_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+    write_text_atomic(out_dir / METRICS_FILE, json.dumps(metrics, indent=2) + "\n")
     captions = {
         "split": split,
         "captions": [
@@ -262,7 +267,7 @@ def write_reports(result: EvaluationResult, out_dir: str | Path, split: str) -> 
         ],
         "skipped": result.skipped,
     }
-    write_text_atomic(out_dir / "captions.json", json.dumps(captions, indent=1) + "\n")
+    write_text_atomic(out_dir / CAPTIONS_FILE, json.dumps(captions, indent=1) + "\n")
 
 
 def write_attention_gallery(

@@ -1,4 +1,6 @@
-"""Self-describing checkpoints: ``model.pt`` + ``config.json`` + ``vocab.json`` in one folder.
+"""The model folder (``models/<attention>/``) and its self-describing checkpoint: ``model.pt`` +
+``config.json`` + ``vocab.json``, beside training's ``train_metrics.json``, ``curves.csv`` and
+``last_state.pt`` (written by :mod:`sat_model.train.run`). Every file name is spelled here.
 
 ``model.pt`` is a ``torch.save`` of plain containers and tensors only: ``format_version``,
 ``model_state`` (the weights to use: the moving average when training kept one),
@@ -36,8 +38,11 @@ from sat_model.model.decoder import ModelConfig, ShowAttendTell
 
 __all__ = [
     "CONFIG_FILE",
+    "CURVES_FILE",
     "FORMAT_VERSION",
+    "LAST_STATE_FILE",
     "MODEL_FILE",
+    "TRAIN_METRICS_FILE",
     "VOCAB_FILE",
     "Checkpoint",
     "CheckpointError",
@@ -52,6 +57,8 @@ __all__ = [
 
 FORMAT_VERSION = 1
 MODEL_FILE, CONFIG_FILE, VOCAB_FILE = "model.pt", "config.json", "vocab.json"
+TRAIN_METRICS_FILE, CURVES_FILE = "train_metrics.json", "curves.csv"  # training summary, curves
+LAST_STATE_FILE = "last_state.pt"  # the last epoch's training state, to resume from
 # Bounds far above the paper's sizes (n = 1800, K ≈ 10k words, L = 196): a config beyond them is
 # malformed, not large, and is refused before anything is sized from it.
 MAX_DIM = 1 << 16

@@ -42,7 +42,10 @@ from sat_model.features.store import (
     channel_statistics,
 )
 from sat_model.model.checkpoint import (
+    CURVES_FILE,
+    LAST_STATE_FILE,
     MODEL_FILE,
+    TRAIN_METRICS_FILE,
     CheckpointError,
     check_archive,
     load_checkpoint,
@@ -76,9 +79,6 @@ from sat_model.train.trainer import (
 )
 
 __all__ = [
-    "CURVES_FILE",
-    "LAST_STATE_FILE",
-    "METRICS_FILE",
     "VALIDATION_METRICS",
     "TrainResult",
     "load_training_state",
@@ -88,8 +88,6 @@ __all__ = [
     "train_model",
 ]
 
-METRICS_FILE, CURVES_FILE = "train_metrics.json", "curves.csv"
-LAST_STATE_FILE = "last_state.pt"  # the last epoch's training state, to resume from
 LAST_STATE_VERSION = 1
 CURVE_COLUMNS = ("epoch", "train_loss", "val_bleu_4", "val_cider", "lr")
 # BLEU drives early stopping; CIDEr is logged beside it (no Java, milliseconds on val_images)
@@ -199,7 +197,7 @@ class _ModelDirWriter(Callback):
         )
         _write_curves(self.model_dir / CURVES_FILE, self.curves)
         metrics = _train_metrics(state, self.curves, self.counts)
-        write_text_atomic(self.model_dir / METRICS_FILE, json.dumps(metrics, indent=1) + "\n")
+        write_text_atomic(self.model_dir / TRAIN_METRICS_FILE, json.dumps(metrics, indent=1) + "\n")
         # last: a crash before this leaves the previous epoch's state, which a resume repeats from
         save_training_state(self.model_dir / LAST_STATE_FILE, {**snapshot, "phase": self.phase})
 
@@ -682,7 +680,7 @@ def _restore_rng(rng: Mapping[str, Any] | None) -> None:
 
 
 def _read_metrics(model_dir: Path) -> dict[str, float]:
-    path = model_dir / METRICS_FILE
+    path = model_dir / TRAIN_METRICS_FILE
     if not (model_dir / MODEL_FILE).is_file() or not path.is_file():
         return {}
     metrics: dict[str, float] = json.loads(path.read_text(encoding="utf-8"))
