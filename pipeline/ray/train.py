@@ -44,7 +44,7 @@ from pipeline.tracking.run_identity import RunIdentity
 from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir
 from sat_model.config import Params, RayConfig
 from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE
-from sat_model.features.store import MIRRORED_SUFFIX
+from sat_model.features.store import store_file
 from sat_model.model.checkpoint import TRAIN_METRICS_FILE, is_checkpoint_dir
 from sat_model.paths import absolute, output_path
 from sat_model.train.trainer import Callback, EpochState
@@ -395,12 +395,11 @@ def stage_worker_inputs(
     files = {
         f"prepared/{CAPTIONS_FILE}": prepared / CAPTIONS_FILE,
         f"prepared/{VOCAB_FILE}": prepared / VOCAB_FILE,
-        "features/train.arrow": features / "train.arrow",
-        "features/val.arrow": features / "val.arrow",
     }
+    stores = [store_file("train"), store_file("val")]
     if mirrored:  # train.mirror > 0: the extract stage's store of the mirrored train photos
-        name = f"train{MIRRORED_SUFFIX}.arrow"
-        files[f"features/{name}"] = features / name
+        stores.append(store_file("train", mirrored=True))
+    files.update({f"features/{name}": features / name for name in stores})
     return StagedInputs(upload_inputs(files, storage), storage)
 
 

@@ -26,6 +26,7 @@ from pipeline.stages.user_errors import user_errors_in_one_line
 from pipeline.tracking.model_uri import is_model_uri, resolve_model_dir
 from sat_model.config import ATTENTION_KINDS
 from sat_model.evaluation.evaluate import GALLERY_DIR
+from sat_model.features.store import store_file
 from sat_model.model.checkpoint import CONFIG_FILE
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ def _evaluate(ctx: StageContext, model: str, attention: str, split: str, out_dir
         model_dir = resolve_model_dir(model, workdir, _tracking_uri(ctx, model))
         result = evaluate_model(
             model_dir=model_dir,
-            features_path=ctx.path(params.encoder.features_dir) / f"{split}.arrow",
+            features_path=ctx.path(params.encoder.features_dir) / store_file(split),
             captions_path=prepared / CAPTIONS_FILE,
             images_path=prepared / IMAGES_FILE,
             split=split,

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from sat_model.data.tables import TableError, read_images, split_order
 from sat_model.features.encoders import Encoder, EncoderDescription
 from sat_model.features.images import ImageError, load_image, normalize_pixels, resize_crop
-from sat_model.features.store import MIRRORED_SUFFIX, FeatureMeta, FeatureWriter
+from sat_model.features.store import MIRRORED_SUFFIX, FeatureMeta, FeatureWriter, store_file
 
 __all__ = [
     "DecodedBatch",
@@ -313,7 +313,7 @@ def extract_features(
         run(
             encoder=encoder,
             items=items,
-            out_path=Path(out_dir) / f"{split}.arrow",
+            out_path=Path(out_dir) / store_file(split),
             prep=split_prep,
             batch_size=batch_size,
             num_workers=num_workers,

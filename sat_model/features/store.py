@@ -35,10 +35,17 @@ __all__ = [
     "FeatureStoreError",
     "FeatureWriter",
     "channel_statistics",
+    "store_file",
 ]
 
 FEATURES_FORMAT_VERSION = 1
 MIRRORED_SUFFIX = "_mirrored"  # a split's photos mirrored left to right: train_mirrored.arrow
+
+
+def store_file(split: str, *, mirrored: bool = False) -> str:
+    """The file name of a split's store in the features folder: ``train.arrow``, or with
+    ``mirrored`` the store of its photos mirrored, ``train_mirrored.arrow``."""
+    return f"{split}{MIRRORED_SUFFIX if mirrored else ''}.arrow"
 
 
 class FeatureStoreError(RuntimeError):

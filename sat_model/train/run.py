@@ -36,10 +36,10 @@ from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE, load_references
 from sat_model.data.vocab import Vocab, load_vocab
 from sat_model.evaluation.metrics import score_captions
 from sat_model.features.store import (
-    MIRRORED_SUFFIX,
     FeatureStore,
     FeatureStoreError,
     channel_statistics,
+    store_file,
 )
 from sat_model.model.checkpoint import (
     CURVES_FILE,
@@ -424,10 +424,10 @@ def _set_up(
     cfg = params.train.soft if attention == "soft" else params.train.hard
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     vocab = load_vocab(prepared_dir / VOCAB_FILE)
-    store = FeatureStore(features_dir / "train.arrow")
+    store = FeatureStore(features_dir / store_file("train"))
     mirrored = None
     if params.train.mirror > 0:  # the extract stage's, with encoder.mirror_train
-        mirrored = FeatureStore(features_dir / f"train{MIRRORED_SUFFIX}.arrow")
+        mirrored = FeatureStore(features_dir / store_file("train", mirrored=True))
         if mirrored.meta != store.meta:
             raise FeatureStoreError(f"{mirrored.path}: not train.arrow's encoder; re-extract")
     dataset, skipped = load_caption_dataset(
@@ -556,7 +556,7 @@ def _rank_zero(
 ) -> tuple[Callable[[nn.Module], dict[str, float]], _ModelDirWriter]:
     """Rank 0's ``validate(model)`` (first ``train.val_images`` validation images) and the
     callback writing the model folder."""
-    val_store = FeatureStore(features_dir / "val.arrow")
+    val_store = FeatureStore(features_dir / store_file("val"))
     validate = make_validator(
         val_store,
         load_references(prepared_dir / CAPTIONS_FILE, "val"),
