@@ -54,12 +54,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RUN_RECORD",
-    "FitOutcome",
+    "RayFitResult",
+    "RayTrainResult",
     "ScalingSpec",
     "StagedInputs",
     "TrainFn",
     "TrainJob",
-    "TrainOutcome",
     "WorkerHooks",
     "WorkerRun",
     "copy_checkpoint",
@@ -154,7 +154,7 @@ class ScalingSpec:
 
 
 @dataclass(frozen=True)
-class FitOutcome:
+class RayFitResult:
     """What a finished Ray Train run left behind."""
 
     run_name: str
@@ -185,7 +185,7 @@ def fit_on_ray(
     scaling: ScalingSpec,
     max_failures: int,
     callbacks: Sequence[Any] = (),
-) -> FitOutcome:
+) -> RayFitResult:
     """Run ``train_fn`` on every worker under a ``TorchTrainer``; Ray must be initialised.
 
     ``config`` reaches every worker as ``WorkerRun.config`` (picklable: a :class:`TrainJob` for
@@ -223,7 +223,7 @@ def fit_on_ray(
     if result.checkpoint is not None:
         path = result.checkpoint.path
         checkpoint = Storage(storage.filesystem, path, storage.uri + path[len(storage.path) :])
-    return FitOutcome(run_name, storage.child(run_name), checkpoint, dict(result.metrics or {}))
+    return RayFitResult(run_name, storage.child(run_name), checkpoint, dict(result.metrics or {}))
 
 
 def _worker_env() -> dict[str, str]:
@@ -254,7 +254,7 @@ def copy_checkpoint(source: Path | Storage, destination: Path) -> None:
 
 # ------------------------------------------------------------------ the sat train stage on Ray
 @dataclass(frozen=True)
-class TrainOutcome:
+class RayTrainResult:
     """A trained model folder and where its run is recorded."""
 
     model_dir: Path  # models/<attention>/ on the driver
@@ -485,7 +485,7 @@ def train_with_ray(
     resume_from: Path | None = None,
     resume: bool = False,
     hooks: WorkerHooks = WorkerHooks(),
-) -> TrainOutcome:
+) -> RayTrainResult:
     """The ``train`` stage: Ray Train over ``train_model``, MLflow run, ``models/<attention>/``.
 
     ``project_root`` anchors every relative path in params (workers get absolute ones).
@@ -531,7 +531,7 @@ def train_with_ray(
         tag_trained_checkpoint(connect(params.mlflow, root), run_id, model_dir)
     metrics_file = model_dir / TRAIN_METRICS_FILE
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
-    return TrainOutcome(model_dir, name, run_id, metrics)
+    return RayTrainResult(model_dir, name, run_id, metrics)
 
 
 def _fit_run(

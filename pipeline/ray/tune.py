@@ -49,7 +49,7 @@ from sat_model.paths import absolute
 
 __all__ = [
     "METRIC",
-    "TuneOutcome",
+    "TuneResult",
     "best_overrides",
     "exp_run_command",
     "run_tune",
@@ -61,7 +61,7 @@ _log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class TuneOutcome:
+class TuneResult:
     """The sweep's winner and where it is written down."""
 
     best_params: dict[str, float]  # dotted keys, e.g. {"train.soft.lr": 0.0007}
@@ -191,7 +191,7 @@ def _placement_group_reaper() -> Any:
     return PlacementGroupReaper()
 
 
-def run_tune(params: Params, *, project_root: Path, address: str | None = None) -> TuneOutcome:
+def run_tune(params: Params, *, project_root: Path, address: str | None = None) -> TuneResult:
     """Run the sweep described by ``params.tune``; ``address`` connects to a Ray cluster.
 
     ``project_root`` anchors relative paths: data, features, ray storage, MLflow.
@@ -297,7 +297,7 @@ def _close_stopped_children(results: Any, parent: Run) -> None:
         child.finish() if tags.get("sat.trial_id") in succeeded else child.fail()
 
 
-def _record_best(results: Any, cfg: TuneConfig, root: Path, parent: Run) -> TuneOutcome:
+def _record_best(results: Any, cfg: TuneConfig, root: Path, parent: Run) -> TuneResult:
     best = results.get_best_result(metric=METRIC, mode=MODE, scope="last")
     if best is None or best.metrics is None or METRIC not in best.metrics:
         parent.fail()
@@ -321,4 +321,4 @@ def _record_best(results: Any, cfg: TuneConfig, root: Path, parent: Run) -> Tune
         f"best {METRIC} = {score:.4f} with " + ", ".join(f"{k}={v:.4g}" for k, v in values.items())
     )
     print(f"train the winner with:  {doc['apply']}")
-    return TuneOutcome(values, score, path, parent.run_id, len(results))
+    return TuneResult(values, score, path, parent.run_id, len(results))

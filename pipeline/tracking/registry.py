@@ -28,7 +28,7 @@ __all__ = [
     "CHECKPOINT_FILES",
     "CHECKPOINT_TAG",
     "PromotionDecision",
-    "PromotionOutcome",
+    "PromotionResult",
     "RegistryError",
     "VersionInfo",
     "checkpoint_sha256",
@@ -69,7 +69,7 @@ class VersionInfo:
 
 
 @dataclass(frozen=True)
-class PromotionOutcome:
+class PromotionResult:
     """What a promotion attempt did; written to ``reports/registry.json``."""
 
     model_name: str
@@ -179,7 +179,7 @@ def _apply(
     metric: str,
     candidate: ModelVersion,
     decision: PromotionDecision | None = None,
-) -> PromotionOutcome:
+) -> PromotionResult:
     incumbent = current_champion(client, model_name)
     value = _metric_of(client, candidate, metric)
     previous = _metric_of(client, incumbent, metric) if incumbent else None
@@ -190,7 +190,7 @@ def _apply(
     if decision.promote:
         client.set_registered_model_alias(model_name, CHAMPION_ALIAS, str(candidate.version))
     after = candidate if decision.promote else incumbent
-    return PromotionOutcome(
+    return PromotionResult(
         model_name=model_name,
         metric=metric,
         candidate=str(candidate.version),
@@ -222,14 +222,14 @@ def promotion_allowed(policy: str, experiment: str | None) -> tuple[bool, str]:
 
 def promote_if_better(
     client: MlflowClient, model_name: str, version: str, metric: str
-) -> PromotionOutcome:
+) -> PromotionResult:
     """Move ``champion`` to ``version`` only if it beats the current champion on ``metric``."""
     return _apply(client, model_name, metric, client.get_model_version(model_name, str(version)))
 
 
 def promote(
     client: MlflowClient, model_name: str, metric: str, version: str | None = None
-) -> PromotionOutcome:
+) -> PromotionResult:
     """``sat promote``: make ``version`` the champion, or else the best version on ``metric``.
 
     A named version is promoted unconditionally (the user decided); otherwise the best-scoring
