@@ -29,20 +29,13 @@ def build_model(
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
     config = ModelConfig(
+        **model_params.model_dump(exclude={"backend"}),  # the params' sizes and switches, as given
         vocab_size=vocab_size,
         annotation_dim=annotation_dim,
         num_locations=num_locations,
-        embed_dim=model_params.embed_dim,
-        hidden_dim=model_params.hidden_dim,
-        attention_dim=model_params.attention_dim,
-        dropout=model_params.dropout,
-        input_dropout=model_params.input_dropout,
-        gate=model_params.gate,
         attention=attention,
         semi_sampling_p=semi_sampling_p,
         semi_sampling_per=semi_sampling_per,
-        coordinates=model_params.coordinates,
-        normalize_features=model_params.normalize_features,
         grid_w=grid_w if grid_w is not None else math.isqrt(num_locations),
     )
     return ShowAttendTell(config, backend=model_params.backend)
