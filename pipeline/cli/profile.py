@@ -21,7 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(params.yaml, dvc.yaml, its outputs) that `make run PROFILE=<name>` runs.",
         examples=["sat profile new mine --images photos/ --captions captions.csv"],
     )
-    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions = p.add_subparsers(
+        dest="action", required=True, metavar="ACTION", help="what to do with a profile"
+    )
     new = actions.add_parser(
         "new",
         help="a profile for your own photos and a captions file (README, Your own data)",
