@@ -128,8 +128,11 @@ def _refuse_dvc_output(ctx: StageContext, args: argparse.Namespace) -> None:
     stage = stage_writing(model_dir)
     if stage is None:
         return
+    params = "" if args.params == "params.yaml" else f" --params {args.params}"
     overrides = "".join(f" -S {o}" for o in args.overrides)
-    beside = f"sat train --attention {args.attention}{overrides} -S train.models_dir=models/try"
+    beside = (
+        f"sat train{params} --attention {args.attention}{overrides} -S train.models_dir=models/try"
+    )
     raise CommandError(
         f"{_shown(model_dir)} is the output of DVC stage {stage}: sat train will not replace "
         f"it behind DVC's back. Train it through DVC ({_through_dvc(args, stage)}), or into "
