@@ -290,6 +290,26 @@ def _add_caption_on_ray(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_caption_decoding(p: argparse.ArgumentParser) -> None:
+    """``sat caption``'s device, batch, beam and decoding-thread options."""
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: CUDA where present (%(default)s)",
+    )
+    p.add_argument(
+        "--batch-size", type=_positive_int, default=16, help="images per beam search (%(default)s)"
+    )
+    p.add_argument("--beam-size", type=_positive_int, default=None, help="default: eval.beam_size")
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=2,
+        help="threads decoding the next batch (%(default)s)",
+    )
+
+
 def _add_caption(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
@@ -328,22 +348,7 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
         "parquet: with --engine ray",
     )
     _add_caption_on_ray(p)
-    p.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="auto: CUDA where present (%(default)s)",
-    )
-    p.add_argument(
-        "--batch-size", type=_positive_int, default=16, help="images per beam search (%(default)s)"
-    )
-    p.add_argument("--beam-size", type=_positive_int, default=None, help="default: eval.beam_size")
-    p.add_argument(
-        "--workers",
-        type=_positive_int,
-        default=2,
-        help="threads decoding the next batch (%(default)s)",
-    )
+    _add_caption_decoding(p)
     p.add_argument(
         "--attention-out",
         default=None,

@@ -31,6 +31,12 @@ def _add_address(parser: argparse.ArgumentParser) -> None:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Register ``sat train``, ``sat tune`` and ``sat evaluate``."""
+    _add_train(sub)
+    _add_tune(sub)
+    _add_evaluate(sub)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
         "train",
@@ -54,6 +60,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     _add_address(p)
     p.set_defaults(handler=_train)
 
+
+def _add_tune(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
         "tune",
@@ -68,6 +76,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--apply", action="store_true", help="then train the winner (dvc exp run -S)")
     p.set_defaults(handler=_tune)
 
+
+def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
         "evaluate",
