@@ -78,7 +78,9 @@ def _try_it(reports: Path, attentions: list[str]) -> list[str]:
     params_file = reports.parent / "params.yaml"  # a profile's reports sit beside its params
     root = params_file.resolve().parent
     params = load_params(params_file) if params_file.exists() else Params()
-    sources = {model_source(root / params.train.models_dir / a) for a in attentions}
+    # a checkpoint older than its data.source record: the params this run was made with
+    models = root / params.train.models_dir
+    sources = {model_source(models / a) or params.data.source for a in attentions}
     notices = {scenes_notice(s, "these models caption") for s in sources} - {None}
     lines = [f"note: {n}" for n in sorted(str(n) for n in notices)]
     where = "" if root == Path.cwd().resolve() else f" --params {params_file}"
