@@ -33,7 +33,11 @@ from sat_model.data.vocab import Vocab
 from sat_model.features.encoders import Encoder, EncoderError, EncoderSpec
 from sat_model.features.images import ImageError, encoder_view, load_image, preprocess
 from sat_model.features.store import FeatureMeta
-from sat_model.model.checkpoint import load_checkpoint, model_from_checkpoint
+from sat_model.model.checkpoint import (
+    load_checkpoint,
+    model_from_checkpoint,
+    recorded_data_source,
+)
 from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.decoding import beam_search, length_penalty_for
 
@@ -192,6 +196,7 @@ class Captioner:
         mode: str = "expected",
         batch_size: int = 16,
         device: str | torch.device = "cpu",
+        data_source: str | None = None,
     ) -> None:
         self.model = model.to(device).eval()
         self.vocab = vocab
@@ -204,6 +209,8 @@ class Captioner:
         self.mode = mode
         self.batch_size = batch_size
         self.device = torch.device(device)
+        # what the model was trained on (data.source), as its checkpoint records; None: unknown
+        self.data_source = data_source
 
     @classmethod
     def from_dir(
@@ -234,6 +241,7 @@ class Captioner:
             keep_aspect=recorded.keep_aspect,
             device=device,
             length_penalty=length_penalty_for(length_penalty, model.config.attention),
+            data_source=recorded_data_source(checkpoint.config),
             **options,
         )
 

@@ -13,11 +13,20 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from ruamel.yaml import YAMLError
 
 __all__ = [
     "ATTENTION_KINDS",
+    "BOOLEAN_WORDS",
     "AttentionKind",
     "CocoConfig",
     "DataConfig",
@@ -55,9 +64,28 @@ class ParamsError(ValueError):
     """Raised when params.yaml (or an override) is invalid; the message names every bad key."""
 
 
+# Booleans as people write them, in any case: YAML 1.2 (what DVC parses, read_yaml) reads only
+# true/false as booleans, so `yes`, `On` or `FALSE` in params.yaml or `-S` arrive as words.
+BOOLEAN_WORDS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
+
+
+def _boolean_word(value: Any) -> Any:
+    """``value`` as a bool when it is one of :data:`BOOLEAN_WORDS` (any case), else as given."""
+    if isinstance(value, str):
+        return BOOLEAN_WORDS.get(value.strip().lower(), value)
+    return value
+
+
 class _Section(BaseModel):
     # strict: "3" is not an int, 1 is not a bool; frozen: params never change after loading.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _booleans_as_written(cls, value: Any, info: ValidationInfo) -> Any:
+        # strict still refuses 1, "y" or "maybe" for a bool; only the words above are read
+        field = cls.model_fields.get(info.field_name or "")
+        return _boolean_word(value) if field is not None and field.annotation is bool else value
 
 
 # ----------------------------------------------------------------------------- data
@@ -651,6 +679,15 @@ class RayConfig(_Section):
         description="where Ray puts the workers: PACK fills a node first, STRICT_SPREAD one "
         "worker per node",
     )
+
+    @field_validator("use_gpu", mode="before")
+    @classmethod
+    def _use_gpu_as_written(cls, value: Any) -> Any:
+        # `-S ray.use_gpu=true` parses as YAML's true; `yes`, `Off`, `AUTO` arrive as words
+        value = _boolean_word(value)
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return value.lower() if isinstance(value, str) and value.lower() == "auto" else value
 
 
 class Params(_Section):

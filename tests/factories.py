@@ -79,12 +79,14 @@ def write_tiny_model(
     seed: int = 0,
     real_words_only: bool = True,
     encoder_section: Mapping[str, Any] | None = None,
+    data_source: str | None = None,
 ) -> Path:
     """A tiny model over the seeded ``random`` encoder (``crop`` px, 16 px cells, D = 32).
 
     ``real_words_only``: the output bias rules out every special token, so each caption is
     ``max_length`` real words. ``config.json`` records the encoder (resize default
-    ``crop * 9 / 8``; ``keep_aspect`` only when given) or ``encoder_section`` as given.
+    ``crop * 9 / 8``; ``keep_aspect`` only when given) or ``encoder_section`` as given, and
+    ``data_source`` (``data.source``, as the train stage records it) only when given.
     """
     torch.manual_seed(seed)
     vocab = Vocab((*SPECIALS, *words), 1, 100, 20)
@@ -107,7 +109,11 @@ def write_tiny_model(
         model_config=model.config,
         vocab=vocab,
         model_state=model.state_dict(),
-        extra_config={"attention": attention, "encoder": dict(section)},
+        extra_config={
+            "attention": attention,
+            "encoder": dict(section),
+            **({"data": {"source": data_source}} if data_source else {}),
+        },
     )
     return Path(directory)
 

@@ -13,17 +13,32 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
-from pipeline.stages import add_params_args, project_root
+from pipeline.stages import add_params_args
 
 __all__ = ["add_parser", "main"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``sat serve`` on the ``sat`` command's subparsers."""
-    p = subparsers.add_parser("serve", help="serve the champion over HTTP (127.0.0.1)")
+    from pipeline.cli.commands import add_command
+
+    p = add_command(
+        subparsers,
+        "serve",
+        summary="serve the champion over HTTP (127.0.0.1)",
+        description="Serve the champion (models:/<mlflow.model_name>@champion) or --model over "
+        "HTTP with MLflow's scoring protocol (POST /invocations), checked against the sha256 "
+        "recorded when it was registered. No model, a bad URI or bad params: one line and "
+        "status 1 before any server starts. The default pipeline's champion knows the "
+        "generated scenes of shapes, not photos: for photos, make run PROFILE=flickr8k.",
+        examples=[
+            "sat serve",
+            "sat serve --port 9000 --params profiles/flickr8k/params.yaml",
+            "sat serve --engine ray  # Ray Serve replicas (serve.ray)",
+        ],
+    )
     add_params_args(p)
     p.add_argument(
         "--model",
@@ -49,40 +64,40 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=main)
 
 
-def _load_params(args: argparse.Namespace) -> Any:
-    from sat_model.config import Params, load_params
+def _load(args: argparse.Namespace) -> tuple[Any, str, str, Any]:
+    """The params, the tracking URI, the model URI and the loaded model; a model that cannot
+    be served is a ``CommandError`` (one line, status 1) before any server starts."""
+    from pipeline.cli.commands import CommandError
+    from pipeline.cli.project import params_or_defaults, tracking_uri
+    from pipeline.serving.registered import ServeError, load_served_model
 
-    if not Path(args.params).exists() and not args.overrides:
-        return Params()  # outside a project: defaults and MLFLOW_TRACKING_URI
-    return load_params(args.params, args.overrides)
+    params = params_or_defaults(args)  # outside a project: defaults and MLFLOW_TRACKING_URI
+    tracking = tracking_uri(args)
+    model_uri = args.model or f"models:/{params.mlflow.model_name}@champion"
+    try:
+        served = load_served_model(model_uri, tracking, params.serve)
+    except ServeError as e:
+        hint = "" if args.model else " (run `make run` to register a champion, or pass --model)"
+        raise CommandError(f"{e}{hint}") from None
+    return params, tracking, model_uri, served
 
 
 def main(args: argparse.Namespace) -> int:
     """``sat serve``: load the model, then serve it until stopped."""
+    from pipeline.cli.notices import scenes_notice
     from pipeline.serving.front_door import build_app
     from pipeline.serving.http_server import run_server
-    from pipeline.serving.registered import ServeError, load_served_model
-    from pipeline.tracking.runs import resolve_tracking_uri
-    from sat_model.config import ParamsError
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     for name in ("mlflow", "alembic"):  # store migrations and downloads log at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        params = _load_params(args)
-        tracking_uri = resolve_tracking_uri(params.mlflow, project_root(args.params))
-        model_uri = args.model or f"models:/{params.mlflow.model_name}@champion"
-        served = load_served_model(model_uri, tracking_uri, params.serve)
-    except (ServeError, ParamsError) as e:
-        hint = ""
-        if args.model is None and isinstance(e, ServeError):
-            hint = " (run `make run` to register a champion, or pass --model)"
-        message = str(e).replace(":\n  ", ": ").replace("\n  ", "; ")
-        print(f"sat serve: error: {message}{hint}", file=sys.stderr)
-        return 1
+    params, tracking_uri, model_uri, served = _load(args)
     host = args.host or params.serve.host
     port = params.serve.port if args.port is None else args.port
     shown = f"{model_uri} (version {served.version})" if served.version else model_uri
+    notice = scenes_notice(served.service.captioner.data_source)
+    if notice:
+        print(f"sat serve: note: {notice}", file=sys.stderr, flush=True)
     if args.engine == "ray":
         return _serve_on_ray(args, params, model_uri, tracking_uri, (host, port), shown)
     app = build_app(_predict(served.service), params.serve, _describe(served.describe()))

@@ -51,6 +51,7 @@ __all__ = [
     "load_checkpoint",
     "load_model",
     "model_from_checkpoint",
+    "recorded_data_source",
     "save_checkpoint",
     "state_of",
 ]
@@ -99,6 +100,14 @@ class Checkpoint:
     format_version: int = FORMAT_VERSION
     # the optimiser's weights when model_state is their moving average (to resume); else None
     train_state: dict[str, torch.Tensor] | None = None
+
+
+def recorded_data_source(config: Mapping[str, Any]) -> str | None:
+    """The data source (``data.source``: ``synthetic``, ``flickr8k``, ...) that a checkpoint's
+    config says the model was trained on; None for a checkpoint that predates the record."""
+    data = config.get("data")
+    source = data.get("source") if isinstance(data, Mapping) else None
+    return source if isinstance(source, str) else None
 
 
 def save_checkpoint(

@@ -583,6 +583,8 @@ def _rank_zero(
             "keep_aspect": params.encoder.keep_aspect,
         },
         "train": {"seed": params.train.seed, **setup.cfg.model_dump()},
+        # what the model knows: the scenes' shapes or photos (sat caption and sat serve say so)
+        "data": {"source": params.data.source},
     }
     if identity is not None:
         extra_config["identity"] = identity

@@ -109,8 +109,17 @@ def test_caption_with_a_model_folder_reports_bad_images_and_keeps_going(project,
 
 
 def test_caption_fails_when_no_image_is_usable(project, capsys):
-    assert main(["caption", "missing.png", "--model", "models/soft"]) == 1
-    assert "missing.png: error: file not found" in capsys.readouterr().err
+    (project / "bad.jpg").write_bytes(b"not a jpeg")
+    assert main(["caption", "bad.jpg", "missing.png", "--model", "models/soft"]) == 1
+    err = capsys.readouterr().err
+    assert "bad.jpg: error: cannot decode" in err and "missing.png: error: file not found" in err
+
+
+def test_caption_of_only_missing_files_says_so_before_looking_for_a_model(project, capsys):
+    assert main(["caption", "missing.png", "gone/"]) == 1  # the champion: absent too
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == "sat caption: error: no such file or folder: missing.png gone/"
+    assert not (project / "mlflow.db").exists()
 
 
 @pytest.mark.java

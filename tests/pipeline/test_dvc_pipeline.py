@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -257,3 +258,88 @@ def test_push_then_a_fresh_clone_pulls_and_finds_nothing_to_run(
     # the pipeline (dvc.yaml); the on-demand sweep (sweeps/dvc.yaml) never ran in this project
     assert "Data and pipelines are up to date" in dvc(fresh, "status", "dvc.yaml")
     assert stages_run(dvc(fresh, "repro")) == set()
+
+
+# ------------------------------------------------------ what a user sees after `make run`
+def sat(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The installed ``sat`` command in ``project``, its output as text."""
+    command = [str(Path(sys.executable).parent / "sat"), *args]
+    return subprocess.run(
+        command, cwd=project, env=_env(), capture_output=True, text=True, timeout=600
+    )
+
+
+SCENES_NOTE = "trained on the generated scenes of coloured shapes (data.source: synthetic)"
+
+
+def test_the_summary_says_the_models_know_the_scenes_and_captions_a_generated_one(
+    project: Path,
+) -> None:
+    summary = sat(project, "summary")
+    assert summary.returncode == 0 and summary.stderr == ""
+    lines = summary.stdout.splitlines()
+    (note,) = [line for line in lines if line.startswith("note: ")]
+    assert SCENES_NOTE in note and "make run PROFILE=flickr8k" in note
+    (hint,) = [line for line in lines if line.startswith("caption an image:")]
+    # the command the summary gives, as a user pastes it: a scene that this run generated
+    command = hint.split(":", 1)[1].split()
+    image = command[2]
+    assert command[:2] == [".venv/bin/sat", "caption"] and image.startswith("data/prepared/")
+    assert (project / image).is_file()
+    done = sat(project, "caption", image)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"{image}: ") and len(done.stdout.split(": ", 1)[1]) > 1
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"sat caption: note: {SCENES_NOTE}")
+
+
+def test_sat_train_will_not_replace_what_dvc_tracks(project: Path) -> None:
+    from pipeline.tracking.registry import checkpoint_sha256
+
+    before = checkpoint_sha256(project / "models" / "soft")
+    # -S ray.use_gpu=true, as a user writes it, is accepted: the refusal is the next question
+    done = sat(
+        project, "train", "--attention", "soft", "-S", "train.soft.lr=1", "-S", "ray.use_gpu=true"
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("sat train: error: models/soft is the output of DVC stage train@soft")
+    assert "dvc exp run -S train.soft.lr=1" in line and "-S train.models_dir=" in line
+    assert checkpoint_sha256(project / "models" / "soft") == before
+    assert "Data and pipelines are up to date" in dvc(project, "status", "dvc.yaml")
+
+
+def test_sat_evaluate_writes_its_report_beside_what_dvc_tracks(project: Path) -> None:
+    tracked = (project / "reports" / "soft" / "metrics.json").read_bytes()
+    done = sat(project, "evaluate", "--attention", "soft")
+    assert done.returncode == 0, done.stderr
+    assert "reports/soft is the output of DVC stage evaluate@soft" in done.stderr
+    assert "this report goes to reports/eval/soft" in done.stderr
+    scores = json.loads((project / "reports" / "eval" / "soft" / "metrics.json").read_text())
+    assert scores.keys() >= METRIC_KEYS
+    assert (project / "reports" / "soft" / "metrics.json").read_bytes() == tracked
+    refused = sat(project, "evaluate", "--attention", "soft", "--out", "reports/hard")
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("sat evaluate: error: --out reports/hard is the output of")
+    assert "Data and pipelines are up to date" in dvc(project, "status", "dvc.yaml")
+
+
+def test_sat_serve_says_what_the_champion_knows(project: Path, tmp_path: Path) -> None:
+    from tests.pipeline.servers import free_port, stop_process_group
+
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    command = [str(Path(sys.executable).parent / "sat"), "serve", "--port", str(free_port())]
+    with out.open("w") as stdout, err.open("w") as stderr:
+        server = subprocess.Popen(
+            command, cwd=project, env=_env(), stdout=stdout, stderr=stderr, start_new_session=True
+        )
+    try:
+        for _ in range(600):  # until it serves (or stops): loading the champion takes a while
+            if "serving models:/" in out.read_text() or server.poll() is not None:
+                break
+            time.sleep(0.5)
+        assert "serving models:/sat-captioner@champion" in out.read_text(), err.read_text()
+    finally:
+        stop_process_group(server)
+    (line,) = [x for x in err.read_text().splitlines() if x.startswith("sat serve: ")]
+    assert line.startswith(f"sat serve: note: {SCENES_NOTE}")

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from pipeline.cli.main import main
 from sat_model.paths import shared_data
@@ -109,8 +111,10 @@ def test_caption_without_a_champion_says_what_to_do_in_one_line(tmp_path):
     assert not (tmp_path / "mlflow.db").exists()  # looking for it created no store
 
 
-def test_caption_of_a_folder_that_is_no_model_is_one_line(workdir):
-    done = _sat("caption", "x.jpg", "--model", "models/absent", cwd=workdir)
+def test_caption_of_a_folder_that_is_no_model_is_one_line(workdir, tmp_path):
+    image = tmp_path / "x.png"
+    Image.new("RGB", (80, 60)).save(image)
+    done = _sat("caption", str(image), "--model", "models/absent", cwd=workdir)
     assert done.returncode == 1
     assert done.stderr.splitlines() == [
         "sat caption: error: models/absent is not a model folder (no model.pt in it)"
@@ -146,3 +150,97 @@ def test_a_missing_params_file_is_one_line_for_every_command_that_reads_params(
         assert capsys.readouterr().err.splitlines() == [
             f"sat {command[0]}: error: params file not found: absent.yaml"
         ]
+
+
+# ------------------------------------------------------------ one convention for every command
+# the commands a user has, as the README's table of the `sat` command lists them
+COMMANDS = {"caption", "models", "promote", "evaluate", "train", "tune", "summary", "serve"}
+COMMANDS |= {"profile"}  # README, "Your own data"
+
+
+def _listed_commands(help_text: str) -> set[str]:
+    """The subcommands ``sat --help`` lists (an indented name, then its one-line summary)."""
+    return set(re.findall(r"^ {4}([a-z]+) {2,}\S", help_text, flags=re.MULTILINE))
+
+
+def _entries_without_help(help_text: str) -> list[str]:
+    """Arguments of a ``--help`` text that carry no help: an entry line (two spaces, then the
+    argument) with nothing after it and no deeper-indented text on the next line."""
+    lines = help_text.splitlines()
+    bare = []
+    for i, line in enumerate(lines):
+        if not re.match(r"^ {2}\S", line) or line.strip().startswith("sat "):  # an example
+            continue
+        follows = lines[i + 1] if i + 1 < len(lines) else ""
+        if not re.search(r"\S {2,}\S", line.strip()) and not re.match(r"^ {6,}\S", follows):
+            bare.append(line.strip())
+    return bare
+
+
+def test_every_command_says_what_it_does_with_an_example_in_its_help(tmp_path):
+    listed = _sat("--help", cwd=tmp_path)
+    assert listed.returncode == 0
+    assert _listed_commands(listed.stdout) == COMMANDS
+    for command in [*sorted(COMMANDS), "profile new"]:
+        done = _sat(*command.split(), "--help", cwd=tmp_path)
+        assert done.returncode == 0, command
+        usage, _, rest = done.stdout.partition("\n\n")
+        description = rest.split("\n\n", 1)[0]
+        assert usage.startswith(f"usage: sat {command}")
+        # a sentence about the command, not straight into the argument list
+        assert not description.endswith(":") and len(description.split()) >= 8, command
+        examples = done.stdout.split("\nexamples:\n", 1)[1].splitlines()
+        assert examples and all(e.startswith(f"  sat {command}") for e in examples), command
+        section = done.stdout.split("\nexamples:\n", 1)[0]
+        assert _entries_without_help(section) == [], command
+
+
+ERRORS = [
+    # (arguments, the line's start): each run in an empty folder, outside any project
+    (["models"], "sat models: error: no MLflow store at "),
+    (["promote", "--metric", "cider"], "sat promote: error: no MLflow store at "),
+    (["summary"], "sat summary: error: no metrics under reports/"),
+    # the missing photo is the first cause, before the missing champion
+    (["caption", "nothere.jpg"], "sat caption: error: no such file or folder: nothere.jpg"),
+    (["serve", "--port", "0"], "sat serve: error: cannot load models:/sat-captioner@champion"),
+    (["train"], "sat train: error: the following arguments are required: --attention"),
+    (["caption", "x.jpg", "--format", "xml"], "sat caption: error: argument --format: "),
+    (["profile", "new", "mine"], "sat profile: error: the following arguments are required"),
+    (["captions", "x.jpg"], "sat: error: argument COMMAND: invalid choice: 'captions'"),
+]
+
+
+@pytest.mark.parametrize(("args", "start"), ERRORS, ids=[" ".join(a) for a, _ in ERRORS])
+def test_a_user_error_is_one_line_on_stderr_with_status_1_and_leaves_nothing(tmp_path, args, start):
+    done = _sat(*args, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(start), line
+    assert list(tmp_path.iterdir()) == []  # no mlflow.db, no folder: reading created nothing
+
+
+def test_booleans_are_read_as_people_write_them(tmp_path):
+    (tmp_path / "params.yaml").write_text("encoder: {keep_aspect: Yes}\n")
+    done = _sat("models", "-S", "ray.use_gpu=true", "-S", "model.gate=Off", cwd=tmp_path)
+    # accepted: the command goes on to its next question, the (absent) tracking store
+    assert done.stderr.startswith("sat models: error: no MLflow store at "), done.stderr
+    done = _sat("models", "-S", "ray.use_gpu=maybe", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.startswith("sat models: error: invalid params: ray.use_gpu: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
+
+
+@needs_photos
+def test_a_photo_captioned_by_a_model_of_the_scenes_comes_with_what_it_knows(tmp_path):
+    write_tiny_model(tmp_path / "scenes", resize=72, data_source="synthetic")
+    write_tiny_model(tmp_path / "photos", resize=72, data_source="flickr8k")
+    (tmp_path / "params.yaml").write_text(PARAMS)
+    photo = str(_photos(1)[0])
+    done = _sat("caption", photo, "--model", "scenes", cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.startswith(f"{photo}: ")
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("sat caption: note: trained on the generated scenes")
+    assert "make run PROFILE=flickr8k" in line
+    done = _sat("caption", photo, "--model", "photos", "--format", "jsonl", cwd=tmp_path)
+    assert done.returncode == 0 and done.stderr == ""  # a model of photos needs no notice

@@ -107,3 +107,30 @@ def test_a_cross_section_rule_is_one_plain_line_naming_its_keys(tmp_path: Path) 
     )
     params = load_params(write(tmp_path, "encoder:\n  mirror_train: true\ntrain:\n  mirror: 0.5\n"))
     assert params.train.mirror == 0.5
+
+
+@pytest.mark.parametrize(
+    ("written", "meant"),
+    [("true", True), ("Yes", True), ("ON", True), ("false", False), ("no", False), ("Off", False)],
+)
+def test_a_boolean_reads_as_yaml_and_people_write_it(
+    tmp_path: Path, written: str, meant: bool
+) -> None:
+    # YAML 1.2 (DVC's) reads only true/false as booleans: `yes` and `On` arrive as words
+    path = write(tmp_path, f"encoder:\n  keep_aspect: {written}\n")
+    assert load_params(path).encoder.keep_aspect is meant
+    assert load_params(write(tmp_path, ""), [f"model.gate={written}"]).model.gate is meant
+    use_gpu = load_params(write(tmp_path, ""), [f"ray.use_gpu={written}"]).ray.use_gpu
+    assert use_gpu == ("true" if meant else "false")
+
+
+@pytest.mark.parametrize("written", ["1", "y", "maybe", "'2'"])
+def test_a_boolean_refuses_what_is_not_one(tmp_path: Path, written: str) -> None:
+    with pytest.raises(ParamsError, match=r"model\.gate"):
+        load_params(write(tmp_path, ""), [f"model.gate={written}"])
+    with pytest.raises(ParamsError, match=r"ray\.use_gpu"):
+        load_params(write(tmp_path, ""), [f"ray.use_gpu={written}"])
+
+
+def test_use_gpu_auto_in_any_case(tmp_path: Path) -> None:
+    assert load_params(write(tmp_path, "ray: {use_gpu: AUTO}\n")).ray.use_gpu == "auto"

@@ -1,0 +1,65 @@
+"""What a ``sat`` command reads from the project it runs in: params, the stage context, the
+MLflow store and the registered model's name.
+
+Commands that only read (``sat models``, ``sat caption``, ``sat serve``) run outside a project
+too: without ``params.yaml`` the defaults and ``MLFLOW_TRACKING_URI`` apply. They never create
+state there: an absent SQLite store is reported, not created empty (MLflow's client would).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipeline.cli.commands import CommandError
+from pipeline.stages import StageContext, load_context, project_root
+
+if TYPE_CHECKING:
+    from sat_model.config import MlflowConfig, Params
+
+__all__ = ["context", "model_name", "params_or_defaults", "store_uri", "tracking_uri"]
+
+
+def context(args: argparse.Namespace) -> StageContext:
+    """The stage context of ``--params``/``-S``, as the DVC entry of every stage builds it."""
+    return load_context(args.params, args.overrides)
+
+
+def params_or_defaults(args: argparse.Namespace) -> Params:
+    """``--params`` with ``-S``; outside a project (no params file, no ``-S``) the defaults."""
+    from sat_model.config import Params, load_params
+
+    if not Path(args.params).exists() and not args.overrides:
+        return Params()
+    return load_params(args.params, args.overrides)
+
+
+def _mlflow(args: argparse.Namespace) -> MlflowConfig:
+    return params_or_defaults(args).mlflow
+
+
+def tracking_uri(args: argparse.Namespace) -> str:
+    """The tracking store every stage of this project uses (``MLFLOW_TRACKING_URI`` first)."""
+    from pipeline.tracking.runs import resolve_tracking_uri
+
+    return resolve_tracking_uri(_mlflow(args), project_root(args.params))
+
+
+def store_uri(args: argparse.Namespace) -> str:
+    """:func:`tracking_uri`, refused with the reason when it is a SQLite file that does not
+    exist: nothing was registered there, and MLflow's client would create an empty store."""
+    from pipeline.tracking.runs import redact
+
+    uri = tracking_uri(args)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        raise CommandError(
+            f"no MLflow store at {redact(uri)}: nothing is registered there yet; run `make run` "
+            "in the project (or pass --params path/to/params.yaml, or set MLFLOW_TRACKING_URI)"
+        )
+    return uri
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """``--name``, else ``mlflow.model_name``."""
+    return getattr(args, "name", None) or _mlflow(args).model_name
