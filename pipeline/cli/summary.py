@@ -91,10 +91,12 @@ def _try_it(reports: Path, attentions: list[str]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Print the summary; no evaluated model yet is a :class:`CommandError`."""
+    from sat_model.evaluation.evaluate import METRICS_FILE
+
     reports = Path(args.reports)
     rows = []
     for attention in ATTENTION_KINDS:
-        path = reports / attention / "metrics.json"
+        path = reports / attention / METRICS_FILE
         if path.exists():
             rows.append((attention, json.loads(path.read_text(encoding="utf-8"))))
     if not rows:

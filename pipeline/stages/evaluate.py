@@ -25,9 +25,6 @@ from pipeline.stages import StageContext, cli_context, run_locked, stage_parser
 from pipeline.stages.user_errors import user_errors_in_one_line
 from pipeline.tracking.model_uri import is_model_uri, resolve_model_dir
 from sat_model.config import ATTENTION_KINDS
-from sat_model.evaluation.evaluate import GALLERY_DIR
-from sat_model.features.store import store_file
-from sat_model.model.checkpoint import CONFIG_FILE
 
 if TYPE_CHECKING:
     from sat_model.data.tables import ImageRecord
@@ -84,6 +81,7 @@ def _write_gallery(out_dir: Path, write: Callable[[Path], T]) -> T:
     """``write(folder)`` into a temporary folder, then swap it for ``out_dir/attention`` whole
     (stale PNGs never linger; temporary folders of killed runs are removed first)."""
     from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir
+    from sat_model.evaluation.evaluate import GALLERY_DIR
 
     remove_dead_temps(out_dir, "attention")
     staging = temp_dir(out_dir, "attention")
@@ -138,6 +136,7 @@ def _evaluate(ctx: StageContext, model: str, attention: str, split: str, out_dir
 
     from sat_model.data.tables import CAPTIONS_FILE, IMAGES_FILE
     from sat_model.evaluation.evaluate import evaluate_model, read_image_records, write_reports
+    from sat_model.features.store import store_file
     from sat_model.paths import image_root
 
     params, ev = ctx.params, ctx.params.eval
@@ -209,6 +208,8 @@ def _tracking_uri(ctx: StageContext, model: str) -> str | None:
 
 def _grid(model_dir: Path, attention: str) -> tuple[int, int, int, str]:
     """``(grid_h, grid_w, crop, attention)`` recorded in the model's ``config.json``."""
+    from sat_model.model.checkpoint import CONFIG_FILE
+
     config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
     enc = config["encoder"]
     grid = int(enc["grid_h"]), int(enc["grid_w"]), int(enc["input_size"])

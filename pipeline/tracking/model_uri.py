@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sat_model.model.checkpoint import MODEL_FILE
-
 __all__ = ["is_model_uri", "resolve_model_dir"]
 
 
@@ -26,6 +24,7 @@ def resolve_model_dir(model: str, workdir: Path, tracking_uri: str | None = None
     import mlflow
 
     from pipeline.tracking.pyfunc_model import CHECKPOINT_ARTIFACT
+    from sat_model.model.checkpoint import MODEL_FILE
 
     if model.startswith("models:/") and tracking_uri:
         model = _registry_location(model, tracking_uri)

@@ -244,3 +244,12 @@ def test_a_photo_captioned_by_a_model_of_the_scenes_comes_with_what_it_knows(tmp
     assert "make run PROFILE=flickr8k" in line
     done = _sat("caption", photo, "--model", "photos", "--format", "jsonl", cwd=tmp_path)
     assert done.returncode == 0 and done.stderr == ""  # a model of photos needs no notice
+
+
+def test_the_command_line_starts_without_torch_ray_or_mlflow() -> None:
+    """`sat --help` and every usage error come before any heavy import: the parser and the
+    commands' modules import PyTorch, Ray and MLflow only where a command runs."""
+    heavy = "{'torch', 'ray', 'mlflow'}"
+    code = f"import sys, pipeline.cli.main; print(sorted({heavy} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
