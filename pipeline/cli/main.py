@@ -279,10 +279,8 @@ def _caption_device(choice: str) -> str:
     return choice
 
 
-def _print_caption(found, fmt: str, attention_out: str | None) -> None:
+def _print_caption(found, fmt: str, figures) -> None:
     from tqdm import tqdm
-
-    from sat_model.evaluation.visualize import write_word_overlays
 
     result = found.caption
     if fmt == "jsonl":
@@ -292,16 +290,25 @@ def _print_caption(found, fmt: str, attention_out: str | None) -> None:
         tqdm.write(f"{found.path}: error: {found.error}", file=sys.stderr)
     else:
         tqdm.write(f"{found.path}: {result.text}", file=sys.stdout)
-    if result is not None and attention_out:
-        write_word_overlays(
+    if result is not None and figures is not None:  # --attention-out
+        figures.add(
+            found.path,
+            Path(found.path).stem,
             result.crop,
             result.words,
             result.alphas,
             grid_h=result.grid_h,
             grid_w=result.grid_w,
-            out_dir=attention_out,
-            stem=Path(found.path).stem,
         )
+
+
+def _attention_figures(folder: str | None, mode: str) -> Any:
+    """``--attention-out``: a figure per image and ``index.html`` (written when captioning ends)."""
+    from sat_model.evaluation.visualize import AttentionFigures
+
+    if not folder:
+        return None
+    return AttentionFigures(folder, "sat caption: where the model looked for each word", mode=mode)
 
 
 def _captioner_options(ev: Any, batch_size: int) -> dict[str, Any]:
@@ -356,6 +363,7 @@ def _caption(args: argparse.Namespace) -> int:
     """Caption image files and folders in batches; a bad image gets its own error, the others
     still run; exit 1 when no image could be captioned."""
     import tempfile
+    from contextlib import nullcontext
 
     from tqdm import tqdm
 
@@ -383,15 +391,16 @@ def _caption(args: argparse.Namespace) -> int:
         leave=False,
         disable=None if len(paths) > args.batch_size else True,
     )
+    figures = _attention_figures(args.attention_out, captioner.mode)
     ok = 0
-    with bar:
+    with bar, nullcontext() if figures is None else figures:
         for found in captioner.caption_files(
             paths,
             beam_size=args.beam_size,
             max_pixels=params.encoder.max_image_pixels,
             workers=args.workers,
         ):
-            _print_caption(found, args.format, args.attention_out)
+            _print_caption(found, args.format, figures)
             ok += found.caption is not None
             bar.update()
     return 0 if ok else 1
@@ -487,7 +496,7 @@ def _add_caption_on_ray(p: argparse.ArgumentParser) -> None:
 
 
 def _add_caption(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("caption", help="caption image files and folders; attention overlays")
+    p = sub.add_parser("caption", help="caption image files and folders; attention figures")
     add_params_args(p)
     p.add_argument(
         "inputs",
@@ -530,7 +539,8 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
         "--attention-out",
         default=None,
         metavar="DIR",
-        help="write one attention overlay PNG per word here",
+        help="write one attention figure per image here (the photo, then a map per word) "
+        "and index.html listing them",
     )
     p.set_defaults(handler=_caption, quiet=True)
 
