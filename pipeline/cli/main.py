@@ -141,10 +141,8 @@ def _caption_device(choice: str) -> str:
     return choice
 
 
-def _print_caption(found, fmt: str, attention_out: str | None) -> None:
+def _print_caption(found, fmt: str, figures) -> None:
     from tqdm import tqdm
-
-    from sat_model.evaluation.visualize import write_word_overlays
 
     result = found.caption
     if fmt == "jsonl":
@@ -154,16 +152,25 @@ def _print_caption(found, fmt: str, attention_out: str | None) -> None:
         tqdm.write(f"{found.path}: error: {found.error}", file=sys.stderr)
     else:
         tqdm.write(f"{found.path}: {result.text}", file=sys.stdout)
-    if result is not None and attention_out:
-        write_word_overlays(
+    if result is not None and figures is not None:  # --attention-out
+        figures.add(
+            found.path,
+            Path(found.path).stem,
             result.crop,
             result.words,
             result.alphas,
             grid_h=result.grid_h,
             grid_w=result.grid_w,
-            out_dir=attention_out,
-            stem=Path(found.path).stem,
         )
+
+
+def _attention_figures(folder: str | None, mode: str) -> Any:
+    """``--attention-out``: a figure per image and ``index.html`` (written when captioning ends)."""
+    from sat_model.evaluation.visualize import AttentionFigures
+
+    if not folder:
+        return None
+    return AttentionFigures(folder, "sat caption: where the model looked for each word", mode=mode)
 
 
 def _captioner_options(ev: Any, batch_size: int) -> dict[str, Any]:
@@ -221,6 +228,7 @@ def _caption(args: argparse.Namespace) -> int:
     """Caption image files and folders in batches; a bad image gets its own error, the others
     still run; exit 1 when no image could be captioned."""
     import tempfile
+    from contextlib import nullcontext
 
     from tqdm import tqdm
 
@@ -252,15 +260,16 @@ def _caption(args: argparse.Namespace) -> int:
         leave=False,
         disable=None if len(paths) > args.batch_size else True,
     )
+    figures = _attention_figures(args.attention_out, captioner.mode)
     ok = 0
-    with bar:
+    with bar, nullcontext() if figures is None else figures:
         for found in captioner.caption_files(
             paths,
             beam_size=args.beam_size,
             max_pixels=params.encoder.max_image_pixels,
             workers=args.workers,
         ):
-            _print_caption(found, args.format, args.attention_out)
+            _print_caption(found, args.format, figures)
             ok += found.caption is not None
             bar.update()
     return 0 if ok else 1
@@ -315,7 +324,7 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub,
         "caption",
-        summary="caption image files and folders; attention overlays",
+        summary="caption image files and folders; attention figures",
         description="One caption per image, by the champion (models:/<mlflow.model_name>"
         "@champion) or the model named with --model; folders are searched recursively. A bad "
         "image gets its own error line and the others are still captioned; the status is 1 "
@@ -324,7 +333,7 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
         examples=[
             "sat caption data/prepared/images/test_00000.png  # a scene `make run` generated",
             "sat caption photos/ --format jsonl --params profiles/flickr8k/params.yaml",
-            "sat caption data/prepared/images/test_00001.png --attention-out overlays/",
+            "sat caption data/prepared/images/test_00001.png --attention-out attention/",
         ],
     )
     add_params_args(p)
@@ -354,7 +363,8 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
         "--attention-out",
         default=None,
         metavar="DIR",
-        help="write one attention overlay PNG per word here",
+        help="write one attention figure per image here (the photo, then a map per word) "
+        "and index.html listing them",
     )
     p.set_defaults(handler=_caption, quiet=True)
 

@@ -85,7 +85,7 @@ def _try_it(reports: Path, attentions: list[str]) -> list[str]:
     lines = [f"note: {n}" for n in sorted(str(n) for n in notices)]
     where = "" if root == Path.cwd().resolve() else f" --params {params_file}"
     image = example_image(params, root) or "path/to/image.jpg"
-    command = f".venv/bin/sat caption{where} {image} --attention-out overlays/"
+    command = f".venv/bin/sat caption{where} {image} --attention-out attention/"
     return [*lines, f"caption an image:  {command}"]
 
 

@@ -1,11 +1,12 @@
 """DVC stage ``evaluate@<attention>``: a model on the test split -> ``reports/<attention>/``.
 
 Writes ``metrics.json`` (flat keys ``bleu_1``..``bleu_4``, ``meteor``, ``rouge_l``, ``cider``,
-``pointing_accuracy`` where the source has boxes), ``captions.json`` and ``attention/`` (per-word
-overlay PNGs and ``index.html``). ``--model`` evaluates any model folder or MLflow model URI
-(``models:/sat-captioner@champion``, resolved in the tracking store of ``mlflow.tracking_uri``)
-instead, as ``sat evaluate`` does; its reports go to ``--out``, by default
-``reports/eval/<model name>``, never into the DVC output of an ``evaluate@<attention>`` stage.
+``pointing_accuracy`` where the source has boxes), ``captions.json`` and ``attention/`` (one
+figure per image, ``images/000.png``..., and ``index.html``). ``--model`` evaluates any model
+folder or MLflow model URI (``models:/sat-captioner@champion``, resolved in the tracking store
+of ``mlflow.tracking_uri``) instead, as ``sat evaluate`` does; its reports go to ``--out``, by
+default ``reports/eval/<model name>``, never into the DVC output of an ``evaluate@<attention>``
+stage.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def default_out_dir(reports_dir: str | Path, attention: str, model: str | None) 
 
 
 def _is_gallery(folder: Path) -> bool:
-    """A gallery this stage wrote: ``index.html`` and overlay PNGs (in ``images/``), nothing
+    """A gallery this stage wrote: ``index.html`` and figure PNGs (in ``images/``), nothing
     else."""
     from sat_model.evaluation.evaluate import GALLERY_IMAGES_DIR
 
@@ -179,7 +180,8 @@ def _gallery(
     captions: Sequence[DecodedCaption],
     records: Mapping[str, ImageRecord],
 ) -> Callable[[Path], tuple[Path, list[dict[str, str]]]]:
-    """``write(folder)``: the attention overlays of the first ``eval.gallery_images`` captions."""
+    """``write(folder)``: the attention figures of the first ``eval.gallery_images`` captions,
+    decoded as :func:`sat_model.evaluation.evaluate.evaluate_model` decodes them."""
     from sat_model.evaluation.evaluate import write_attention_gallery
 
     grid_h, grid_w, crop, attention = _grid(model_dir, attention)
@@ -194,6 +196,7 @@ def _gallery(
         crop=crop,
         keep_aspect=ctx.params.encoder.keep_aspect,
         title=f"{attention} attention, {split} split",
+        mode=ctx.params.eval.hard_decode if attention == "hard" else "expected",
     )
 
 

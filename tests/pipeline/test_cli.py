@@ -24,6 +24,7 @@ from pipeline.stages import register
 from sat_model.features.encoders import build_encoder
 from sat_model.features.store import FeatureMeta, FeatureWriter
 from tests.factories import write_references, write_tiny_model
+from tests.figures import figure_panels, read_index
 
 IDS = ["t0", "t1", "t2"]
 PARAMS = """\
@@ -105,7 +106,49 @@ def test_caption_with_a_model_folder_reports_bad_images_and_keeps_going(project,
     words = line.split(": ", 1)[1].split()
     assert len(words) == 4 and set(words) <= {"a", "red", "circle"}
     assert "bad.jpg: error: cannot decode" in err
-    assert len(list((project / "overlays").glob("t0_*.png"))) == 4  # one per word
+    assert read_index(project / "overlays").images == ["images/t0.png"]  # one figure, no bad.jpg
+    assert sum(map(len, figure_panels(project / "overlays/images/t0.png"))) == 1 + 4
+
+
+def test_attention_out_draws_a_figure_per_real_photo_and_an_index_of_them(tmp_path):
+    photos = _sample_photos(3)
+    model = write_tiny_model(tmp_path / "model", crop=224)  # a 14x14 grid, as in the paper
+    (tmp_path / "params.yaml").write_text("eval: {beam_size: 2, max_length: 6}\n")
+    sat = Path(sys.executable).with_name("sat")
+    out = subprocess.run(
+        [sat, "caption", *map(str, photos), "--model", str(model), "--attention-out", "figs"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    captions = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    assert list(captions) == [str(p) for p in photos]
+
+    figures = tmp_path / "figs"
+    assert sorted(p.name for p in figures.iterdir()) == ["images", "index.html"]
+    assert sorted(p.name for p in (figures / "images").iterdir()) == sorted(
+        f"{p.stem}.png" for p in photos
+    )
+    index = read_index(figures)
+    assert index.headings == list(captions)
+    assert index.captions == list(captions.values())
+    for photo, src in zip(photos, index.images, strict=True):
+        assert src == f"images/{photo.stem}.png"
+        rows = figure_panels(figures / src)
+        words = captions[str(photo)].split()
+        assert sum(map(len, rows)) == len(words) + 1  # the photo, then a panel per word
+        assert all(len(row) <= 5 for row in rows)
+
+
+def _sample_photos(n: int) -> list[Path]:
+    from sat_model.paths import shared_data
+
+    root = shared_data("flickr8k-sample") / "Flickr8k_Dataset"
+    if not root.is_dir():
+        pytest.skip(f"the Flickr8k sample is absent ({root})")
+    return sorted(root.glob("*.jpg"))[:n]
 
 
 def test_caption_fails_when_no_image_is_usable(project, capsys):
@@ -131,8 +174,11 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     assert {"bleu_4", "meteor", "rouge_l", "cider", "pointing_accuracy"} <= set(metrics)
     # the one box covers the whole photo, so every 'circle' hits
     assert metrics["pointing_accuracy"] == 1.0 or metrics["pointing_words"] == 0
-    gallery = (project / "reports/soft/attention/index.html").read_text()
-    assert gallery.count("<figcaption>") == 2 * (1 + 4)  # gallery_images x (photo + 4 words)
+    gallery = read_index(project / "reports/soft/attention")
+    assert gallery.headings == ["t0", "t1"]  # gallery_images, by id
+    assert gallery.images == ["images/000.png", "images/001.png"]
+    for src in gallery.images:  # the photo, then 4 words
+        assert sum(map(len, figure_panels(project / "reports/soft/attention" / src))) == 1 + 4
 
     # a store named in params (not the default mlflow.db) is the one every command uses
     store = project / "elsewhere.db"

@@ -1,7 +1,7 @@
 """`dvc plots show` on the project's own ``plots:`` section: one plot per curves.csv quantity
 with soft and hard attention together, titled and labelled, and the galleries as image plots.
 
-The curves and galleries are written by the test (the real writers for the gallery PNGs) in a
+The curves and galleries are written by the test (the real writer for the gallery figures) in a
 temporary DVC repository whose dvc.yaml holds the project's plots section.
 """
 
@@ -20,7 +20,7 @@ import yaml
 from PIL import Image
 
 from sat_model.evaluation.evaluate import GALLERY_IMAGES_DIR
-from sat_model.evaluation.visualize import write_word_overlays
+from sat_model.evaluation.visualize import AttentionFigures
 from sat_model.train.run import CURVE_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,16 +42,12 @@ def _write_outputs(repo: Path) -> dict[str, list[str]]:
         curves.parent.mkdir(parents=True)
         with curves.open("w", newline="") as f:
             csv.writer(f).writerows([CURVE_COLUMNS, *rows])
-        images = repo / "reports" / attention / "attention" / GALLERY_IMAGES_DIR
-        images.mkdir(parents=True)
+        gallery = repo / "reports" / attention / "attention"
         photo = Image.new("RGB", (32, 32), (200, 30, 30))
-        photo.save(images / "000_image.png")
         alphas = np.array([[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]])
-        write_word_overlays(
-            photo, ["a", attention], alphas, grid_h=2, grid_w=2, out_dir=images, stem="000"
-        )
-        (images.parent / "index.html").write_text("<html>the gallery page</html>")  # as evaluate
-        pngs[attention] = sorted(p.name for p in images.glob("*.png"))
+        with AttentionFigures(gallery, attention) as figures:  # index.html beside the figures
+            figures.add("x", "000", photo, ["a", attention], alphas, grid_h=2, grid_w=2)
+        pngs[attention] = sorted(p.name for p in (gallery / GALLERY_IMAGES_DIR).glob("*.png"))
     return pngs
 
 
@@ -97,4 +93,4 @@ def test_plots_show_draws_each_quantity_for_both_models_and_the_galleries(tmp_pa
         for attention, names in pngs.items()
         for name in names
     )
-    assert len(images) == 6  # per model: the photo and one map per word
+    assert len(images) == 2  # per model: one figure (the photo and a map per word)

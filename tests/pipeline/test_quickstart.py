@@ -97,7 +97,7 @@ def test_every_quickstart_block_is_run_here_or_says_why_not() -> None:
     run = [b for b in blocks if not any(b.startswith(k) for k in NOT_RUN)]
     assert [b.splitlines()[0] for b in run[:3]] == [
         "make run",
-        ".venv/bin/sat caption data/prepared/images/test_00000.png --attention-out overlays/",
+        ".venv/bin/sat caption data/prepared/images/test_00000.png --attention-out attention/",
         ".venv/bin/sat serve",
     ]
     assert len(run) == 4, "a new quickstart block: run it below or say in NOT_RUN why not"
@@ -116,7 +116,8 @@ def test_quickstart_from_make_run_to_a_served_caption(project: Path) -> None:
     out = _bash(project, caption)
     assert out.returncode == 0, out.stderr
     assert re.search(r"test_00000\.png\S*\s+\w+", out.stdout), out.stdout
-    assert any((project / "overlays").rglob("*.png")), "no attention overlay written"
+    assert (project / "attention/images/test_00000.png").is_file(), "no attention figure"
+    assert "test_00000.png" in (project / "attention/index.html").read_text()
 
     port = (project / "port").read_text()
     server = subprocess.Popen(

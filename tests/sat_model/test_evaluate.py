@@ -26,6 +26,7 @@ from sat_model.evaluation.evaluate import (
 )
 from sat_model.features.store import FeatureMeta, FeatureStore, FeatureWriter
 from tests.factories import write_references, write_tiny_model
+from tests.figures import figure_panels, read_index
 
 pytestmark = pytest.mark.java  # the PTB tokeniser and METEOR run on Java
 
@@ -188,7 +189,7 @@ def test_reports_are_json_with_flat_metrics(result, tmp_path):
     assert captions["skipped"][0]["reason"] == "no features"
 
 
-def test_gallery_has_one_overlay_per_word_and_skips_missing_photos(data, result, tmp_path):
+def test_gallery_has_one_figure_per_image_and_skips_missing_photos(data, result, tmp_path):
     root, _ = data
     records = read_image_records(root / "images.parquet", "test", root / "images")
     records.pop("img1")  # as if the image table lost it
@@ -205,8 +206,15 @@ def test_gallery_has_one_overlay_per_word_and_skips_missing_photos(data, result,
     )
     assert skipped == [{"item": "img1", "reason": "not in the image table"}]
     assert not list(tmp_path.glob("*.png"))  # the PNGs have a folder of their own (DVC plots)
-    pngs = tmp_path / "images"
-    overlays = [p for p in pngs.glob("*.png") if not p.name.endswith("_image.png")]
-    assert len(overlays) == 2 * MAX_LEN
-    html = page.read_text()
-    assert all(f"images/{p.name}" in html for p in overlays)
+    # numbered in image id order, whatever the ids: names a dvc.yaml plot can list
+    assert sorted(p.name for p in (tmp_path / "images").iterdir()) == ["000.png", "001.png"]
+    index = read_index(tmp_path)
+    assert index.images == ["images/000.png", "images/001.png"]
+    assert index.headings == ["img0", "img2"]
+    shown = {c.image_id: c for c in result.captions}
+    assert index.captions == [shown["img0"].text, shown["img2"].text]
+    for src, image_id in zip(index.images, index.headings, strict=True):
+        panels = figure_panels(tmp_path / src)
+        assert sum(map(len, panels)) == len(shown[image_id].words) + 1  # the photo, then words
+        assert [len(row) for row in panels] == [5, 1]  # MAX_LEN words + photo, 5 a row
+    assert page == tmp_path / "index.html"

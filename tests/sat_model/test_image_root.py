@@ -89,7 +89,7 @@ def test_gallery_opens_photos_only_under_the_root_given(tampered: Path, tmp_path
         title="t",
     )
     assert sorted(s["item"] for s in skipped) == ["passwd", "secret"]
-    assert len(list((tmp_path / "gallery" / GALLERY_IMAGES_DIR).glob("*_image.png"))) == 1
+    assert len(list((tmp_path / "gallery" / GALLERY_IMAGES_DIR).glob("*.png"))) == 1  # one figure
 
 
 def test_without_a_root_no_photo_is_opened_but_sizes_are_kept(tampered: Path) -> None:

@@ -164,4 +164,4 @@ def test_evaluation_gallery_never_opens_a_photo_out_of_the_root(
     reasons = {s["item"]: s["reason"] for s in skipped}
     assert set(reasons) == {"dotdot", "absolute", "symlink", "sneaky"}
     assert all("escapes the image root" in r for r in reasons.values())
-    assert len(list((tmp_path / "gallery" / "images").glob("*_image.png"))) == 1  # "inside" only
+    assert len(list((tmp_path / "gallery" / "images").glob("*.png"))) == 1  # "inside" only

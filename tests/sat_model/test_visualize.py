@@ -1,22 +1,20 @@
-"""Attention overlays and the HTML gallery."""
+"""Attention maps, the figure per caption (photo, then a panel per word) and its index page."""
 
 from __future__ import annotations
-
-import re
-from html.parser import HTMLParser
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from sat_model.evaluation.visualize import (
-    GalleryEntry,
+    AttentionFigures,
+    attended_cells,
     attention_map,
+    draw_attention_figure,
     overlay,
-    write_gallery,
-    write_word_overlays,
 )
 from sat_model.features.images import encoder_view
+from tests.figures import figure_panels, read_index
 
 
 def _one_hot(index: int, size: int = 49) -> np.ndarray:
@@ -71,54 +69,79 @@ def test_centre_crop_keeps_the_middle_of_a_landscape_photo():
     assert (crop[..., 1] == 255).all() and (crop[..., 0] == 0).all()
 
 
-class _Collector(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.srcs: list[str] = []
-        self.captions: list[str] = []
-        self._in_caption = False
-
-    def handle_starttag(self, tag, attrs):
-        if tag == "img":
-            self.srcs.append(dict(attrs)["src"])
-        self._in_caption = tag == "figcaption"
-
-    def handle_data(self, data):
-        if self._in_caption:
-            self.captions.append(data)
-            self._in_caption = False
+def _noise(size: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 245, (size, size, 3), dtype=np.uint8))
 
 
-def test_gallery_holds_a_map_for_every_word_of_every_caption(tmp_path):
-    captions = {"img_a": ["a", "red", "circle"], "img/b": ["two", "blue", "squares", "<unk>"]}
-    rng = np.random.default_rng(2)
-    entries = []
-    for image_id, words in captions.items():
-        crop = Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8))
-        image_file = tmp_path / f"{len(entries)}.png"
-        crop.save(image_file)
-        alphas = rng.dirichlet(np.ones(16), size=len(words)).astype(np.float32)
-        files = write_word_overlays(
-            crop, words, alphas, grid_h=4, grid_w=4, out_dir=tmp_path, stem=image_id
-        )
-        entries.append(
-            GalleryEntry(image_id, " ".join(words), image_file, tuple(words), tuple(files))
-        )
-    index = write_gallery(entries, tmp_path, title="soft attention")
-
-    pngs = sorted(p.name for p in tmp_path.glob("*.png") if not re.fullmatch(r"\d\.png", p.name))
-    assert len(pngs) == 3 + 4
-    parser = _Collector()
-    parser.feed(index.read_text())
-    # two photos plus one map per word, each map file linked and existing, each word labelled
-    assert len(parser.srcs) == 2 + 7
-    assert all((tmp_path / src).is_file() for src in parser.srcs)
-    assert parser.captions == ["image", *captions["img_a"], "image", *captions["img/b"]]
+@pytest.mark.parametrize("n_words, rows", [(1, [2]), (4, [5]), (7, [5, 3]), (11, [5, 5, 2])])
+def test_figure_is_the_photo_then_a_panel_per_word_five_a_row(tmp_path, n_words, rows):
+    alphas = np.random.default_rng(3).dirichlet(np.ones(16), size=n_words).astype(np.float32)
+    png = draw_attention_figure(
+        _noise(56, 0), ["w"] * n_words, alphas, grid_h=4, grid_w=4, columns=5
+    )
+    (tmp_path / "f.png").write_bytes(png)
+    assert [len(row) for row in figure_panels(tmp_path / "f.png")] == rows
 
 
-def test_word_and_map_counts_must_agree(tmp_path):
+def test_the_first_panel_is_the_photo_and_the_next_its_attention(tmp_path):
+    ramp = np.linspace(0, 240, 64)
+    # smooth, so that drawing it larger changes little
+    rgb = np.stack(np.broadcast_arrays(ramp[:, None], ramp, 120), -1)  # (64, 64, 3)
+    photo = Image.fromarray(rgb.astype(np.uint8))
+    png = draw_attention_figure(photo, ["a"], np.eye(16)[[5]], grid_h=4, grid_w=4)
+    (tmp_path / "f.png").write_bytes(png)
+    ((first, second),) = figure_panels(tmp_path / "f.png")
+    figure = Image.open(tmp_path / "f.png").convert("RGB")
+
+    def shown(box: tuple[int, int, int, int]) -> np.ndarray:  # (64, 64, 3), inside the frame
+        x0, y0, x1, y1 = box
+        return np.asarray(figure.crop((x0 + 2, y0 + 2, x1 - 2, y1 - 2)).resize((64, 64)), float)
+
+    plain = np.asarray(photo, float)
+    assert np.abs(shown(first) - plain).mean() < 0.5 * np.abs(shown(second) - plain).mean()
+    # α is all on cell 5 of the 4x4 grid (row 1, column 1): the colour is strongest there
+    change = np.abs(shown(second) - shown(first)).sum(-1)  # (64, 64)
+    y, x = np.unravel_index(int(change.argmax()), change.shape)
+    assert 16 <= y < 32 and 16 <= x < 32
+
+
+def test_argmax_decoding_read_the_most_attended_cell_expected_and_sample_no_one_cell():
+    alphas = np.array([[0.1, 0.7, 0.2], [0.5, 0.2, 0.3]])
+    assert attended_cells(alphas, "argmax").tolist() == [1, 0]
+    assert attended_cells(alphas, "expected") is None
+    assert attended_cells(alphas, "sample") is None  # the decoder keeps no draw
+
+
+def test_index_lists_each_figure_with_its_name_and_caption_escaped(tmp_path):
+    captions = {
+        "photos/<b>dog</b>.jpg": ["a", "dog", "&", "<unk>"],
+        "other/<b>dog</b>.jpg": ["two", '"cats"'],
+    }
+    with AttentionFigures(tmp_path, "soft <attention>") as figures:
+        for seed, (label, words) in enumerate(captions.items()):
+            alphas = np.random.default_rng(seed).dirichlet(np.ones(16), size=len(words))
+            figures.add(label, "<b>dog</b>", _noise(56, seed), words, alphas, grid_h=4, grid_w=4)
+
+    page = read_index(tmp_path)
+    assert page.headings == list(captions)
+    assert page.captions == [" ".join(w) for w in captions.values()]
+    # the same stem twice: two files, each named safely, each the figure of its own caption
+    assert page.images == ["images/_b_dog__b_.png", "images/_b_dog__b_-2.png"]
+    for src, words in zip(page.images, captions.values(), strict=True):
+        assert sum(map(len, figure_panels(tmp_path / src))) == len(words) + 1
+    assert "<b>" not in (tmp_path / "index.html").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["images", "index.html"]
+
+
+def test_an_interrupted_run_still_indexes_the_figures_drawn(tmp_path):
+    with pytest.raises(KeyboardInterrupt), AttentionFigures(tmp_path, "t") as figures:
+        figures.add("x.jpg", "x", _noise(32, 0), ["a"], np.ones((1, 4)) / 4, grid_h=2, grid_w=2)
+        raise KeyboardInterrupt
+    assert read_index(tmp_path).images == ["images/x.png"]
+
+
+def test_word_and_map_counts_must_agree():
     photo = Image.new("RGB", (16, 16))
     with pytest.raises(ValueError, match="2 words but 1"):
-        write_word_overlays(
-            photo, ["a", "b"], np.ones((1, 4)) / 4, grid_h=2, grid_w=2, out_dir=tmp_path, stem="x"
-        )
+        draw_attention_figure(photo, ["a", "b"], np.ones((1, 4)) / 4, grid_h=2, grid_w=2)
