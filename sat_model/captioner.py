@@ -39,7 +39,7 @@ from sat_model.model.checkpoint import (
     recorded_data_source,
 )
 from sat_model.model.decoder import ShowAttendTell
-from sat_model.model.decoding import beam_search, length_penalty_for
+from sat_model.model.decoding import beam_search, decode_mode, length_penalty_for
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -206,7 +206,7 @@ class Captioner:
         self.beam_size = beam_size
         self.max_length = max_length
         self.length_penalty = length_penalty
-        self.mode = mode
+        self.mode = decode_mode(mode, model.config.attention)  # a soft model: always expected
         self.batch_size = batch_size
         self.device = torch.device(device)
         # what the model was trained on (data.source), as its checkpoint records; None: unknown

@@ -183,6 +183,7 @@ def _gallery(
     """``write(folder)``: the attention figures of the first ``eval.gallery_images`` captions,
     decoded as :func:`sat_model.evaluation.evaluate.evaluate_model` decodes them."""
     from sat_model.evaluation.evaluate import write_attention_gallery
+    from sat_model.model.decoding import decode_mode
 
     grid_h, grid_w, crop, attention = _grid(model_dir, attention)
     return functools.partial(
@@ -196,7 +197,7 @@ def _gallery(
         crop=crop,
         keep_aspect=ctx.params.encoder.keep_aspect,
         title=f"{attention} attention, {split} split",
-        mode=ctx.params.eval.hard_decode if attention == "hard" else "expected",
+        mode=decode_mode(ctx.params.eval.hard_decode, attention),
     )
 
 

@@ -107,11 +107,13 @@ def _run_artifacts(model_dir: Path, reports: Path) -> list[tuple[str, str | Path
 
 def _decoding(ev: EvalConfig, attention: str) -> dict[str, Any]:
     """The decoding the evaluate stage scored ``attention``'s model with, for the served model."""
+    from sat_model.model.decoding import decode_mode
+
     return {
         "beam_size": ev.beam_size,
         "max_length": ev.max_length,
         "length_penalty": getattr(ev.length_penalty, attention),
-        "mode": ev.hard_decode if attention == "hard" else "expected",
+        "mode": decode_mode(ev.hard_decode, attention),
     }
 
 

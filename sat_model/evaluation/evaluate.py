@@ -42,7 +42,7 @@ from sat_model.features.images import ImageError, encoder_view, load_image
 from sat_model.features.store import FeatureStore
 from sat_model.model.checkpoint import load_model
 from sat_model.model.decoder import ShowAttendTell
-from sat_model.model.decoding import beam_search, length_penalty_for
+from sat_model.model.decoding import beam_search, decode_mode, length_penalty_for
 
 __all__ = [
     "CAPTIONS_FILE",
@@ -213,7 +213,7 @@ def evaluate_model(
             f"no {split!r} image has both features ({features_path}) and references "
             f"({captions_path}); {len(skipped)} skipped"
         )
-    mode = hard_decode if config.attention == "hard" else "expected"
+    mode = decode_mode(hard_decode, config.attention)
     captions = decode_split(
         model,
         vocab,

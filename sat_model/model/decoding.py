@@ -22,7 +22,7 @@ from sat_model.data.vocab import END_ID, PAD_ID, START_ID, Vocab
 from sat_model.model.decoder import MODES, ShowAttendTell
 from sat_model.model.outputs import DecoderState
 
-__all__ = ["Caption", "beam_search", "greedy", "length_penalty_for", "sample"]
+__all__ = ["Caption", "beam_search", "decode_mode", "greedy", "length_penalty_for", "sample"]
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,13 @@ def length_penalty_for(length_penalty: float | Mapping[str, float], attention: s
     if isinstance(length_penalty, Mapping):
         return float(length_penalty[attention])
     return float(length_penalty)
+
+
+def decode_mode(hard_decode: str, attention: str) -> str:
+    """How a model of ``attention`` reads its annotations when decoding: ``hard_decode``
+    (``eval.hard_decode``: expected, sample or argmax) for the hard model, and always the
+    expected context (Eq. 6) for the soft one, which was trained on it."""
+    return hard_decode if attention == "hard" else "expected"
 
 
 def beam_search(

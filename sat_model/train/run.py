@@ -52,7 +52,7 @@ from sat_model.model.checkpoint import (
     save_checkpoint,
 )
 from sat_model.model.decoder import ShowAttendTell
-from sat_model.model.decoding import greedy
+from sat_model.model.decoding import decode_mode, greedy
 from sat_model.model.factory import build_model
 from sat_model.model.losses import SelfCriticalLoss, build_criterion
 from sat_model.train.batching import (
@@ -565,7 +565,7 @@ def _rank_zero(
         max_length=params.train.val_max_length,
         batch_size=params.eval.batch_size,
         device=setup.device,
-        mode=params.eval.hard_decode if setup.attention == "hard" else "expected",
+        mode=decode_mode(params.eval.hard_decode, setup.attention),
     )
     counts: dict[str, float] = {
         "train_captions": len(setup.dataset),

@@ -70,6 +70,14 @@ def test_a_length_penalty_given_per_variant_applies_the_models_own(tmp_path, att
     assert Captioner.from_dir(model_dir, length_penalty=3.0).length_penalty == 3.0
 
 
+@pytest.mark.parametrize("attention, read", [("soft", "expected"), ("hard", "argmax")])
+def test_eval_hard_decode_applies_to_the_hard_model_only(tmp_path, attention, read):
+    """`sat caption` passes `eval.hard_decode` whatever the model: a soft model decodes with the
+    expected context it was trained on, as the evaluate stage scored it."""
+    model_dir = write_tiny_model(tmp_path, words=WORDS, resize=72, attention=attention)
+    assert Captioner.from_dir(model_dir, mode="argmax").mode == read
+
+
 def test_missing_encoder_section_is_named(tmp_path):
     with pytest.raises(EncoderError, match="no 'encoder' section"):
         RecordedEncoder.from_config({"model": {}}, tmp_path)
