@@ -10,15 +10,15 @@ Only factories read these models; leaf modules take explicit arguments.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -76,16 +76,15 @@ def _boolean_word(value: Any) -> Any:
     return value
 
 
+# a bool as YAML and people write it (true/yes/on, false/no/off, any case); strict still refuses
+# 1, "y" or "maybe". Only bool fields read words: a validator on every field would have JSON
+# input (Ray workers' params) validated as Python, where strict refuses a list for a tuple
+Bool = Annotated[bool, BeforeValidator(_boolean_word)]
+
+
 class _Section(BaseModel):
     # strict: "3" is not an int, 1 is not a bool; frozen: params never change after loading.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _booleans_as_written(cls, value: Any, info: ValidationInfo) -> Any:
-        # strict still refuses 1, "y" or "maybe" for a bool; only the words above are read
-        field = cls.model_fields.get(info.field_name or "")
-        return _boolean_word(value) if field is not None and field.annotation is bool else value
 
 
 # ----------------------------------------------------------------------------- data
@@ -133,7 +132,7 @@ class KarpathyConfig(_Section):
 
     json_file: str = Field("dataset_flickr8k.json", description="the split file, under data.root")
     images_dir: str = Field("Flickr8k_Dataset", description="folder of the photos, under data.root")
-    restval_to_train: bool = Field(
+    restval_to_train: Bool = Field(
         True,
         description="train on the 'restval' images (COCO), as usual; false drops them with "
         "a reason",
@@ -163,7 +162,7 @@ class CocoConfig(_Section):
     max_captions_per_image: int = Field(
         5, ge=1, description="references kept per image (the paper truncates COCO to 5)"
     )
-    restval_to_train: bool = Field(
+    restval_to_train: Bool = Field(
         True,
         description="held-out images beyond val/test train (as Karpathy's restval); "
         "false leaves them out",
@@ -227,7 +226,7 @@ class DataConfig(_Section):
         le=1.0,
         description="fail when more than this share of images or captions had to be skipped",
     )
-    verify_images: bool = Field(
+    verify_images: Bool = Field(
         True,
         description="decode every image while preparing (catches truncated files before "
         "extract does)",
@@ -283,7 +282,7 @@ class EncoderConfig(_Section):
     )
     resize: int = Field(256, ge=32, le=4096, description="shorter side, in pixels (paper: 256)")
     crop: int = Field(224, ge=32, description="centre crop, in pixels (paper: 224)")
-    keep_aspect: bool = Field(
+    keep_aspect: Bool = Field(
         True,
         description="false: both sides to `resize` (aspect not kept), as the photos of a "
         "squeezed dataset were",
@@ -303,7 +302,7 @@ class EncoderConfig(_Section):
         description="threads of the encoder forward in both engines: CPU float results depend "
         "on the thread count, so the engines write identical stores only with the same value",
     )
-    mirror_train: bool = Field(
+    mirror_train: Bool = Field(
         False,
         description="beyond the paper: also extract the train photos mirrored left to right "
         "(`<features_dir>/train_mirrored.arrow`), which `train.mirror` draws from",
@@ -337,13 +336,13 @@ class ModelParams(_Section):
         description="beyond the paper: dropout on the word embedding where it enters the LSTM "
         "(Eq. 1), in training; the deep output (Eq. 7) sees it whole",
     )
-    gate: bool = Field(True, description="gating scalar β_t = σ(f_β(h_{t-1})), Sec. 4.2.1")
-    coordinates: bool = Field(
+    gate: Bool = Field(True, description="gating scalar β_t = σ(f_β(h_{t-1})), Sec. 4.2.1")
+    coordinates: Bool = Field(
         True,
         description="beyond the paper: each annotation vector gets its cell's (x, y), so "
         "attention knows where it looks (captions that order objects left to right need it)",
     )
-    normalize_features: bool = Field(
+    normalize_features: Bool = Field(
         True,
         description="standardise each annotation channel with the training features' statistics",
     )

@@ -134,3 +134,11 @@ def test_a_boolean_refuses_what_is_not_one(tmp_path: Path, written: str) -> None
 
 def test_use_gpu_auto_in_any_case(tmp_path: Path) -> None:
     assert load_params(write(tmp_path, "ray: {use_gpu: AUTO}\n")).ray.use_gpu == "auto"
+
+
+def test_params_round_trip_through_json_as_ray_workers_receive_them() -> None:
+    """A sweep's trials rebuild their params from JSON (tuples arrive as lists, booleans as
+    JSON's true/false): every section validates again to the same values."""
+    params = Params()
+    again = Params.model_validate_json(params.model_dump_json())
+    assert again == params
