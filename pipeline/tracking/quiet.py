@@ -17,6 +17,11 @@ def quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")
     for name in ("mlflow", "alembic"):  # alembic: MLflow's SQLite schema migrations
         logging.getLogger(name).setLevel(logging.ERROR)
+    from mlflow.utils.logging_utils import disable_logging
+
+    # the stream behind MLflow's own prints (`Successfully registered model ...`, `Created
+    # version ...`), which no logger level reaches
+    disable_logging()
     warnings.simplefilter("ignore")
     # MLflow re-enables its UserWarnings inside some calls (`filter_user_warnings_once`), past
     # any filter: drop them where they would be shown
