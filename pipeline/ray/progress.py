@@ -47,6 +47,7 @@ __all__ = [
     "BatchSender",
     "EpochProgress",
     "EpochReport",
+    "ProgressDisplay",
     "epoch_progress",
     "format_batch_line",
     "format_duration",
@@ -237,7 +238,7 @@ class EpochProgress:
     reports: list[EpochReport] = field(default_factory=list)
 
 
-class _Display:
+class ProgressDisplay:
     """What the driver shows: within an epoch a tqdm bar on a terminal, or a plain line at each
     quarter and at least every ``every_s`` seconds in a log; each epoch's line either way."""
 
@@ -305,7 +306,7 @@ def epoch_progress(
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
     progress = EpochProgress(_queueing_callback(queue), queue)
-    display = _Display(label, max_epochs, out or sys.stderr)
+    display = ProgressDisplay(label, max_epochs, out or sys.stderr)
 
     def pump() -> None:
         with contextlib.suppress(RayActorError):
