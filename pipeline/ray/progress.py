@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from pipeline.ray import runtime  # noqa: F401  (loopback env before ray is imported)
+from pipeline.stages import format_duration
 from sat_model.train.trainer import Callback
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
     "ProgressDisplay",
     "epoch_progress",
     "format_batch_line",
-    "format_duration",
     "format_epoch_line",
     "remaining_time",
     "trial_table",
@@ -94,16 +94,6 @@ def _reported(metrics: Sequence[Mapping[str, Any]], key: str) -> float | None:
     """The first rank's value of ``key`` (only rank 0 validates), None when no rank has it."""
     values = [m[key] for m in metrics if m.get(key) is not None]
     return float(values[0]) if values else None
-
-
-def format_duration(seconds: float) -> str:
-    """``2m10s``, ``1h05m``, ``45s``: the ETA's resolution, not more."""
-    s = round(seconds)
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    if s >= 60:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s}s"
 
 
 def remaining_time(

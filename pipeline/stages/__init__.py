@@ -29,6 +29,7 @@ __all__ = [
     "add_params_args",
     "cli_context",
     "finished",
+    "format_duration",
     "load_context",
     "lock_path",
     "output_lock",
@@ -156,14 +157,22 @@ def run_locked(stage: str, output: Callable[[], Path], run: Callable[[], int]) -
         return 1
 
 
+def format_duration(seconds: float) -> str:
+    """``2m10s``, ``1h05m``, ``45s``: the ETA's resolution, not more."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
 def finished(stage: str, what: str, output: Path, root: Path, started: float) -> str:
     """Print and return the stage's one line: ``<stage>: <what> -> <output> (<duration>)``.
 
     ``output`` is shown relative to the project ``root`` when it lies inside it (the path a user
     types next), ``started`` is the ``time.perf_counter()`` at the stage's start.
     """
-    from pipeline.ray.progress import format_duration
-
     output, root = Path(output).resolve(), Path(root).resolve()
     where = os.path.relpath(output, root) if output.is_relative_to(root) else str(output)
     line = f"{stage}: {what} -> {where} ({format_duration(time.perf_counter() - started)})"

@@ -180,8 +180,8 @@ def _evaluate(
 
 def summary(metrics: Mapping[str, float], split: str, images: int) -> str:
     """``test BLEU-4 0.9068, METEOR 0.4321, CIDEr 2.3456, pointing 0.8612 on 500 images``."""
-    names = (("BLEU-4", "bleu_4"), ("METEOR", "meteor"), ("CIDEr", "cider"))
-    names += (("pointing", "pointing_accuracy"),)
+    names = [("BLEU-4", "bleu_4"), ("METEOR", "meteor"), ("CIDEr", "cider")]
+    names.append(("pointing", "pointing_accuracy"))  # generated scenes: grounding is scored
     scores = ", ".join(f"{name} {metrics[key]:.4f}" for name, key in names if key in metrics)
     return f"{split} {scores} on {images} images"
 

@@ -186,8 +186,8 @@ def test_set_values_keeps_the_other_lines_and_names_a_missing_key() -> None:
     out = set_values(text, {"a.c": ["z"], "a.e": None, "d": "three"}, "set")
     # DVC's block form, as `dvc exp run -S` writes the file back: a list one item a line
     assert out == "a:\n  b: 1   # why b\n  c:  # set\n  - z\n  e:  # set\nd: three  # set\n"
-    with pytest.raises(ProfileError, match=r"a\.e"):
-        set_values(text, {"a.e": 1}, "set")
+    with pytest.raises(ProfileError, match=r"a\.f"):
+        set_values(text, {"a.f": 1}, "set")
 
 
 def test_photos_away_from_the_project_are_named_by_absolute_path(tmp_path: Path) -> None:

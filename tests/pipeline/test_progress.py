@@ -10,10 +10,10 @@ from pipeline.ray.progress import (
     BatchReport,
     EpochReport,
     ProgressDisplay,
-    format_duration,
     format_epoch_line,
     remaining_time,
 )
+from pipeline.stages import format_duration
 
 
 def _rank(captions: int, train_s: float, epoch_s: float, loss: float, **val: float) -> dict:
