@@ -80,9 +80,13 @@ def summary(report: Mapping[str, Any]) -> str:
         value = next((v for v in values if v is not None), None)
         score = f", {report['metric']} {value:.4f}" if value is not None else ""
         text += f"champion: version {champion} ({report.get('champion_attention')}{score})"
+    reused = {v["version"] for v in report["versions"] if v["reused"]}
     for p in report["promotions"]:  # why the others are not the champion, and what would be
-        if not p["promoted"] and p["candidate"] != champion:
-            text += f"; version {p['candidate']} not promoted: {p['reason']}"
+        if p["promoted"] or p["candidate"] == champion:
+            continue
+        if p["candidate"] in reused and "candidate_value" not in p:
+            continue  # registered before and not compared (mlflow.promote): nothing new
+        text += f"; version {p['candidate']} not promoted: {p['reason']}"
     return text
 
 
