@@ -96,7 +96,10 @@ class RaySplitRunner:
         rows = self._dataset(items, prep, batch_size).iter_rows()
         skipped: list[tuple[str, str]] = []
         bar = tqdm(
-            total=len(items), desc=f"extract {split} (ray)", unit="img", disable=not progress
+            total=len(items),
+            desc=f"extract {split} (ray)",
+            unit="img",
+            disable=None if progress else True,  # None: a bar on a terminal only, not in logs
         )
         meta = FeatureMeta.from_fields(encoder.description.to_dict())
         with FeatureWriter(out_path, meta) as writer, bar:

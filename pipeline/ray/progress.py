@@ -8,6 +8,13 @@ prints them, one line per epoch::
 
     train soft  epoch 3/10  loss 3.412  val BLEU-4 0.1234  CIDEr 0.4567  612 captions/s  ETA 2m10s
 
+Within an epoch, rank 0 sends where it is (:class:`BatchReport`: batches done, captions, seconds)
+through the same queue, at every twentieth of the epoch and at least every ``heartbeat_s``
+seconds; the driver shows it as a tqdm bar on a terminal, and in a log (DVC's output redirected,
+a CI job) as a plain line at each quarter of the epoch and at least once a minute::
+
+    train soft  epoch 3/10  batch 196/392  610 captions/s  epoch ETA 1m05s
+
 Both validation scores are shown, since ``train.monitor`` picks the shipped epoch by either.
 Throughput is the captions every rank trained on, summed, over the slowest rank's training
 seconds (validation excluded); the ETA is the epochs still allowed by ``max_epochs`` times the
@@ -27,17 +34,23 @@ import contextlib
 import logging
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from pipeline.ray import runtime  # noqa: F401  (loopback env before ray is imported)
+from pipeline.stages import format_duration
+from sat_model.train.trainer import Callback
 
 __all__ = [
+    "BatchReport",
+    "BatchSender",
     "EpochProgress",
     "EpochReport",
+    "ProgressDisplay",
     "epoch_progress",
-    "format_duration",
+    "format_batch_line",
     "format_epoch_line",
     "remaining_time",
     "trial_table",
@@ -83,16 +96,6 @@ def _reported(metrics: Sequence[Mapping[str, Any]], key: str) -> float | None:
     return float(values[0]) if values else None
 
 
-def format_duration(seconds: float) -> str:
-    """``2m10s``, ``1h05m``, ``45s``: the ETA's resolution, not more."""
-    s = round(seconds)
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    if s >= 60:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s}s"
-
-
 def remaining_time(
     reports: Sequence[EpochReport], max_epochs: int, likelihood_epochs: int | None = None
 ) -> tuple[float, int]:
@@ -126,6 +129,76 @@ def format_epoch_line(
     )
 
 
+@dataclass(frozen=True)
+class BatchReport:
+    """Where rank 0 is within an epoch (what :class:`BatchSender` puts in the queue)."""
+
+    epoch: int  # from 1
+    step: int  # batches done in this epoch
+    batches: int | None  # this epoch's batches on the rank, when the loader knows
+    captions: int  # captions rank 0 trained on so far in this epoch
+    seconds: float  # since the epoch's first batch began
+    world_size: int
+
+    @property
+    def captions_per_s(self) -> float:
+        """All ranks' rate, as rank 0's times the ranks: the shards are equal in size."""
+        return self.captions * self.world_size / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        """The epoch's training time left at this pace (validation not included)."""
+        if not self.batches or not self.step:
+            return None
+        return self.seconds / self.step * (self.batches - self.step)
+
+
+def format_batch_line(label: str, report: BatchReport, max_epochs: int) -> str:
+    """The log line of a point within an epoch."""
+    of = f"/{report.batches}" if report.batches else ""
+    eta = "" if report.eta_s is None else f"  epoch ETA {format_duration(report.eta_s)}"
+    return (
+        f"{label}  epoch {report.epoch}/{max_epochs}  batch {report.step}{of}"
+        f"  {report.captions_per_s:.0f} captions/s{eta}"
+    )
+
+
+class BatchSender(Callback):
+    """A ``sat_model.train.trainer`` callback for rank 0: puts a :class:`BatchReport` in the
+    driver's queue at every twentieth of the epoch and at least every ``heartbeat_s`` seconds
+    (a few dozen small messages an epoch, whatever its length)."""
+
+    def __init__(self, queue: Any, world_size: int, heartbeat_s: float = 10.0) -> None:
+        self.queue, self.world_size, self.heartbeat_s = queue, world_size, heartbeat_s
+        self._batches: int | None = None
+        self._started = self._sent_at = 0.0
+        self._sent_part = -1
+
+    def on_epoch_start(self, epoch: int, num_batches: int | None) -> None:
+        self._batches, self._sent_part = num_batches, -1
+        self._started = self._sent_at = time.perf_counter()
+
+    def on_batch_end(self, epoch: int, step: int, captions: int) -> None:
+        now = time.perf_counter()
+        part = step * 20 // self._batches if self._batches else -1
+        if part == self._sent_part and now - self._sent_at < self.heartbeat_s:
+            return
+        self._sent_part, self._sent_at = part, now
+        seconds = now - self._started
+        report = BatchReport(epoch + 1, step, self._batches, captions, seconds, self.world_size)
+        _put(self.queue, report)
+
+
+def _put(queue: Any, item: Any) -> None:
+    """Put ``item`` in the driver's queue; a driver gone must not fail the training."""
+    from ray.exceptions import RayActorError
+
+    try:
+        queue.put(item)
+    except RayActorError:
+        _log.warning("progress queue lost: %s not shown", item)
+
+
 def _queueing_callback(queue: Any) -> Any:
     """A Ray Train ``UserCallback`` (it runs on the controller) putting every rank's metrics of
     each epoch into ``queue``, as Tune's own ``TuneReportCallback`` forwards its metrics."""
@@ -146,11 +219,59 @@ def _queueing_callback(queue: Any) -> Any:
 
 @dataclass
 class EpochProgress:
-    """What :func:`epoch_progress` yields: the callback for ``fit_on_ray`` and, on the driver,
-    every epoch's report so far (restarted epochs included, in the order they came)."""
+    """What :func:`epoch_progress` yields: the callback for ``fit_on_ray``, the queue rank 0's
+    :class:`BatchSender` writes to and, on the driver, every epoch's report so far (restarted
+    epochs included, in the order they came)."""
 
     callback: Any  # a ray.train.UserCallback
+    queue: Any  # a ray.util.queue.Queue: hand it to rank 0's BatchSender
     reports: list[EpochReport] = field(default_factory=list)
+
+
+class ProgressDisplay:
+    """What the driver shows: within an epoch a tqdm bar on a terminal, or a plain line at each
+    quarter and at least every ``every_s`` seconds in a log; each epoch's line either way."""
+
+    def __init__(self, label: str, max_epochs: int, out: TextIO, every_s: float = 60.0) -> None:
+        self.label, self.max_epochs, self.out, self.every_s = label, max_epochs, out, every_s
+        self.terminal = out.isatty()
+        self._bar: Any = None
+        self._epoch, self._quarter, self._printed_at = 0, 0, 0.0
+
+    def batch(self, report: BatchReport) -> None:
+        if report.epoch != self._epoch:
+            self._close()
+            self._epoch, self._quarter, self._printed_at = report.epoch, 0, time.monotonic()
+        if self.terminal:
+            self._move_bar(report)
+            return
+        quarter = report.step * 4 // report.batches if report.batches else 0
+        now = time.monotonic()
+        due = 0 < quarter < 4 and quarter > self._quarter  # the epoch's own line is the 4th
+        if due or now - self._printed_at >= self.every_s:
+            self._quarter, self._printed_at = max(quarter, self._quarter), now
+            self._print(format_batch_line(self.label, report, self.max_epochs))
+
+    def _move_bar(self, report: BatchReport) -> None:
+        from tqdm import tqdm
+
+        if self._bar is None:
+            desc = f"{self.label}  epoch {report.epoch}/{self.max_epochs}"
+            self._bar = tqdm(total=report.batches, desc=desc, unit="batch", file=self.out)
+        self._bar.update(report.step - self._bar.n)
+        self._bar.set_postfix_str(f"{report.captions_per_s:.0f} captions/s", refresh=False)
+
+    def epoch(self, line: str) -> None:
+        self._close()
+        self._print(line)
+
+    def _close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def _print(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
 
 
 @contextlib.contextmanager
@@ -161,9 +282,10 @@ def epoch_progress(
     likelihood_epochs: int | None = None,
     out: TextIO | None = None,
 ) -> Iterator[EpochProgress]:
-    """Print one line per epoch of the Ray Train run(s) fitted in the block with
-    ``callbacks=[progress.callback]``; Ray must be initialised. ``likelihood_epochs``: where
-    the self-critical epochs begin (:func:`remaining_time`). ``out``: default stderr."""
+    """Show the Ray Train run(s) fitted in the block with ``callbacks=[progress.callback]``
+    (one line per epoch) and a :class:`BatchSender` on ``progress.queue`` (progress within an
+    epoch); Ray must be initialised. ``likelihood_epochs``: where the self-critical epochs
+    begin (:func:`remaining_time`). ``out``: default stderr."""
     import ray
     from ray.exceptions import RayActorError
     from ray.util.queue import Queue
@@ -173,19 +295,22 @@ def epoch_progress(
     # node, as Ray Train's controller is: on another node, its loss would fail the run
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
-    progress = EpochProgress(_queueing_callback(queue))
+    progress = EpochProgress(_queueing_callback(queue), queue)
+    display = ProgressDisplay(label, max_epochs, out or sys.stderr)
 
     def pump() -> None:
         with contextlib.suppress(RayActorError):
             _pump()
 
     def _pump() -> None:
-        while (metrics := queue.get()) is not None:
-            report = EpochReport.from_ranks(metrics)
+        while (item := queue.get()) is not None:
+            if isinstance(item, BatchReport):
+                display.batch(item)
+                continue
+            report = EpochReport.from_ranks(item)
             progress.reports.append(report)
             eta, untimed = remaining_time(progress.reports, max_epochs, likelihood_epochs)
-            line = format_epoch_line(label, report, max_epochs, eta, untimed)
-            print(line, file=out or sys.stderr, flush=True)
+            display.epoch(format_epoch_line(label, report, max_epochs, eta, untimed))
 
     thread = threading.Thread(target=pump, name="sat-epoch-progress", daemon=True)
     thread.start()

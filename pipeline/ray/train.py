@@ -16,8 +16,9 @@ storage into ``models/<attention>/`` on the driver. Its runs are named after the
 attempt number, ``sat-<attention>-<12 hex>-<n>``. An invocation trains from epoch 1 in a new
 attempt unless a run of that identity finished (then it trains nothing and hands back that run's
 model) or ``resume=True`` names an unfinished one (then it continues from its last epoch); it says
-which in one line on stderr, then one line per epoch (``pipeline.ray.progress``: loss, val BLEU-4,
-captions/s summed over ranks, ETA). Each epoch's checkpoint carries the best model and the last
+which in one line on stderr, then progress within each epoch (a bar on a terminal, lines in a
+log) and one line per epoch (``pipeline.ray.progress``: loss, val BLEU-4, captions/s summed over
+ranks, ETA). Each epoch's checkpoint carries the best model and the last
 training state (``last_state.pt``), so a restart continues from the last finished epoch.
 """
 
@@ -297,6 +298,8 @@ class TrainJob:
     hooks: WorkerHooks = WorkerHooks()
     # None: workers open prepared_dir/features_dir (shared); else fetched from storage
     staged_inputs: StagedInputs | None = None
+    # the driver's progress queue (pipeline.ray.progress): rank 0 reports within each epoch
+    progress_queue: Any = None
 
     def with_local_inputs(self, into: Path) -> TrainJob:
         """This job reading a local copy of the staged inputs (fetched into ``into``), or
@@ -366,6 +369,7 @@ class _RayEpochReporter(Callback):
 def sat_train_fn(run: WorkerRun) -> None:
     """Every worker: ``run.config`` (a :class:`TrainJob`) on this rank's shard; rank 0 reports
     the model folder each epoch."""
+    from pipeline.ray.progress import BatchSender
     from pipeline.tracking.runs import flatten
 
     job: TrainJob = run.config
@@ -380,7 +384,10 @@ def sat_train_fn(run: WorkerRun) -> None:
         if run.rank == 0 and resume is not None:
             # a resumed run may not beat the best epoch again: keep its files in what we report
             shutil.copytree(resume, model_dir)
-        job.train(run, Path(out), [_RayEpochReporter(run, model_dir, logger)])
+        callbacks: list[Callback] = [_RayEpochReporter(run, model_dir, logger)]
+        if run.rank == 0 and job.progress_queue is not None:
+            callbacks.append(BatchSender(job.progress_queue, run.world_size))
+        job.train(run, Path(out), callbacks)
 
 
 def stage_worker_inputs(
@@ -570,7 +577,7 @@ def _fit_run(
         ):
             outcome = fit_on_ray(
                 sat_train_fn,
-                config=job,
+                config=replace(job, progress_queue=progress.queue),
                 run_name=name,
                 storage_path=storage,
                 scaling=ScalingSpec.from_params(params.ray),

@@ -4,13 +4,16 @@
 project root: the folder of the params file, which is the working directory under DVC); the
 ``sat`` command calls it directly. ``main(argv=None)`` is the thin DVC entry: it parses
 ``--params``/``-S`` and the stage's own flags, builds the context and calls ``run``. The logic a
-stage runs lives in ``sat_model`` and the pipeline modules.
+stage runs lives in ``sat_model`` and the pipeline modules. A stage ends with one line on stdout
+(:func:`finished`): what it did, where its output is and how long it took.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +28,8 @@ __all__ = [
     "StageContext",
     "add_params_args",
     "cli_context",
+    "finished",
+    "format_duration",
     "load_context",
     "lock_path",
     "output_lock",
@@ -150,3 +155,26 @@ def run_locked(stage: str, output: Callable[[], Path], run: Callable[[], int]) -
     except (OutputLocked, ForeignFolderError, PathError) as e:
         print(f"{stage}: error: {e}", file=sys.stderr)
         return 1
+
+
+def format_duration(seconds: float) -> str:
+    """``2m10s``, ``1h05m``, ``45s``: the ETA's resolution, not more."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def finished(stage: str, what: str, output: Path, root: Path, started: float) -> str:
+    """Print and return the stage's one line: ``<stage>: <what> -> <output> (<duration>)``.
+
+    ``output`` is shown relative to the project ``root`` when it lies inside it (the path a user
+    types next), ``started`` is the ``time.perf_counter()`` at the stage's start.
+    """
+    output, root = Path(output).resolve(), Path(root).resolve()
+    where = os.path.relpath(output, root) if output.is_relative_to(root) else str(output)
+    line = f"{stage}: {what} -> {where} ({format_duration(time.perf_counter() - started)})"
+    print(line, flush=True)
+    return line

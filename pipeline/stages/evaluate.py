@@ -1,12 +1,12 @@
 """DVC stage ``evaluate@<attention>``: a model on the test split -> ``reports/<attention>/``.
 
 Writes ``metrics.json`` (flat keys ``bleu_1``..``bleu_4``, ``meteor``, ``rouge_l``, ``cider``,
-``pointing_accuracy`` where the source has boxes), ``captions.json`` and ``attention/`` (one
-figure per image, ``images/000.png``..., and ``index.html``). ``--model`` evaluates any model
-folder or MLflow model URI (``models:/sat-captioner@champion``, resolved in the tracking store
-of ``mlflow.tracking_uri``) instead, as ``sat evaluate`` does; its reports go to ``--out``, by
-default ``reports/eval/<model name>``, never into the DVC output of an ``evaluate@<attention>``
-stage.
+``pointing_accuracy`` where the source has boxes: scores only), ``captions.json`` (the captions
+and the counts) and ``attention/`` (one figure per image, ``images/000.png``..., and
+``index.html``). ``--model`` evaluates any model folder or MLflow model URI
+(``models:/sat-captioner@champion``, resolved in the tracking store of ``mlflow.tracking_uri``)
+instead, as ``sat evaluate`` does; its reports go to ``--out``, by default
+``reports/eval/<model name>``, never into the DVC output of an ``evaluate@<attention>`` stage.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import json
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from pipeline.stages import StageContext, cli_context, run_locked, stage_parser
+from pipeline.stages import StageContext, cli_context, finished, run_locked, stage_parser
 from pipeline.stages.user_errors import user_errors_in_one_line
 from pipeline.tracking.model_uri import is_model_uri, resolve_model_dir
 from sat_model.config import ATTENTION_KINDS
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from sat_model.data.tables import ImageRecord
     from sat_model.evaluation.evaluate import DecodedCaption
 
-__all__ = ["add_arguments", "default_out_dir", "main", "run"]
+__all__ = ["add_arguments", "default_out_dir", "main", "run", "summary"]
 
 T = TypeVar("T")
 
@@ -125,14 +126,19 @@ def run(
         return output_path(str(reports), ctx.root)
 
     name = model or str(ctx.path(ctx.params.train.models_dir) / attention)
+    stage = "evaluate" if model else f"evaluate@{attention}"  # the DVC stage's name
     return run_locked(
         "evaluate",
         out_dir,
-        lambda: _evaluate(ctx, name, attention, split or ctx.params.eval.split, out_dir()),
+        lambda: _evaluate(
+            ctx, name, attention, split or ctx.params.eval.split, out_dir(), stage=stage
+        ),
     )
 
 
-def _evaluate(ctx: StageContext, model: str, attention: str, split: str, out_dir: Path) -> int:
+def _evaluate(
+    ctx: StageContext, model: str, attention: str, split: str, out_dir: Path, *, stage: str
+) -> int:
     import torch
 
     from sat_model.data.tables import CAPTIONS_FILE, IMAGES_FILE
@@ -140,7 +146,7 @@ def _evaluate(ctx: StageContext, model: str, attention: str, split: str, out_dir
     from sat_model.features.store import store_file
     from sat_model.paths import image_root
 
-    params, ev = ctx.params, ctx.params.eval
+    params, ev, started = ctx.params, ctx.params.eval, time.perf_counter()
     prepared = ctx.path(params.data.prepared_dir)
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -168,8 +174,18 @@ def _evaluate(ctx: StageContext, model: str, attention: str, split: str, out_dir
         _, gallery_skipped = _write_gallery(out_dir, gallery)
     result.skipped.extend({**s, "stage": "gallery"} for s in gallery_skipped)
     write_reports(result, out_dir, split)
-    print(json.dumps(result.metrics, indent=1))
+    finished(
+        stage, summary(result.metrics, split, len(result.captions)), out_dir, ctx.root, started
+    )
     return 0
+
+
+def summary(metrics: Mapping[str, float], split: str, images: int) -> str:
+    """``test BLEU-4 0.9068, METEOR 0.4321, CIDEr 2.3456, pointing 0.8612 on 500 images``."""
+    names = [("BLEU-4", "bleu_4"), ("METEOR", "meteor"), ("CIDEr", "cider")]
+    names.append(("pointing", "pointing_accuracy"))  # generated scenes: grounding is scored
+    scores = ", ".join(f"{name} {metrics[key]:.4f}" for name, key in names if key in metrics)
+    return f"{split} {scores} on {images} images"
 
 
 def _gallery(

@@ -92,27 +92,48 @@ _KEY_LINE = re.compile(r"^(?P<indent> *)(?P<key>[\w-]+):(?P<rest>.*)$")
 
 
 def set_values(text: str, values: dict[str, Any], note: str) -> str:
-    """``text`` (a block-style params file) with the dotted keys of ``values`` set, each changed
-    line's comment replaced by ``note``; the other lines and their comments stay as written."""
+    """``text`` (a params file in DVC's block form) with the dotted keys of ``values`` set, each
+    changed line's comment replaced by ``note``; the other lines and their comments stay as
+    written. Values are written as ``dvc exp run -S`` writes them back (a list one item a line,
+    None an empty value), so a later experiment on the profile changes only its own line."""
     out: list[str] = []
     path: list[tuple[int, str]] = []  # (indent, key) of the sections the line sits in
     done: set[str] = set()
-    for line in text.splitlines():
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line, i = lines[i], i + 1
         m = _KEY_LINE.match(line)
-        if m and not line.lstrip().startswith("#"):
-            indent = len(m["indent"])
-            path = [(i, k) for i, k in path if i < indent] + [(indent, m["key"])]
-            dotted = ".".join(k for _, k in path)
-            if dotted in values:
-                flow = yaml.safe_dump(values[dotted], default_flow_style=True, width=1000)
-                flow = flow.strip().removesuffix("...").strip()
-                line = f"{m['indent']}{m['key']}: {flow}  # {note}"
-                done.add(dotted)
-        out.append(line)
+        if not m or line.lstrip().startswith("#"):
+            out.append(line)
+            continue
+        indent = len(m["indent"])
+        path = [(n, k) for n, k in path if n < indent] + [(indent, m["key"])]
+        dotted = ".".join(k for _, k in path)
+        if dotted not in values:
+            out.append(line)
+            continue
+        out.extend(_block_value(m["indent"], m["key"], values[dotted], note))
+        done.add(dotted)
+        while i < len(lines) and lines[i].startswith(f"{m['indent']}- "):  # the old list's items
+            i += 1
     missing = sorted(set(values) - done)
     if missing:
         raise ProfileError(f"the template has no key {', '.join(missing)}")
     return "\n".join(out) + "\n"
+
+
+def _block_value(indent: str, key: str, value: Any, note: str) -> list[str]:
+    """The lines of ``key: value  # note`` in DVC's block form."""
+
+    def scalar(v: Any) -> str:
+        return yaml.safe_dump(v, width=1000).strip().removesuffix("...").strip()
+
+    if value is None:
+        return [f"{indent}{key}:  # {note}"]
+    if isinstance(value, list):
+        return [f"{indent}{key}:  # {note}", *(f"{indent}- {scalar(v)}" for v in value)]
+    return [f"{indent}{key}: {scalar(value)}  # {note}"]
 
 
 def _folder_size(images: Path, captions: Path) -> int:

@@ -13,13 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from pipeline.stages import StageContext, cli_context, stage_parser
+from pipeline.stages import StageContext, cli_context, finished, stage_parser
 from pipeline.tracking.quiet import quiet_mlflow
 
-__all__ = ["main", "run"]
+__all__ = ["main", "run", "summary"]
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -42,6 +44,7 @@ def run(ctx: StageContext, *, out: str | Path | None = None) -> int:
     from pipeline.tracking.registration import register_models
     from sat_model.atomic import write_text_atomic
 
+    started = time.perf_counter()
     try:
         report = register_models(ctx.params, ctx.root)
     except FileNotFoundError:
@@ -50,10 +53,41 @@ def run(ctx: StageContext, *, out: str | Path | None = None) -> int:
         return _fail(e)
     path = Path(out) if out else ctx.path(ctx.params.eval.reports_dir) / "registry.json"
     write_text_atomic(path, json.dumps(report, indent=1) + "\n")
-    for p in report["promotions"]:
-        verb = "promoted" if p["promoted"] else "not promoted"
-        print(f"version {p['candidate']}: {verb} (champion {report['champion']}): {p['reason']}")
+    finished("register", summary(report), path, ctx.root, started)
     return 0
+
+
+def summary(report: Mapping[str, Any]) -> str:
+    """``sat-captioner version 1 (soft), version 2 (hard); champion: version 1 (soft, bleu_4
+    0.9068); version 2 not promoted: 0.9022 is below the champion's 0.9068`` from the report."""
+    versions = ", ".join(
+        f"version {v['version']} ({v['attention']}{', registered before' if v['reused'] else ''})"
+        for v in report["versions"]
+    )
+    champion = report.get("champion")
+    text = f"{report['model_name']} {versions}; "
+    if champion is None:
+        text += "no champion"
+    else:
+        values = [
+            p.get("candidate_value") for p in report["promotions"] if p["candidate"] == champion
+        ]
+        values += [  # a champion of an earlier run, compared with this run's versions
+            p.get("previous_value")
+            for p in report["promotions"]
+            if p.get("previous_champion") == champion
+        ]
+        value = next((v for v in values if v is not None), None)
+        score = f", {report['metric']} {value:.4f}" if value is not None else ""
+        text += f"champion: version {champion} ({report.get('champion_attention')}{score})"
+    reused = {v["version"] for v in report["versions"] if v["reused"]}
+    for p in report["promotions"]:  # why the others are not the champion, and what would be
+        if p["promoted"] or p["candidate"] == champion:
+            continue
+        if p["candidate"] in reused and "candidate_value" not in p:
+            continue  # registered before and not compared (mlflow.promote): nothing new
+        text += f"; version {p['candidate']} not promoted: {p['reason']}"
+    return text
 
 
 def _fail(err: BaseException) -> int:

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from pipeline.stages import StageContext, cli_context, run_locked, stage_parser
+from pipeline.stages import StageContext, cli_context, finished, run_locked, stage_parser
 from sat_model.config import ATTENTION_KINDS
 
 if TYPE_CHECKING:
     from sat_model.config import Params
 
-__all__ = ["main", "run"]
+__all__ = ["main", "run", "summary"]
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -94,6 +94,7 @@ def _train_on_ray(
 ) -> int:
     from pipeline.ray.train import train_with_ray
 
+    started = time.perf_counter()
     outcome = train_with_ray(
         ctx.params,
         attention,
@@ -102,7 +103,7 @@ def _train_on_ray(
         resume_from=resume_from,
         resume=resume,
     )
-    print(json.dumps({"model_dir": str(outcome.model_dir), **outcome.metrics}, indent=1))
+    finished(f"train@{attention}", summary(outcome.metrics), outcome.model_dir, ctx.root, started)
     return 0
 
 
@@ -110,7 +111,7 @@ def _train_here(ctx: StageContext, attention: str, resume_from: Path | None, pro
     from sat_model.train.run import train_model
     from sat_model.train.trainer import ProgressBar
 
-    params = ctx.params
+    params, started = ctx.params, time.perf_counter()
     result = train_model(
         params,
         attention,
@@ -120,8 +121,19 @@ def _train_here(ctx: StageContext, attention: str, resume_from: Path | None, pro
         callbacks=(ProgressBar(desc=attention),) if progress else (),
         resume_from=resume_from,
     )
-    print(json.dumps({"model_dir": str(result.model_dir), **result.metrics}, indent=1))
+    finished(f"train@{attention}", summary(result.metrics), result.model_dir, ctx.root, started)
     return 0
+
+
+def summary(metrics: Mapping[str, Any]) -> str:
+    """``10 epochs, the best 9 (val BLEU-4 0.9068, CIDEr 2.3456)`` from ``train_metrics.json``."""
+    text = f"{metrics.get('epochs', '?')} epochs, the best {metrics.get('best_epoch', '?')}"
+    scores = [
+        f"{name} {metrics[key]:.4f}"
+        for name, key in (("val BLEU-4", "best_val_bleu_4"), ("CIDEr", "best_val_cider"))
+        if key in metrics
+    ]
+    return f"{text} ({', '.join(scores)})" if scores else text
 
 
 if __name__ == "__main__":

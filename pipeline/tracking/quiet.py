@@ -17,6 +17,13 @@ def quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")
     for name in ("mlflow", "alembic"):  # alembic: MLflow's SQLite schema migrations
         logging.getLogger(name).setLevel(logging.ERROR)
+    from mlflow.utils import logging_utils
+
+    # the stream behind MLflow's own prints (`Successfully registered model ...`, `Created
+    # version ...`), which no logger level reaches. Its switch (`disable_logging`) is not
+    # enough: MLflow turns it back on when a `log_model` call leaves its internal guard, so
+    # the stream's write is replaced for the rest of the process instead
+    logging_utils.MLFLOW_LOGGING_STREAM.write = _write_nothing  # type: ignore[method-assign]
     warnings.simplefilter("ignore")
     # MLflow re-enables its UserWarnings inside some calls (`filter_user_warnings_once`), past
     # any filter: drop them where they would be shown
@@ -25,3 +32,7 @@ def quiet_mlflow() -> None:
 
 def _drop_warning(*args: object, **kwargs: object) -> None:
     """A ``warnings.showwarning`` that shows nothing."""
+
+
+def _write_nothing(text: str) -> None:
+    """A stream ``write`` that writes nothing."""

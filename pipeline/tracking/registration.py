@@ -64,7 +64,6 @@ def register_models(params: Params, project_root: Path) -> dict[str, Any]:
     experiment = dvc_experiment()
     if experiment is not None:
         lineage[EXPERIMENT_TAG] = experiment
-    allowed, why_not = promotion_allowed(cfg.promote, experiment)
     report: dict[str, Any] = {"model_name": cfg.model_name, "metric": cfg.champion_metric}
     report.update(versions=[], skipped=[], promotions=[], dvc_experiment=experiment)
     for attention in ATTENTION_KINDS:
@@ -76,6 +75,7 @@ def register_models(params: Params, project_root: Path) -> dict[str, Any]:
         report["versions"].append(
             {"attention": attention, "training_run_id": training_run, **asdict(registered)}
         )
+        allowed, why_not = promotion_allowed(cfg.promote, experiment, registered.version)
         report["promotions"].append(_promotion(params, tracking, registered, allowed, why_not))
     if not report["versions"]:
         raise FileNotFoundError(

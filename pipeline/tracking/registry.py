@@ -203,19 +203,23 @@ def _apply(
     )
 
 
-def promotion_allowed(policy: str, experiment: str | None) -> tuple[bool, str]:
-    """May the register stage move ``champion``? ``policy`` is ``mlflow.promote``.
+def promotion_allowed(
+    policy: str, experiment: str | None, version: str = "<version>"
+) -> tuple[bool, str]:
+    """May the register stage move ``champion`` to ``version``? ``policy`` is ``mlflow.promote``.
 
     ``auto``: yes, except inside a DVC experiment (``experiment`` names it): an experiment
     registers its versions and leaves the champion alone (``sat promote`` moves it). ``always``:
     yes, experiments too (still only when better). ``never``: no, promotion is ``sat promote``.
+    The reason for a no ends with the command that promotes ``version``.
     """
+    command = f"`sat promote --version {version}`"
     if policy == "never":
-        return False, "mlflow.promote is never: promote with `sat promote <version>`"
+        return False, f"mlflow.promote is never: {command} promotes it"
     if policy == "auto" and experiment is not None:
         return False, (
-            f"registered from DVC experiment {experiment!r}: the champion stays "
-            "(`sat promote <version>`, or mlflow.promote=always)"
+            f"registered from DVC experiment {experiment!r}, the champion stays: {command} "
+            "promotes it (or mlflow.promote=always)"
         )
     return True, ""
 

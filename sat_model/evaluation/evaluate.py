@@ -238,26 +238,23 @@ def evaluate_model(
         grid=(meta.grid_h, meta.grid_w),
         view=(resize, meta.input_size, keep_aspect),
     )
-    scores.update(_grounding_scores(grounding), images=float(len(ids)))
+    if grounding is not None and grounding.total:  # NaN is not JSON: unmeasured is left out
+        scores["pointing_accuracy"] = grounding.accuracy
     return EvaluationResult(scores, captions, skipped, grounding)
 
 
-def _grounding_scores(grounding: PointingResult | None) -> dict[str, float]:
-    if grounding is None:
-        return {}
-    scores = {"pointing_words": float(grounding.total)}
-    if grounding.total:  # NaN is not valid JSON: an unmeasured accuracy is left out
-        scores["pointing_accuracy"] = grounding.accuracy
-    return scores
-
-
 def write_reports(result: EvaluationResult, out_dir: str | Path, split: str) -> None:
-    """``metrics.json`` (flat keys, for ``dvc metrics``) and ``captions.json``."""
+    """``metrics.json`` (the scores alone, flat keys, for ``dvc metrics``) and ``captions.json``
+    (the captions and the counts: images captioned, words whose pointing was checked)."""
     out_dir = Path(out_dir)
     metrics = {k: round(v, 6) for k, v in result.metrics.items() if math.isfinite(v)}
     write_text_atomic(out_dir / METRICS_FILE, json.dumps(metrics, indent=2) + "\n")
+    counts = {"images": len(result.captions)}
+    if result.grounding is not None:
+        counts["pointing_words"] = result.grounding.total
     captions = {
         "split": split,
+        **counts,
         "captions": [
             {"image_id": c.image_id, "caption": c.text, "log_prob": round(c.score, 4)}
             for c in result.captions

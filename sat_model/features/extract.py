@@ -256,7 +256,10 @@ def extract_split(
     """Encode ``items`` into the feature store ``out_path`` (written atomically)."""
     start = time.perf_counter()
     skipped: list[tuple[str, str]] = []
-    bar = tqdm(total=len(items), desc=f"extract {split}", unit="img", disable=not progress)
+    # disable=None: a bar on a terminal only; a log (DVC's, a CI job's) gets the stage's line
+    bar = tqdm(
+        total=len(items), desc=f"extract {split}", unit="img", disable=None if progress else True
+    )
     with (
         FeatureWriter(out_path, FeatureMeta.from_fields(encoder.description.to_dict())) as writer,
         bar,

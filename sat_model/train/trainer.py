@@ -101,6 +101,10 @@ class Callback:
     def on_log(self, epoch: int, step: int, loss: float) -> None:
         """Every ``log_every`` steps: the mean loss over those steps (the only per-step sync)."""
 
+    def on_batch_end(self, epoch: int, step: int, captions: int) -> None:
+        """After every optimiser step: this epoch's steps and captions so far on this rank,
+        counted on the host (no device sync), for progress within an epoch."""
+
     def on_epoch_end(self, state: EpochState) -> None:
         """After validation; ``state.checkpoint()`` gives the state dicts to save."""
 
@@ -380,6 +384,8 @@ def _train_epoch(loop: _Loop, batches: Iterable[TrainBatch], epoch: int) -> _Epo
         loss = out.loss.detach()
         total += torch.stack([loss, out.nll.detach().to(loss.dtype)])
         window += loss
+        for cb in loop.callbacks:
+            cb.on_batch_end(epoch, steps, captions)
         if steps % opts.log_every == 0:
             mean = _checked(window.item() / opts.log_every, epoch, steps)
             window.zero_()
@@ -468,7 +474,8 @@ def _agree(stop: bool, loop: _Loop) -> bool:
 
 
 class ProgressBar(Callback):
-    """A tqdm bar per epoch, updated on each ``on_log`` (so it adds no per-step sync)."""
+    """A tqdm bar per epoch on a terminal (none in a log), moved after every batch; the loss
+    shown is the last ``on_log`` mean, so the bar adds no per-step sync."""
 
     def __init__(self, desc: str = "train") -> None:
         self.desc = desc
@@ -477,10 +484,14 @@ class ProgressBar(Callback):
     def on_epoch_start(self, epoch: int, num_batches: int | None) -> None:
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=num_batches, desc=f"{self.desc} epoch {epoch + 1}", unit="batch")
+        self._bar = tqdm(
+            total=num_batches, desc=f"{self.desc} epoch {epoch + 1}", unit="batch", disable=None
+        )
+
+    def on_batch_end(self, epoch: int, step: int, captions: int) -> None:
+        self._bar.update(step - self._bar.n)
 
     def on_log(self, epoch: int, step: int, loss: float) -> None:
-        self._bar.update(step - self._bar.n)
         self._bar.set_postfix(loss=f"{loss:.3f}")
 
     def on_epoch_end(self, state: EpochState) -> None:

@@ -129,7 +129,87 @@ def test_repro_runs_every_stage_and_writes_every_output(project: Path) -> None:
     for attention in ("soft", "hard"):
         metrics = json.loads((project / f"reports/{attention}/metrics.json").read_text())
         assert metrics.keys() >= METRIC_KEYS
-        assert "pointing_words" in metrics  # generated scenes carry boxes: grounding is scored
+        counts = json.loads((project / f"reports/{attention}/captions.json").read_text())
+        assert "pointing_words" in counts  # generated scenes carry boxes: grounding is scored
+
+
+# each stage's output folder or file, as dvc.yaml declares it
+STAGE_OUTPUTS = {
+    "prepare": "data/prepared",
+    "extract": "data/features",
+    "train@soft": "models/soft",
+    "train@hard": "models/hard",
+    "evaluate@soft": "reports/soft",
+    "evaluate@hard": "reports/hard",
+    "register": "reports/registry.json",
+}
+
+
+def test_each_stage_says_in_one_line_what_it_did_where_and_how_long(project: Path) -> None:
+    log = (project / "first_repro.log").read_text()
+    for stage, output in STAGE_OUTPUTS.items():
+        done = re.compile(rf"{re.escape(stage)}: \S.* -> {output} \((\d+s|\d+m\d\ds|\d+h\d\dm)\)")
+        assert sum(bool(done.fullmatch(line)) for line in log.splitlines()) == 1, (stage, log)
+    assert not re.search(r"\d\.\d{7,}", log), log  # no raw floats: scores read at 4 places
+    assert not re.search(r"^\s*[{}\[\]\"]", log, re.MULTILINE), log  # no JSON dumped
+    for chatter in ("Successfully registered", "Created version", "already exists"):
+        assert chatter not in log, f"MLflow's {chatter!r} in the dvc repro output"
+    # the register line names the champion and, for a version left out, why
+    register = next(line for line in log.splitlines() if line.startswith("register: "))
+    assert re.search(r"champion: version \d \((soft|hard)", register), register
+
+
+def test_training_shows_progress_within_each_epoch_as_lines_in_a_log(project: Path) -> None:
+    """dvc repro's output captured (not a terminal): plain lines, no bar drawn with \\r."""
+    log = (project / "first_repro.log").read_text()
+    assert "\r" not in log
+    lines = log.splitlines()
+    for attention in ("soft", "hard"):
+        within = [
+            i
+            for i, line in enumerate(lines)
+            if re.fullmatch(
+                rf"train {attention}  epoch 1/1  batch \d+/\d+  \d+ captions/s  epoch ETA \S+", line
+            )
+        ]
+        epoch = [
+            i
+            for i, line in enumerate(lines)
+            if line.startswith(f"train {attention}  epoch 1/1  loss")
+        ]
+        assert within and len(epoch) == 1, log
+        assert max(within) < epoch[0]  # within the epoch, then the epoch's line
+
+
+def _score_keys() -> set[str]:
+    from sat_model.evaluation.metrics import metric_keys
+
+    return {*metric_keys(), "pointing_accuracy"}  # the registered metrics and grounding
+
+
+def test_dvc_metrics_show_is_the_test_scores_of_both_models(project: Path) -> None:
+    table = [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in dvc(project, "metrics", "show", "--md").splitlines()
+        if line.startswith("|") and not line.startswith("|--")
+    ]
+    header, rows = table[0], table[1:]
+    assert header[0] == "Path" and set(header[1:]) <= _score_keys(), header
+    assert {"bleu_4", "meteor", "cider"} <= set(header)
+    assert sorted(row[0] for row in rows) == [
+        "reports/hard/metrics.json",
+        "reports/soft/metrics.json",
+    ]
+
+
+def test_dvc_exp_show_holds_no_counts_or_identities_among_its_metrics(project: Path) -> None:
+    header = dvc(project, "exp", "show", "--no-pager", "--csv").splitlines()[0].split(",")
+    metrics = [column.split(":", 1) for column in header if ".json:" in column]
+    assert {path for path, _ in metrics} == {
+        "reports/soft/metrics.json",
+        "reports/hard/metrics.json",
+    }
+    assert {key for _, key in metrics} <= _score_keys(), metrics
 
 
 def test_repro_registers_both_models_and_a_champion(project: Path) -> None:

@@ -59,7 +59,10 @@ def test_main_writes_all_four_files_with_the_promised_columns(
     assert vocab["itos"][:4] == ["<pad>", "<start>", "<end>", "<unk>"]
     assert len(vocab["itos"]) == report["vocab_size"]
     assert len(list((out / "images").glob("*.png"))) == 20
-    assert '"images_ok": 20' in capsys.readouterr().out
+    # one line: what it did, where (relative to the project), how long
+    (line,) = capsys.readouterr().out.splitlines()
+    what = f"20 images (train 12, val 4, test 4), 100 captions, {report['vocab_size']} words"
+    assert line.startswith(f"prepare: {what} -> out/prepared (")
 
 
 def test_main_applies_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

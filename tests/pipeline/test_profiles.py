@@ -182,11 +182,12 @@ def test_sat_profile_new_refuses_bad_arguments_in_one_line(
 def test_set_values_keeps_the_other_lines_and_names_a_missing_key() -> None:
     from pipeline.stages.profiles import ProfileError, set_values
 
-    text = "a:\n  b: 1   # why b\n  c: [x, y]  # why c\nd: 2\n"
-    out = set_values(text, {"a.c": ["z"], "d": "three"}, "set")
-    assert out == "a:\n  b: 1   # why b\n  c: [z]  # set\nd: three  # set\n"
-    with pytest.raises(ProfileError, match=r"a\.e"):
-        set_values(text, {"a.e": 1}, "set")
+    text = "a:\n  b: 1   # why b\n  c:  # why c\n  - x\n  - y\n  e: 3\nd: 2\n"
+    out = set_values(text, {"a.c": ["z"], "a.e": None, "d": "three"}, "set")
+    # DVC's block form, as `dvc exp run -S` writes the file back: a list one item a line
+    assert out == "a:\n  b: 1   # why b\n  c:  # set\n  - z\n  e:  # set\nd: three  # set\n"
+    with pytest.raises(ProfileError, match=r"a\.f"):
+        set_values(text, {"a.f": 1}, "set")
 
 
 def test_photos_away_from_the_project_are_named_by_absolute_path(tmp_path: Path) -> None:

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
-from pipeline.ray.progress import EpochReport, format_duration, format_epoch_line, remaining_time
+from pipeline.ray.progress import (
+    BatchReport,
+    EpochReport,
+    ProgressDisplay,
+    format_epoch_line,
+    remaining_time,
+)
+from pipeline.stages import format_duration
 
 
 def _rank(captions: int, train_s: float, epoch_s: float, loss: float, **val: float) -> dict:
@@ -72,3 +81,40 @@ def test_without_self_critical_epochs_the_eta_is_the_mean_epoch_times_the_epochs
     assert remaining_time(reports, 10) == (800.0, 0)
     assert remaining_time(reports, 10, likelihood_epochs=10) == (800.0, 0)
     assert format_epoch_line("t", reports[-1], 10, 800.0).endswith("ETA 13m20s")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _feed(display: ProgressDisplay, batches: int) -> None:
+    """One epoch of 40 batches as rank 0 reports it (every batch: 20ths of 40), then its line."""
+    for step in range(1, batches + 1):
+        display.batch(
+            BatchReport(2, step, batches, captions=step * 64, seconds=step * 0.5, world_size=2)
+        )
+    display.epoch("train soft  epoch 2/10  loss 3.000  (the epoch's line)")
+
+
+def test_in_a_log_an_epoch_shows_a_line_at_each_quarter_then_its_own_line() -> None:
+    log = io.StringIO()
+    _feed(ProgressDisplay("train soft", 10, log), 40)
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue()  # plain lines, no bar redrawn in place
+    # 64 captions a batch on each of 2 ranks, a batch every 0.5 s: 256 captions/s
+    assert lines == [
+        "train soft  epoch 2/10  batch 10/40  256 captions/s  epoch ETA 15s",
+        "train soft  epoch 2/10  batch 20/40  256 captions/s  epoch ETA 10s",
+        "train soft  epoch 2/10  batch 30/40  256 captions/s  epoch ETA 5s",
+        "train soft  epoch 2/10  loss 3.000  (the epoch's line)",
+    ]
+
+
+def test_on_a_terminal_an_epoch_is_a_bar_then_its_own_line() -> None:
+    terminal = _Terminal()
+    _feed(ProgressDisplay("train soft", 10, terminal), 40)
+    shown = terminal.getvalue()
+    assert "\r" in shown and "40/40" in shown and "256 captions/s" in shown  # tqdm's bar
+    assert "batch 10/40" not in shown  # no log lines
+    assert shown.endswith("train soft  epoch 2/10  loss 3.000  (the epoch's line)\n")

@@ -8,6 +8,7 @@ import io
 import json
 import math
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -59,8 +60,15 @@ def test_promotion_rule(candidate, champion, promote_it):
     ],
 )
 def test_promotion_policy(policy, experiment, allowed):
-    ok, reason = promotion_allowed(policy, experiment)
-    assert ok is allowed and (ok or "sat promote" in reason)
+    from pipeline.cli.main import build_parser
+
+    ok, reason = promotion_allowed(policy, experiment, "3")
+    assert ok is allowed
+    if not ok:  # the command the reason gives is one `sat` accepts, naming the version
+        command = re.search(r"`(sat promote[^`]*)`", reason)
+        assert command is not None, reason
+        args = build_parser().parse_args(shlex.split(command[1])[1:])
+        assert (args.command, args.version) == ("promote", "3")
 
 
 def test_checkpoint_hash_follows_the_files_not_the_folder(tmp_path):

@@ -128,7 +128,8 @@ def test_one_caption_per_image_with_features_and_references(result):
 def test_metrics_have_the_flat_keys(result):
     keys = {"bleu_1", "bleu_2", "bleu_3", "bleu_4", "meteor", "rouge_l", "cider"}
     assert keys <= set(result.metrics)
-    assert result.metrics["images"] == 3
+    # scores only: a count would be one more column of every `dvc metrics show` and `exp show`
+    assert not {"images", "pointing_words"} & set(result.metrics)
 
 
 def test_pointing_accuracy_from_boxes_that_always_or_never_hit(result):
