@@ -7,6 +7,8 @@ fixtures and helpers that build whole projects call them too.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from sat_model.model.factory import build_model
 from sat_model.paths import shared_data
 
 __all__ = [
+    "copy_project",
     "model_config",
     "photo_of_another_shape",
     "write_captions",
@@ -45,6 +48,28 @@ def photo_of_another_shape() -> Path:
             if image.width != image.height:
                 return path
     pytest.skip(f"no photo of {root} is other than square")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def copy_project(dest: Path) -> Path:
+    """This working tree's files (tracked and new, not ignored) in a fresh git repository."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for rel in filter(None, listed.split("\0")):
+        if (ROOT / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, dest / rel)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
+    subprocess.run([*git, "commit", "-qm", "project"], cwd=dest, check=True)
+    return dest
 
 
 def model_config(

@@ -1,9 +1,18 @@
-"""The whole pipeline as a DVC user runs it, in a temporary git clone with tiny params.
+"""The quickstart (docs/guide/quickstart.md) and the whole pipeline as a DVC user runs it, on
+one project: this working tree's files in a fresh git repository with tiny params.
 
-One clone per module: `dvc repro` once, then the behaviours DVC users rely on (nothing re-runs
-when nothing changed; a remote a fresh clone pulls from). A soft-model param edit as a `dvc exp
-run`, and `dvc metrics`, are walked against a team's MLflow server (test_team_mlflow.py).
-Real DVC, Ray (local, started by the train stage) and MLflow (SQLite).
+One project per module: the quickstart's first block, `make run`, as written (its `dvc repro` is
+the module's only one), then the quickstart's next blocks (`sat caption`, `sat serve` and a
+request) and the behaviours DVC users rely on (nothing re-runs when nothing changed; a remote a
+fresh clone pulls from). The blocks are read from the page, so an edit to the page changes what
+runs. Two departures, both outside the commands' text: ``.venv`` in the project links to the
+environment running the tests (``make run`` would otherwise install one; the copy's
+``pyproject.toml`` is dated before that environment's install so make sees it current), and
+``serve.port`` is a free port, written into the project's params and put in place of 8080 in the
+request. The Flickr8k profile (two hours on the real photos) and the own-data blocks (a user's
+``~/photos``) are not run here: each says why, and test_own_data.py walks the own-data commands
+on a folder of sample photos. A soft-model param edit as a `dvc exp run`, and `dvc metrics`, are
+walked against a team's MLflow server (test_team_mlflow.py). Real DVC, Ray and MLflow (SQLite).
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import pytest
 import yaml
 
 from sat_model.config import apply_overrides, read_yaml
+from tests.factories import copy_project
+from tests.pipeline.servers import _wait_for_port, free_port, stop_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
 METRIC_KEYS = {"bleu_1", "bleu_2", "bleu_3", "bleu_4", "meteor", "rouge_l", "cider"}
@@ -85,18 +96,116 @@ def stages_run(output: str) -> set[str]:
     return set(re.findall(r"Running stage '([^']+)'", output))
 
 
+PAGE = ROOT / "docs" / "guide" / "quickstart.md"
+VENV = Path(sys.prefix)
+BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+
+# quickstart blocks that this module does not run, by their first line, and why
+NOT_RUN = {
+    "make run PROFILE=flickr8k": "needs the Flickr8k photos and about two hours of training",
+    ".venv/bin/sat profile new mine": (
+        "needs your ~/photos; tests/pipeline/test_own_data.py walks these commands on a "
+        "folder of sample photos"
+    ),
+}
+
+
+def quickstart_blocks() -> list[str]:
+    """The quickstart page's ``bash`` blocks that run here, in order."""
+    blocks = BLOCK.findall(PAGE.read_text(encoding="utf-8"))
+    return [b for b in blocks if not any(b.startswith(k) for k in NOT_RUN)]
+
+
+def _bash(project: Path, block: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(  # type: ignore[call-overload, no-any-return]
+        ["bash", "-euo", "pipefail", "-c", block],
+        cwd=project,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        **kw,
+    )
+
+
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A git clone of this repository's HEAD with tiny params, after one `dvc repro`."""
-    path = tmp_path_factory.mktemp("clone") / "sat"
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(path)], check=True)
-    raw = read_yaml((path / "params.yaml").read_text())
-    (path / "params.yaml").write_text(yaml.safe_dump(apply_overrides(raw, TINY), sort_keys=False))
+    """The project with tiny params (committed) and a free serving port, after the quickstart's
+    `make run`; its output in ``first_repro.log``."""
+    if not (VENV / ".installed").is_file():
+        pytest.skip("tests run outside the project's .venv: make run would install one")
+    path = copy_project(tmp_path_factory.mktemp("clone") / "sat")
+    port = free_port()
+    raw = apply_overrides(
+        read_yaml((path / "params.yaml").read_text()), [*TINY, f"serve.port={port}"]
+    )
+    (path / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "commit", "-qam", "tiny params"], cwd=path, check=True)
-    first = dvc(path, "repro")
-    (path / "first_repro.log").write_text(first)
+    (path / ".venv").symlink_to(VENV)
+    os.utime(path / "pyproject.toml", (0, 0))  # older than .venv/.installed: make installs nothing
+    (path / "port").write_text(str(port))
+    make_run = quickstart_blocks()[0]
+    out = _bash(path, make_run)
+    (path / "first_repro.log").write_text(out.stdout + out.stderr)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     yield path
+
+
+def test_every_quickstart_block_is_run_here_or_says_why_not() -> None:
+    run = quickstart_blocks()
+    assert [b.splitlines()[0] for b in run[:3]] == [
+        "make run",
+        ".venv/bin/sat caption data/prepared/images/test_00000.png --attention-out attention/",
+        ".venv/bin/sat serve",
+    ]
+    assert len(run) == 4, "a new quickstart block: run it below or say in NOT_RUN why not"
+    blocks = BLOCK.findall(PAGE.read_text(encoding="utf-8"))
+    assert all(any(b.startswith(k) for b in blocks) for k in NOT_RUN), "NOT_RUN is stale"
+
+
+def test_quickstart_from_make_run_to_a_served_caption(project: Path) -> None:
+    _, caption, serve, request = quickstart_blocks()
+    log = (project / "first_repro.log").read_text()
+    assert re.search(r"^soft\s+0\.\d{4}", log, re.M), log
+    assert "champion: sat-captioner version 1" in log
+
+    out = _bash(project, caption)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"test_00000\.png\S*\s+\w+", out.stdout), out.stdout
+    assert (project / "attention/images/test_00000.png").is_file(), "no attention figure"
+    assert "test_00000.png" in (project / "attention/index.html").read_text()
+
+    port = (project / "port").read_text()
+    server = subprocess.Popen(
+        ["bash", "-c", serve], cwd=project, env=_env(), start_new_session=True, text=True
+    )
+    try:
+        _wait_for_port(int(port), server, "sat serve", timeout_s=120)
+        out = _bash(project, request.replace("127.0.0.1:8080", f"127.0.0.1:{port}"))
+    finally:
+        stop_process_group(server)
+    assert out.returncode == 0, out.stderr
+    (prediction,) = json.loads(out.stdout)["predictions"]
+    assert prediction["error"] is None
+    assert isinstance(prediction["caption"], str) and prediction["caption"].split()
+
+
+def test_every_readme_command_is_a_quickstart_command() -> None:
+    """The README's blocks are the quickstart's lines (and `make test`, which runs this), so
+    walking the quickstart walks them."""
+    readme = BLOCK.findall((ROOT / "README.md").read_text(encoding="utf-8"))
+    page = BLOCK.findall(PAGE.read_text(encoding="utf-8"))
+    quickstart = {line for b in page for line in b.splitlines()}
+    commands = [line.split("#")[0].strip() for b in readme for line in b.splitlines()]
+    assert "make run" in commands and "make test" in commands
+    missing = [c for c in commands if c and c != "make test" and c not in quickstart]
+    assert not missing, f"README commands the quickstart does not walk: {missing}"
+
+
+@pytest.mark.parametrize("first_line", sorted(NOT_RUN))
+def test_quickstart_blocks_not_run_here(first_line: str) -> None:
+    pytest.skip(f"`{first_line}`: {NOT_RUN[first_line]}")
 
 
 def test_repro_runs_every_stage_and_writes_every_output(project: Path) -> None:

@@ -20,6 +20,7 @@ import yaml
 
 from sat_model.config import apply_overrides, read_yaml
 from sat_model.paths import shared_data
+from tests.factories import copy_project
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = shared_data("flickr8k-sample")
@@ -82,25 +83,6 @@ def _run(cwd: Path, *command: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _project(dest: Path) -> Path:
-    """This working tree's files (tracked and new, not ignored) in a fresh git repository."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    for rel in filter(None, listed.split("\0")):
-        if (ROOT / rel).is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, dest / rel)
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
-    subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
-    subprocess.run([*git, "commit", "-qm", "project"], cwd=dest, check=True)
-    return dest
-
-
 def _sample_captions() -> dict[str, list[str]]:
     captions: dict[str, list[str]] = {}
     token_file = SAMPLE / "Flickr8k_text" / "Flickr8k.token.txt"
@@ -149,7 +131,7 @@ def _dataset(folder: Path) -> tuple[Path, dict[str, str]]:
 
 
 def test_a_folder_of_photos_to_a_captioning_champion(tmp_path: Path) -> None:
-    project = _project(tmp_path / "sat")
+    project = copy_project(tmp_path / "sat")
     csv_path, expected = _dataset(tmp_path / "mine")
     made = _run(
         project,
