@@ -39,7 +39,9 @@ test: $(VENV)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/mkdocs build --strict --quiet
-	$(BIN)/pytest
+	# two workers, each a whole module at a time (its servers, its cluster, its pipeline run):
+	# most tests wait on processes they started, so two share the two cores well
+	$(BIN)/pytest -n 2 --dist loadfile
 
 # The documentation site (mkdocs.yml), rebuilt on every edit, on loopback only
 docs: $(VENV)/.installed
