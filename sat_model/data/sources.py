@@ -26,6 +26,7 @@ import numpy as np
 from sat_model.config import DataConfig
 from sat_model.data.scenes import generate_scenes
 from sat_model.data.tables import Box
+from sat_model.registry import Registry
 
 __all__ = [
     "EXCLUDED",
@@ -510,7 +511,7 @@ class _Source:
     needs_root: bool  # reads files under data.root (every source but the generated scenes)
 
 
-_SOURCES: dict[str, _Source] = {}
+_SOURCES: Registry[_Source] = Registry("data source", SourceError)
 
 
 def register_source(
@@ -521,9 +522,7 @@ def register_source(
     from its section of :class:`DataConfig`."""
 
     def add(read: SourceReader) -> SourceReader:
-        if name in _SOURCES:
-            raise ValueError(f"data source {name!r} is registered already")
-        _SOURCES[name] = _Source(read, images or (lambda data, root, prepared: root), needs_root)
+        _SOURCES.add(name, _Source(read, images or (lambda data, root, prepared: root), needs_root))
         return read
 
     return add
@@ -536,7 +535,7 @@ def list_sources() -> list[str]:
 
 def source_needs_root(name: str) -> bool:
     """Whether source ``name`` reads files under ``data.root``."""
-    return _source(name).needs_root
+    return _SOURCES[name].needs_root
 
 
 def image_root(data: DataConfig, base_dir: Path) -> Path:
@@ -546,13 +545,7 @@ def image_root(data: DataConfig, base_dir: Path) -> Path:
     """
     base = Path(base_dir)
     root = base / data.root if data.root else base
-    return _source(data.source).images(data, root, base / data.prepared_dir).resolve()
-
-
-def _source(name: str) -> _Source:
-    if name not in _SOURCES:
-        raise SourceError(f"unknown data source {name!r} (known: {list_sources()})")
-    return _SOURCES[name]
+    return _SOURCES[data.source].images(data, root, base / data.prepared_dir).resolve()
 
 
 @register_source(
@@ -614,7 +607,7 @@ def read_source(
 ) -> SourceData:
     """Read the source that ``data.source`` names."""
     root = base_dir / data.root if data.root else base_dir
-    source = _source(data.source)
+    source = _SOURCES[data.source]
     if source.needs_root and not root.is_dir():
         raise SourceError(f"data.root {root} is not a folder")
     return source.read(data, root, prepared_dir, workers)

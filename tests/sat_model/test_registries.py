@@ -24,9 +24,9 @@ COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
 @pytest.fixture
 def registries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fresh copies of the three tables, so the toy entries leave with the test."""
-    monkeypatch.setattr(encoders, "_ENCODERS", dict(encoders._ENCODERS))
-    monkeypatch.setattr(sources, "_SOURCES", dict(sources._SOURCES))
-    monkeypatch.setattr(metrics, "_METRICS", dict(metrics._METRICS))
+    monkeypatch.setattr(encoders, "_ENCODERS", encoders._ENCODERS.copy())
+    monkeypatch.setattr(sources, "_SOURCES", sources._SOURCES.copy())
+    monkeypatch.setattr(metrics, "_METRICS", metrics._METRICS.copy())
 
 
 def _register_toys() -> None:
