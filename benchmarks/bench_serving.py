@@ -262,14 +262,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--flickr8k", type=Path, default=DEFAULT_FLICKR)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/serving.json")
+    parser.add_argument(
+        "--only", choices=["serving", "batch"], help="one half of the benchmark (default: both)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         source, photos = _photos(args.flickr8k, args.images, Path(tmp))
         root = Path(tmp) / "bench"
         root.mkdir()
         _register(root)
-        serving = bench_serving(root, photos, args.clients, args.seconds, args.rounds)
-        batch = bench_batch(root, photos, args.batch_size, args.rounds)
+        serving, batch = None, None
+        if args.only != "batch":
+            serving = bench_serving(root, photos, args.clients, args.seconds, args.rounds)
+        if args.only != "serving":
+            batch = bench_batch(root, photos, args.batch_size, args.rounds)
     result = {
         "source": source,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
