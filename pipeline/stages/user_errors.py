@@ -13,6 +13,7 @@ __all__ = ["USER_ERRORS", "is_user_error", "one_line", "user_errors_in_one_line"
 # opposed to bugs. Named by module so that `sat --help` imports none of them.
 USER_ERRORS = {
     "sat_model.config": ("ParamsError",),
+    "sat_model.paths": ("PathError",),
     "sat_model.data.vocab": ("VocabError",),
     "sat_model.features.images": ("ImageError",),
     "sat_model.data.sources": ("SourceError",),

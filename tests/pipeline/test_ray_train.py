@@ -239,8 +239,12 @@ def test_train_with_ray_writes_the_model_folder_and_logs_each_epoch(
     scst = ["train.soft.scst_epochs=1", "train.soft.scst_samples=2", "train.soft.scst_batch_size=8"]
     params = load_params(tiny_project / "params.yaml", scst)
     outcome = train_with_ray(params, "soft", project_root=tiny_project)
-    # the driver printed one progress line per epoch, the last with nothing left to run
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train ")]
+    # the driver printed lines within each epoch, and one line per epoch, the last with nothing
+    # left to run
+    printed = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train ")]
+    within = [line for line in printed if "  batch " in line]
+    lines = [line for line in printed if line not in within]
+    assert within and all(re.match(r"train soft  epoch \d/3  batch \d+/\d+  ", w) for w in within)
     number = r"-?\d+\.\d+"
     pattern = (
         rf"train soft  epoch (\d)/3  loss {number}  val BLEU-4 {number}  CIDEr {number}"
