@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["PHOTOS_HOW", "SCENES_SOURCE", "example_image", "model_source", "scenes_notice"]
 
 SCENES_SOURCE = "synthetic"  # the data source of the generated scenes (sat_model.data.scenes)
-PHOTOS_HOW = 'make run PROFILE=flickr8k (README, "Results on Flickr8k")'
+PHOTOS_HOW = "make run PROFILE=flickr8k (docs/guide/datasets.md)"
 
 
 def scenes_notice(data_source: str | None, who: str = "this model captions") -> str | None:

@@ -47,7 +47,7 @@ LIBRARY_DIRS = ("pipeline", "sat_model")
 _HEADER = """\
 # Written by `python -m pipeline.stages.profiles` from the root dvc.yaml: edit that, then run it.
 # The profile's stages run in this folder, with this folder's params.yaml; the library paths
-# point back to the repository root (README, "Results on Flickr8k"). Its scores:
+# point back to the repository root (docs/guide/datasets.md). Its scores:
 # `sat summary --reports profiles/<name>/reports`, or name the files to `dvc metrics show`.
 """
 
