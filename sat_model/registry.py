@@ -33,9 +33,6 @@ class Registry(Generic[T]):
             raise self._unknown(f"unknown {self.kind} {name!r}; known: {sorted(self._entries)}")
         return self._entries[name]
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
 

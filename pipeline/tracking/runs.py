@@ -197,8 +197,23 @@ class Tracking:
     ) -> Run:
         """The newest run called ``name`` (under ``parent``), so a re-run resumes it, else a
         new one."""
-        parent_id = parent.run_id if parent else None
-        return Run(self, _find_or_create_run(self, name, tags=tags, parent_run_id=parent_id))
+        tags = dict(tags or {})
+        query = f"attributes.run_name = '{name}'"
+        if parent is not None:
+            tags[PARENT_TAG] = parent.run_id
+            query += f" and tags.`{PARENT_TAG}` = '{parent.run_id}'"
+
+        def find_or_create(client: MlflowClient) -> str:
+            runs = client.search_runs(
+                [self.experiment_id], query, max_results=1, order_by=["start_time DESC"]
+            )
+            if runs:
+                for key, value in tags.items():
+                    client.set_tag(runs[0].info.run_id, key, value)
+                return runs[0].info.run_id
+            return client.create_run(self.experiment_id, tags=tags, run_name=name).info.run_id
+
+        return Run(self, self.call(find_or_create, f"run {name!r}"))
 
 
 @dataclass(frozen=True)
@@ -209,7 +224,15 @@ class Run:
     run_id: str
 
     def log_params(self, params: Mapping[str, str]) -> None:
-        _log_params(self.tracking, self.run_id, params)
+        """Log the params the run does not hold yet (MLflow refuses to change a logged one)."""
+
+        def log(client: MlflowClient) -> None:
+            held = client.get_run(self.run_id).data.params
+            new = [Param(k, v) for k, v in params.items() if k not in held]
+            for i in range(0, len(new), 100):  # log_batch takes at most 100 params per call
+                client.log_batch(self.run_id, params=new[i : i + 100])
+
+        self.tracking.call(log, f"params of run {self.run_id}")
 
     def log_metric(self, key: str, value: float) -> None:
         self.tracking.call(lambda c: c.log_metric(self.run_id, key, value), f"log {key}")
@@ -268,35 +291,6 @@ def connect(cfg: MlflowConfig, project_root: Path, experiment: str | None = None
     return Tracking(uri, exp_id, name, cfg.retries)
 
 
-def _find_or_create_run(
-    tracking: Tracking,
-    run_name: str,
-    *,
-    tags: Mapping[str, str] | None = None,
-    parent_run_id: str | None = None,
-) -> str:
-    """Id of the newest run called ``run_name`` (so a re-run resumes it), else of a new one."""
-    tags = dict(tags or {})
-    if parent_run_id:
-        tags[PARENT_TAG] = parent_run_id
-    query = f"attributes.run_name = '{run_name}'"
-    if parent_run_id:
-        query += f" and tags.`{PARENT_TAG}` = '{parent_run_id}'"
-
-    def find_or_create(client: MlflowClient) -> str:
-        runs = client.search_runs(
-            [tracking.experiment_id], query, max_results=1, order_by=["start_time DESC"]
-        )
-        if runs:
-            for key, value in tags.items():
-                client.set_tag(runs[0].info.run_id, key, value)
-            return runs[0].info.run_id
-        run = client.create_run(tracking.experiment_id, tags=tags, run_name=run_name)
-        return run.info.run_id
-
-    return tracking.call(find_or_create, f"run {run_name!r}")
-
-
 def flatten(tree: Mapping[str, object], prefix: str = "") -> dict[str, str]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": "1"}``: MLflow params are flat strings."""
     out: dict[str, str] = {}
@@ -307,18 +301,6 @@ def flatten(tree: Mapping[str, object], prefix: str = "") -> dict[str, str]:
         else:
             out[name] = str(value)
     return out
-
-
-def _log_params(tracking: Tracking, run_id: str, params: Mapping[str, str]) -> None:
-    """Log params the run does not hold yet (MLflow refuses to change a logged param)."""
-
-    def log(client: MlflowClient) -> None:
-        held = client.get_run(run_id).data.params
-        new = [Param(k, v) for k, v in params.items() if k not in held]
-        for i in range(0, len(new), 100):  # log_batch takes at most 100 params per call
-            client.log_batch(run_id, params=new[i : i + 100])
-
-    tracking.call(log, f"params of run {run_id}")
 
 
 class EpochLogger:

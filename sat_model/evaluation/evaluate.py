@@ -213,7 +213,6 @@ def evaluate_model(
             f"no {split!r} image has both features ({features_path}) and references "
             f"({captions_path}); {len(skipped)} skipped"
         )
-    mode = decode_mode(hard_decode, config.attention)
     captions = decode_split(
         model,
         vocab,
@@ -222,7 +221,7 @@ def evaluate_model(
         beam_size=beam_size,
         max_length=max_length,
         length_penalty=length_penalty_for(length_penalty, config.attention),
-        mode=mode,
+        mode=decode_mode(hard_decode, config.attention),
         batch_size=batch_size,
         device=device,
     )
