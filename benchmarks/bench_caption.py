@@ -54,7 +54,7 @@ def _lite0_model_dir(directory: Path) -> None:
     from sat_model.model.checkpoint import save_checkpoint
     from sat_model.model.factory import build_model
 
-    d = build_encoder("efficientnet_lite0").description
+    d = build_encoder("efficientnet_lite0").spec
     words = ("<pad>", "<start>", "<end>", "<unk>", *[f"w{i}" for i in range(996)])
     vocab = Vocab(words, 1, 10_000, 20)
     model = build_model(
@@ -69,7 +69,7 @@ def _lite0_model_dir(directory: Path) -> None:
         model_config=model.config,
         vocab=vocab,
         model_state=model.state_dict(),
-        extra_config={"encoder": {**d.to_dict(), "resize": 256}},
+        extra_config={"encoder": {**d.to_fields(), "resize": 256}},
     )
 
 

@@ -218,8 +218,8 @@ def _grid(text: str | None, params: Params, root: Path) -> tuple[int, int, int]:
     store = root / params.encoder.features_dir / "train.arrow"
     if not store.exists():
         raise SystemExit(f"no {store} to read the feature shape from: give --grid HxWxD")
-    meta = FeatureStore(store).meta
-    return meta.grid_h, meta.grid_w, meta.D
+    spec = FeatureStore(store).spec
+    return spec.grid_h, spec.grid_w, spec.D
 
 
 def main(argv: list[str] | None = None) -> dict:

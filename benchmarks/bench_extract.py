@@ -43,7 +43,8 @@ from sat_model.data.tables import IMAGES_FILE
 from sat_model.features.encoders import build_encoder, encoder_layers
 from sat_model.features.extract import extract_features, read_image_table
 from sat_model.features.images import load_image, preprocess
-from sat_model.features.store import FeatureMeta, FeatureWriter
+from sat_model.features.spec import EncoderSpec
+from sat_model.features.store import FeatureWriter
 from sat_model.paths import shared_data
 
 __all__ = ["main"]
@@ -117,7 +118,7 @@ def _throughput(
     table: Path, work: Path, cfg: EncoderConfig, batch_size: int, configs, rounds: int
 ) -> dict:
     encoder = build_encoder(cfg.name, cfg.layer, cfg.weights, input_size=cfg.crop)
-    d = encoder.description
+    d = encoder.spec
     items = read_image_table(table, _root(table))["train"]
     images = torch.stack(
         [
@@ -168,7 +169,7 @@ def _layers(batch: int) -> list[dict[str, object]]:
     rows = []
     for layer in encoder_layers("efficientnet_lite0"):
         encoder = build_encoder("efficientnet_lite0", layer)
-        d = encoder.description
+        d = encoder.spec
         rows.append(
             {
                 "layer": layer,
@@ -198,10 +199,10 @@ print(peak_anon, peak_file)
 
 
 def _store_rss(work: Path, rows: int) -> dict[str, object]:
-    meta = FeatureMeta("random", "conv2", 224, 196, 112, 14, 14, "random-seed-0")
+    spec = EncoderSpec("random", "conv2", 224, 196, 112, 14, 14, "random-seed-0")
     path = work / f"store{rows}.arrow"
     rng = np.random.default_rng(0)
-    with FeatureWriter(path, meta) as writer:
+    with FeatureWriter(path, spec) as writer:
         for start in range(0, rows, 250):
             n = min(250, rows - start)
             ids = [str(i) for i in range(start, start + n)]

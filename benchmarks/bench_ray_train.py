@@ -58,11 +58,12 @@ def write_synthetic_project(root: Path, captions: int, seed: int = 0) -> None:
     import pyarrow.parquet as pq
 
     from sat_model.data.vocab import build_vocab, save_vocab
-    from sat_model.features.store import FeatureMeta, FeatureWriter
+    from sat_model.features.spec import EncoderSpec
+    from sat_model.features.store import FeatureWriter
 
     rng = np.random.default_rng(seed)
     rows = []
-    meta = FeatureMeta("random", "none", 224, L, D, 14, 14, "0" * 64)
+    spec = EncoderSpec("random", "none", 224, L, D, 14, 14, "0" * 64)
     for split, n_images in (("train", captions // 5), ("val", 1)):
         ids = [f"{split}{i:05d}" for i in range(n_images)]
         for image_id in ids:
@@ -70,7 +71,7 @@ def write_synthetic_project(root: Path, captions: int, seed: int = 0) -> None:
                 tokens = list(rng.choice(WORDS, size=int(rng.integers(8, 13))))
                 rows.append((image_id, split, k, tokens))
         feats = rng.standard_normal((n_images, L, D)).astype(np.float16)  # (N, L, D)
-        with FeatureWriter(root / "features" / f"{split}.arrow", meta) as writer:
+        with FeatureWriter(root / "features" / f"{split}.arrow", spec) as writer:
             writer.write(ids, feats)
     prepared = root / "prepared"
     prepared.mkdir(parents=True, exist_ok=True)

@@ -5,12 +5,10 @@ annotation size.
 
 Used by ``sat caption`` and by the MLflow pyfunc model. A model folder (``models/soft``) holds
 everything needed: ``model.pt``, ``vocab.json`` and ``config.json``, whose ``encoder`` section
-describes the frozen encoder the features came from (the feature store's metadata, or
-``EncoderDescription`` fields, plus ``resize`` and ``keep_aspect``: when absent, the paper's
-256/224 ratio and the shorter side). The
-encoder is rebuilt from that description with :func:`sat_model.features.encoders.build_encoder` (its
-weights come from installed packages, never from the model folder), and its weights checksum
-must match the one recorded: the decoder never reads features of another network.
+records the frozen encoder the features came from and the photos' preprocessing
+(:meth:`sat_model.features.spec.EncoderSpec.from_config`). The encoder is rebuilt from that spec
+(its weights come from installed packages, never from the model folder), and its weights
+checksum must match the one recorded: the decoder never reads features of another network.
 """
 
 from __future__ import annotations
@@ -30,9 +28,9 @@ import torch
 from PIL import Image
 
 from sat_model.data.vocab import Vocab
-from sat_model.features.encoders import Encoder, EncoderError, EncoderSpec
+from sat_model.features.encoders import Encoder, EncoderError
 from sat_model.features.images import ImageError, encoder_view, load_image, preprocess
-from sat_model.features.store import FeatureMeta
+from sat_model.features.spec import EncoderSpec
 from sat_model.model.checkpoint import (
     load_checkpoint,
     model_from_checkpoint,
@@ -46,14 +44,9 @@ __all__ = [
     "Captioner",
     "FileCaption",
     "ImageCaption",
-    "RecordedEncoder",
     "decode_image_input",
     "find_image_files",
 ]
-
-# the paper's preprocessing (resize 256, crop 224) when a model folder does not record resize
-_MAX_RESIZE_RATIO = 4
-_DEFAULT_RESIZE_RATIO = 256 / 224
 
 
 @dataclass(frozen=True)
@@ -102,58 +95,6 @@ def find_image_files(inputs: Iterable[str | Path]) -> list[Path]:
                 Path(root) / f for f in sorted(files) if Path(f).suffix.lower() in IMAGE_EXTENSIONS
             ]
     return out
-
-
-@dataclass(frozen=True)
-class RecordedEncoder:
-    """The encoder a model folder was trained on: its stored description, ``resize`` and
-    ``keep_aspect`` (the photos' preprocessing, ``encoder`` params)."""
-
-    meta: FeatureMeta
-    resize: int
-    keep_aspect: bool = True
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any], source: str | Path) -> RecordedEncoder:
-        enc = config.get("encoder")
-        if not isinstance(enc, dict):
-            raise EncoderError(f"{source}: config.json has no 'encoder' section")
-        try:
-            meta = FeatureMeta.from_fields(enc)
-        except KeyError as e:
-            raise EncoderError(f"{source}: config.json 'encoder' lacks {e.args[0]!r}") from e
-        except ValueError as e:
-            raise EncoderError(f"{source}: config.json 'encoder' is invalid: {e}") from e
-        resize = enc.get("resize") or round(meta.input_size * _DEFAULT_RESIZE_RATIO)
-        # memory grows with resize², so a config from elsewhere is held near the crop it feeds
-        top = _MAX_RESIZE_RATIO * meta.input_size
-        if not isinstance(resize, int) or not meta.input_size <= resize <= top:
-            raise EncoderError(
-                f"{source}: config.json 'encoder' resize {str(resize)[:20]} is outside "
-                f"{meta.input_size}..{top} (the encoder's crop to 4 times it)"
-            )
-        keep_aspect = enc.get("keep_aspect", True)
-        if not isinstance(keep_aspect, bool):
-            raise EncoderError(f"{source}: config.json 'encoder' keep_aspect is not true/false")
-        return cls(meta, resize, keep_aspect)
-
-    def build(self, weights: str | Path | None = None) -> Encoder:
-        """Rebuild the encoder; its weights must be the ones recorded."""
-        m = self.meta
-        spec = EncoderSpec.recorded(
-            m.name,
-            m.layer,
-            m.input_size,
-            m.weights_sha256,
-            None if weights is None else str(weights),
-        )
-        encoder = spec.build()
-        if encoder.description.weights_sha256 != m.weights_sha256:
-            raise EncoderError(
-                f"encoder {m.name!r} weights {encoder.description.weights_sha256[:12]}… are "
-                f"not the ones the model was trained on ({m.weights_sha256[:12]}…)"
-            )
-        return encoder
 
 
 def decode_image_input(value: str | bytes | Path, max_pixels: int = 50_000_000) -> Image.Image:
@@ -225,20 +166,21 @@ class Captioner:
         """Load ``model_dir`` and rebuild its encoder; ``length_penalty`` may be given per
         attention variant (``{"soft": 1.0, "hard": 2.0}``); ``options`` as for the constructor."""
         checkpoint = load_checkpoint(model_dir)
-        recorded = RecordedEncoder.from_config(checkpoint.config, model_dir)
+        spec = EncoderSpec.from_config(checkpoint.config, model_dir)
+        assert spec.resize is not None  # from_config records the paper's when absent
         model, vocab, _ = model_from_checkpoint(checkpoint, device, source=model_dir)
-        encoder = recorded.build(encoder_weights)
-        if encoder.description.num_locations != model.config.num_locations:
+        encoder = spec.build(encoder_weights)
+        if encoder.spec.num_locations != model.config.num_locations:
             raise EncoderError(
-                f"{model_dir}: encoder gives L={encoder.description.num_locations} locations, "
+                f"{model_dir}: encoder gives L={encoder.spec.num_locations} locations, "
                 f"the model expects {model.config.num_locations}"
             )
         return cls(
             model,
             vocab,
             encoder,
-            resize=recorded.resize,
-            keep_aspect=recorded.keep_aspect,
+            resize=spec.resize,
+            keep_aspect=spec.keep_aspect,
             device=device,
             length_penalty=length_penalty_for(length_penalty, model.config.attention),
             data_source=recorded_data_source(checkpoint.config),
@@ -247,7 +189,7 @@ class Captioner:
 
     @property
     def crop_size(self) -> int:
-        return self.encoder.description.input_size
+        return self.encoder.spec.input_size
 
     def caption(
         self, images: Sequence[Image.Image], beam_size: int | None = None
@@ -315,9 +257,10 @@ class Captioner:
         ]
 
     def _preprocess(self, image: Image.Image) -> torch.Tensor:
-        d = self.encoder.description
+        mean, std = self.encoder.spec.normalization()
         rgb = image.convert("RGB")
-        return preprocess(rgb, self.resize, d.input_size, d.mean, d.std, self.keep_aspect)
+        size = self.encoder.spec.input_size
+        return preprocess(rgb, self.resize, size, mean, std, self.keep_aspect)
 
     def _caption_batch(
         self,
@@ -325,7 +268,7 @@ class Captioner:
         beam_size: int | None,
         pixels: torch.Tensor | None = None,
     ) -> list[ImageCaption]:
-        d = self.encoder.description
+        d = self.encoder.spec
         if pixels is None:
             pixels = torch.stack([self._preprocess(im) for im in images])  # (B, 3, S, S)
         pixels = pixels.to(self.device)

@@ -115,7 +115,7 @@ def write_tiny_model(
     """
     torch.manual_seed(seed)
     vocab = Vocab((*SPECIALS, *words), 1, 100, 20)
-    d = build_encoder("random", input_size=crop).description
+    d = build_encoder("random", input_size=crop).spec
     model = build_model(
         ModelParams(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
         vocab_size=len(vocab),
@@ -126,7 +126,7 @@ def write_tiny_model(
     if real_words_only:
         with torch.no_grad():
             model.out.bias[: len(SPECIALS)] = -1e4
-    section = encoder_section or {**d.to_dict(), "resize": resize or crop * 9 // 8}
+    section = encoder_section or {**d.to_fields(), "resize": resize or crop * 9 // 8}
     if keep_aspect is not None:
         section = {**section, "keep_aspect": keep_aspect}
     save_checkpoint(

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from sat_model.features.encoders import Encoder, EncoderSpec
+from sat_model.features.encoders import Encoder
 from sat_model.features.extract import (
     DecodedBatch,
     ImageItem,
@@ -30,7 +30,8 @@ from sat_model.features.extract import (
     decode_batch,
     encode_batch,
 )
-from sat_model.features.store import FeatureMeta, FeatureWriter
+from sat_model.features.spec import EncoderSpec
+from sat_model.features.store import FeatureWriter
 
 __all__ = ["RaySplitRunner"]
 
@@ -39,12 +40,18 @@ class _BatchEncoder:
     """Ray Data actor: decode one batch slice and encode it (rows in, rows out)."""
 
     def __init__(
-        self, spec: EncoderSpec, prep: Preprocessing, use_gpu: bool, torch_threads: int
+        self,
+        spec: EncoderSpec,
+        weights: str | None,
+        prep: Preprocessing,
+        use_gpu: bool,
+        torch_threads: int,
     ) -> None:
         # the same thread count as the local engine: CPU kernels' float results depend on it
         torch.set_num_threads(torch_threads)
         self.device = torch.device("cuda" if use_gpu else "cpu")
-        self.encoder = spec.build().to(self.device)
+        # the driver's encoder, checked: another weights file on this node is refused
+        self.encoder = spec.build(weights).to(self.device)
         self.prep = prep
 
     def __call__(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -73,9 +80,10 @@ class RaySplitRunner:
     """
 
     def __init__(
-        self, spec: EncoderSpec, num_actors: int, use_gpu: bool, torch_threads: int
+        self, weights: str | None, num_actors: int, use_gpu: bool, torch_threads: int
     ) -> None:
-        self.spec = spec  # weights path absolute: actors do not share the driver's directory
+        # the driver's encoder's weights file, absolute: actors do not share its directory
+        self.weights = weights
         self.num_actors = num_actors
         self.use_gpu = use_gpu
         self.torch_threads = torch_threads
@@ -93,7 +101,7 @@ class RaySplitRunner:
     ) -> SplitResult:
         del num_workers  # decoding happens inside the actors
         start = time.perf_counter()
-        rows = self._dataset(items, prep, batch_size).iter_rows()
+        rows = self._dataset(encoder.spec, items, prep, batch_size).iter_rows()
         skipped: list[tuple[str, str]] = []
         bar = tqdm(
             total=len(items),
@@ -101,20 +109,22 @@ class RaySplitRunner:
             unit="img",
             disable=None if progress else True,  # None: a bar on a terminal only, not in logs
         )
-        meta = FeatureMeta.from_fields(encoder.description.to_dict())
-        with FeatureWriter(out_path, meta) as writer, bar:
+        spec = encoder.spec
+        with FeatureWriter(out_path, spec) as writer, bar:
             for index, row in enumerate(rows):
                 if row["batch_index"] != index:
                     raise RuntimeError(f"Ray returned batch {row['batch_index']}, expected {index}")
                 ids = json.loads(row["ids"])
                 if ids:
                     flat = np.frombuffer(row["features"], dtype=np.float16)
-                    writer.write(ids, flat.reshape(len(ids), meta.L, meta.D))  # (B_ok, L, D)
+                    writer.write(ids, flat.reshape(len(ids), spec.L, spec.D))  # (B_ok, L, D)
                 skipped.extend((i, r) for i, r in json.loads(row["skipped"]))
                 bar.update(len(ids) + len(json.loads(row["skipped"])))
         return SplitResult(split, str(out_path), writer.rows, skipped, time.perf_counter() - start)
 
-    def _dataset(self, items: list[ImageItem], prep: Preprocessing, batch_size: int) -> Any:
+    def _dataset(
+        self, spec: EncoderSpec, items: list[ImageItem], prep: Preprocessing, batch_size: int
+    ) -> Any:
         import ray
 
         ray.data.DataContext.get_current().execution_options.preserve_order = True
@@ -130,7 +140,8 @@ class RaySplitRunner:
         return ds.map_batches(
             _BatchEncoder,
             fn_constructor_kwargs={
-                "spec": self.spec,
+                "spec": spec,
+                "weights": self.weights,
                 "prep": prep,
                 "use_gpu": self.use_gpu,
                 "torch_threads": self.torch_threads,

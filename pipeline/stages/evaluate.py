@@ -228,12 +228,12 @@ def _tracking_uri(ctx: StageContext, model: str) -> str | None:
 
 def _grid(model_dir: Path, attention: str) -> tuple[int, int, int, str]:
     """``(grid_h, grid_w, crop, attention)`` recorded in the model's ``config.json``."""
+    from sat_model.features.spec import EncoderSpec
     from sat_model.model.checkpoint import CONFIG_FILE
 
     config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
-    enc = config["encoder"]
-    grid = int(enc["grid_h"]), int(enc["grid_w"]), int(enc["input_size"])
-    return (*grid, str(config.get("attention", attention)))
+    spec = EncoderSpec.from_config(config, model_dir)
+    return spec.grid_h, spec.grid_w, spec.input_size, str(config.get("attention", attention))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from pipeline.stages.user_errors import user_errors_in_one_line
 from sat_model.atomic import write_text_atomic
 from sat_model.config import Params
 from sat_model.data.tables import IMAGES_FILE
-from sat_model.features.encoders import EncoderSpec, build_encoder
+from sat_model.features.encoders import build_encoder
 from sat_model.features.extract import ExtractReport, extract_features
 from sat_model.paths import absolute, image_root
 
@@ -53,8 +53,7 @@ def _ray_runner(params: Params, weights: str | None, num_cpus_hint: int):
         raise ValueError("ray.use_gpu is 'true' but the Ray cluster has no GPU")
     cpus = int(ray.cluster_resources().get("CPU", num_cpus_hint))
     actors = gpus if use_gpu else max(1, cpus // cfg.torch_threads)
-    spec = EncoderSpec(cfg.name, cfg.layer, cfg.crop, weights)
-    return RaySplitRunner(spec, actors, use_gpu, cfg.torch_threads)
+    return RaySplitRunner(weights, actors, use_gpu, cfg.torch_threads)
 
 
 def run_extract(params: Params, root: Path, progress: bool = True) -> ExtractReport:

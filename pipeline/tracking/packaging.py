@@ -63,12 +63,12 @@ def _pip_requirements(checkpoint: Path) -> list[str]:
     ``checkpoint``'s ``config.json`` (a Lite2 model needs the Lite2 weights' package)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from sat_model.captioner import RecordedEncoder
     from sat_model.features.encoders import encoder_packages
+    from sat_model.features.spec import EncoderSpec
     from sat_model.model.checkpoint import CONFIG_FILE
 
     config = json.loads((checkpoint / CONFIG_FILE).read_text(encoding="utf-8"))
-    encoder = encoder_packages(RecordedEncoder.from_config(config, checkpoint).meta.name)
+    encoder = encoder_packages(EncoderSpec.from_config(config, checkpoint).name)
     pins = []
     for name in dict.fromkeys((*_REQUIREMENTS, *encoder)):  # in order, once each
         try:

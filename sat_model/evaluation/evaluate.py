@@ -230,12 +230,12 @@ def evaluate_model(
         hypotheses, {i: references[i] for i in ids}, metrics, meteor_timeout_s=meteor_timeout_s
     )
     records = read_image_records(images_path, split)
-    meta = store.meta
+    spec = store.spec
     grounding = _grounding(
         captions,
         records,
-        grid=(meta.grid_h, meta.grid_w),
-        view=(resize, meta.input_size, keep_aspect),
+        grid=(spec.grid_h, spec.grid_w),
+        view=(resize, spec.input_size, keep_aspect),
     )
     if grounding is not None and grounding.total:  # NaN is not JSON: unmeasured is left out
         scores["pointing_accuracy"] = grounding.accuracy

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
@@ -39,14 +39,12 @@ from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from sat_model.features.images import IMAGENET_MEAN, IMAGENET_STD
-from sat_model.features.store import EncoderIdentity
+from sat_model.features.spec import EncoderError, EncoderSpec
 from sat_model.registry import Registry
 
 __all__ = [
     "Encoder",
-    "EncoderDescription",
     "EncoderError",
-    "EncoderSpec",
     "Trunk",
     "WeightsMismatchError",
     "WeightsNotFoundError",
@@ -96,10 +94,6 @@ class Trunk:
 
 # (layer, weights file or None, seed) -> the trunk
 TrunkBuilder = Callable[[str, "Path | None", int], Trunk]
-
-
-class EncoderError(RuntimeError):
-    """Unknown encoder or layer, or unusable weights."""
 
 
 @dataclass(frozen=True)
@@ -160,30 +154,18 @@ class WeightsMismatchError(EncoderError):
     """A weights file does not fit the network (count or shape)."""
 
 
-@dataclass(frozen=True)
-class EncoderDescription(EncoderIdentity):
-    """A built encoder: its identity (stored as :class:`sat_model.features.store.FeatureMeta`) and
-    the
-    input normalisation it expects."""
-
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
-
-
 class Encoder(nn.Module):
-    """A frozen trunk in eval mode: ``forward(images (B,3,S,S)) -> annotations (B, L, D)``."""
+    """A frozen trunk in eval mode: ``forward(images (B,3,S,S)) -> annotations (B, L, D)``;
+    ``spec`` says which network it is, what it yields and how to rebuild it."""
 
-    def __init__(self, trunk: nn.Module, description: EncoderDescription) -> None:
+    def __init__(self, trunk: nn.Module, spec: EncoderSpec) -> None:
         super().__init__()
         # BatchNorm folded into the convolution before it and channels_last (faster depthwise
         # and 1x1 convolutions on CPU; benchmarks/bench_extract.py, docs/EXPERIMENTS.md): the
         # values change by float rounding only
         trunk = fold_batch_norms(trunk.eval().requires_grad_(False))
         self.trunk = trunk.to(memory_format=torch.channels_last)
-        self.description = description
+        self.spec = spec
 
     def train(self, mode: bool = True) -> Encoder:
         # frozen as in the paper: BatchNorm statistics must never update
@@ -382,42 +364,13 @@ def _describe(
     sha: str,
     mean: tuple[float, float, float],
     std: tuple[float, float, float],
-) -> EncoderDescription:
+) -> EncoderSpec:
     with torch.inference_mode():
         probe = trunk.eval()(torch.zeros(1, 3, input_size, input_size))  # (1, D, h, w)
     _, dim, grid_h, grid_w = probe.shape
-    return EncoderDescription(
+    return EncoderSpec(
         name, layer, input_size, grid_h * grid_w, dim, grid_h, grid_w, sha, mean, std
     )
-
-
-@dataclass(frozen=True)
-class EncoderSpec:
-    """How to rebuild a frozen encoder: what :func:`build_encoder` takes.
-
-    A Ray actor rebuilds the driver's encoder from one; ``sat caption`` rebuilds a model
-    folder's from its recorded description (:meth:`recorded`).
-    """
-
-    name: str
-    layer: str | None = None  # None: the encoder's default layer
-    input_size: int = 224  # S
-    weights: str | None = None  # a weights file (absolute for Ray workers); None: the installed one
-    seed: int = 0  # the "random" encoder's seed
-
-    @classmethod
-    def recorded(
-        cls, name: str, layer: str, input_size: int, weights_sha256: str, weights: str | None
-    ) -> EncoderSpec:
-        """The encoder a stored description names; a "random" one's seed is in its checksum
-        (``random-seed-N``)."""
-        seed = int(weights_sha256.rsplit("-", 1)[-1]) if name == "random" else 0
-        return cls(name, layer, input_size, weights, seed)
-
-    def build(self) -> Encoder:
-        return build_encoder(
-            self.name, self.layer, self.weights, input_size=self.input_size, seed=self.seed
-        )
 
 
 def build_encoder(
@@ -440,5 +393,4 @@ def build_encoder(
         raise EncoderError(f"unknown layer {layer!r} for encoder {name!r}; known: {layers}")
     built = _ENCODERS[name].build(layer, Path(weights) if weights else None, seed)
     trunk, sha, mean, std = built.module, built.weights_sha256, built.mean, built.std
-    description = _describe(trunk, name, layer, input_size, sha, mean, std)
-    return Encoder(trunk, description)
+    return Encoder(trunk, _describe(trunk, name, layer, input_size, sha, mean, std))

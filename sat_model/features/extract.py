@@ -30,9 +30,10 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from sat_model.data.tables import TableError, read_images, split_order
-from sat_model.features.encoders import Encoder, EncoderDescription
+from sat_model.features.encoders import Encoder
 from sat_model.features.images import ImageError, load_image, normalize_pixels, resize_crop
-from sat_model.features.store import MIRRORED_SUFFIX, FeatureMeta, FeatureWriter, store_file
+from sat_model.features.spec import EncoderSpec
+from sat_model.features.store import MIRRORED_SUFFIX, FeatureWriter, store_file
 
 __all__ = [
     "DecodedBatch",
@@ -99,7 +100,7 @@ class SplitResult:
 @dataclass(frozen=True)
 class ExtractReport:
     engine: str
-    encoder: EncoderDescription
+    encoder: EncoderSpec  # the built encoder's: normalisation known
     splits: list[SplitResult]
     seconds: float
 
@@ -120,7 +121,8 @@ class ExtractReport:
             for s in self.splits
             for image_id, reason in s.skipped
         ]
-        out["encoder"] = self.encoder.to_dict()
+        mean, std = self.encoder.normalization()
+        out["encoder"] = {**self.encoder.to_fields(), "mean": mean, "std": std}
         return out
 
     @property
@@ -194,9 +196,9 @@ def collate_samples(samples: list[tuple[str, torch.Tensor | None, str]], crop: i
 
 def encode_batch(encoder: Encoder, images: torch.Tensor) -> np.ndarray:
     """Annotations (B, L, D) as float16 (the store's dtype) of uint8 ``images`` (B, 3, S, S)."""
-    d = encoder.description
+    mean, std = encoder.spec.normalization()
     with torch.inference_mode():
-        annotations = encoder(normalize_pixels(images, d.mean, d.std))  # (B, L, D) float32
+        annotations = encoder(normalize_pixels(images, mean, std))  # (B, L, D) float32
     half: np.ndarray = annotations.to(torch.float16).cpu().numpy()
     return half
 
@@ -261,7 +263,7 @@ def extract_split(
         total=len(items), desc=f"extract {split}", unit="img", disable=None if progress else True
     )
     with (
-        FeatureWriter(out_path, FeatureMeta.from_fields(encoder.description.to_dict())) as writer,
+        FeatureWriter(out_path, encoder.spec) as writer,
         bar,
     ):
         for batch in iter_decoded(items, prep, batch_size, num_workers):
@@ -298,8 +300,8 @@ def extract_features(
     Raises:
         ExtractError: the table holds no usable image, or none could be extracted.
     """
-    if crop != encoder.description.input_size:
-        raise ValueError(f"crop {crop} != encoder input size {encoder.description.input_size}")
+    if crop != encoder.spec.input_size:
+        raise ValueError(f"crop {crop} != encoder input size {encoder.spec.input_size}")
     splits = read_image_table(images_table, image_root)
     if not splits:
         raise ExtractError(f"{images_table} holds no image with status 'ok' in a split")
@@ -325,7 +327,7 @@ def extract_features(
         )
         for split, items, split_prep in jobs
     ]
-    report = ExtractReport(engine, encoder.description, results, time.perf_counter() - start)
+    report = ExtractReport(engine, encoder.spec, results, time.perf_counter() - start)
     if not any(r.extracted for r in results):
         raise ExtractError(
             f"no image could be extracted from {images_table} (photos read under "

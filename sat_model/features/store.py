@@ -3,9 +3,10 @@
 Dimensions: ``N`` images in the file, ``B`` batch, ``L`` locations, ``D`` annotation size.
 
 Columns ``image_id: string`` and ``features: fixed_size_list<float16>[L*D]`` (row-major L×D);
-schema metadata :class:`FeatureMeta`: ``name``, ``layer``, ``input_size``, ``num_locations``,
-``annotation_dim``, ``grid_h``, ``grid_w``, ``weights_sha256`` (the encoder's description, as
-everywhere it is stored) and ``format_version`` (docs/ARCHITECTURE.md).
+schema metadata: the recorded fields of the encoder's
+:class:`~sat_model.features.spec.EncoderSpec` (``name``, ``layer``, ``input_size``,
+``num_locations``, ``annotation_dim``, ``grid_h``, ``grid_w``, ``weights_sha256``), then the
+store's own ``format_version`` (docs/ARCHITECTURE.md).
 :class:`FeatureWriter` appends record batches to a hidden temporary file and renames it on
 success, so an interrupted run never leaves a file that looks complete. :class:`FeatureStore`
 reads through ``pa.memory_map``: rows are numpy views into the mapping and the process never
@@ -15,22 +16,19 @@ copies the whole file into RAM.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from sat_model.atomic import fsync_dir, fsync_file, remove_dead_temps
+from sat_model.features.spec import EncoderSpec
 
 __all__ = [
     "FEATURES_FORMAT_VERSION",
     "MIRRORED_SUFFIX",
-    "EncoderIdentity",
-    "FeatureMeta",
     "FeatureStore",
     "FeatureStoreError",
     "FeatureWriter",
@@ -52,98 +50,33 @@ class FeatureStoreError(RuntimeError):
     """A feature file that is missing, truncated, corrupt or not a feature store."""
 
 
-# the names a feature store or a model's config.json used before the encoder's description had
-# one shape (EncoderDescription's): still read, so older stores and checkpoints stay usable
-_LEGACY_KEYS = {"encoder": "name", "L": "num_locations", "D": "annotation_dim"}
-_INT_FIELDS = (
-    "input_size",
-    "num_locations",
-    "annotation_dim",
-    "grid_h",
-    "grid_w",
-    "format_version",
-)
+_FORMAT_KEY = "format_version"  # the store's, written after the spec's fields
 
 
-@dataclass(frozen=True)
-class EncoderIdentity:
-    """Which frozen encoder produced features, and their shape: stored with every store and
-    model (:class:`FeatureMeta`) and described live by
-    ``sat_model.features.encoders.EncoderDescription``.
-    """
-
-    name: str
-    layer: str
-    input_size: int  # S
-    num_locations: int  # L
-    annotation_dim: int  # D
-    grid_h: int
-    grid_w: int
-    weights_sha256: str  # sha256 of the weights file, or "random-seed-N"
+def _schema(spec: EncoderSpec) -> pa.Schema:
+    """The store's Arrow schema: the columns, the spec's fields and the format version as
+    metadata (text, in this order: the file's bytes depend on it)."""
+    metadata = {**spec.to_fields(), _FORMAT_KEY: FEATURES_FORMAT_VERSION}
+    return pa.schema(
+        [
+            ("image_id", pa.string()),
+            ("features", pa.list_(pa.float16(), spec.L * spec.D)),
+        ],
+        metadata={k.encode(): str(v).encode() for k, v in metadata.items()},
+    )
 
 
-@dataclass(frozen=True)
-class FeatureMeta(EncoderIdentity):
-    """A store's schema metadata (and a model's ``config.json`` ``encoder`` section): the
-    encoder's identity, in the same names everywhere, plus the store's format version."""
-
-    format_version: int = FEATURES_FORMAT_VERSION
-
-    @property
-    def L(self) -> int:  # the paper's symbol
-        return self.num_locations
-
-    @property
-    def D(self) -> int:  # the paper's symbol
-        return self.annotation_dim
-
-    @classmethod
-    def from_fields(cls, raw: Mapping[str, object]) -> FeatureMeta:
-        """From a stored description or ``EncoderDescription.to_dict()`` (extra keys ignored,
-        pre-#18 names read too).
-
-        Raises:
-            KeyError: a field is missing (the key names it).
-            ValueError: a number field is not an integer.
-        """
-        given = {_LEGACY_KEYS.get(k, k): v for k, v in raw.items()}
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name not in given:
-                if f.name == "format_version":
-                    continue
-                raise KeyError(f.name)
-            value = given[f.name]
-            values[f.name] = int(str(value)) if f.name in _INT_FIELDS else str(value)
-        return cls(**values)
-
-    def to_fields(self) -> dict[str, object]:
-        return asdict(self)
-
-    def to_metadata(self) -> dict[bytes, bytes]:
-        return {k.encode(): str(v).encode() for k, v in asdict(self).items()}
-
-    @classmethod
-    def from_metadata(cls, metadata: dict[bytes, bytes] | None, path: str | Path) -> FeatureMeta:
-        raw = {k.decode(): v.decode() for k, v in (metadata or {}).items()}
-        try:
-            return cls.from_fields(raw)
-        except KeyError as e:
-            missing = e.args[0]
-            raise FeatureStoreError(
-                f"{path}: not a feature store (metadata lacks {missing!r})"
-            ) from e
-        except ValueError as e:
-            raise FeatureStoreError(f"{path}: bad feature store metadata: {e}") from e
-
-    def schema(self) -> pa.Schema:
-        return pa.schema(
-            [
-                ("image_id", pa.string()),
-                ("features", pa.list_(pa.float16(), self.L * self.D)),
-            ],
-            metadata=self.to_metadata(),
-        )
+def _read_metadata(metadata: dict[bytes, bytes] | None, path: Path) -> tuple[EncoderSpec, int]:
+    """The encoder's spec and the format version a store's schema metadata records (stores
+    without a version are version 1, the first)."""
+    raw = {k.decode(): v.decode() for k, v in (metadata or {}).items()}
+    try:
+        return EncoderSpec.from_fields(raw), int(raw.get(_FORMAT_KEY, 1))
+    except KeyError as e:
+        missing = e.args[0]
+        raise FeatureStoreError(f"{path}: not a feature store (metadata lacks {missing!r})") from e
+    except ValueError as e:
+        raise FeatureStoreError(f"{path}: bad feature store metadata: {e}") from e
 
 
 class FeatureWriter:
@@ -152,27 +85,27 @@ class FeatureWriter:
     Use as a context manager: an exception inside the block deletes the temporary file.
     """
 
-    def __init__(self, path: str | Path, meta: FeatureMeta) -> None:
+    def __init__(self, path: str | Path, spec: EncoderSpec) -> None:
         self.path = Path(path)
-        self.meta = meta
+        self.spec = spec
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # .<name>.<pid>.partial of killed writers: never read, but they would waste disk and
         # end up inside DVC's hash of the folder
         remove_dead_temps(self.path.parent, self.path.name)
         # hidden, same folder (rename is atomic only within one file system)
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
-        self._schema = meta.schema()
+        self._schema = _schema(spec)
         self._sink = pa.OSFile(str(self._tmp), "wb")
         self._writer = pa.ipc.new_file(self._sink, self._schema)
         self.rows = 0
 
     def write(self, image_ids: list[str], features: np.ndarray) -> None:
         """Append ``features`` (B, L, D) for ``image_ids`` (B); stored as float16."""
-        expected = (len(image_ids), self.meta.L, self.meta.D)
+        expected = (len(image_ids), self.spec.L, self.spec.D)
         if features.shape != expected:
             raise ValueError(f"features shape {features.shape} != expected {expected}")
         flat = np.ascontiguousarray(features, dtype=np.float16).reshape(-1)  # (B·L·D,)
-        column = pa.FixedSizeListArray.from_arrays(pa.array(flat), self.meta.L * self.meta.D)
+        column = pa.FixedSizeListArray.from_arrays(pa.array(flat), self.spec.L * self.spec.D)
         batch = pa.record_batch([pa.array(image_ids, pa.string()), column], schema=self._schema)
         self._writer.write_batch(batch)
         self.rows += len(image_ids)
@@ -217,7 +150,7 @@ class FeatureStore:
         try:
             self._source = pa.memory_map(str(self.path), "r")
             reader = pa.ipc.open_file(self._source)
-            self.meta = FeatureMeta.from_metadata(reader.schema.metadata, self.path)
+            self.spec, self.format_version = _read_metadata(reader.schema.metadata, self.path)
             batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
             raise FeatureStoreError(
@@ -235,7 +168,7 @@ class FeatureStore:
         if column.null_count:
             raise FeatureStoreError(f"{self.path}: features column holds nulls")
         values = column.flatten().to_numpy(zero_copy_only=True)  # (n_b·L·D,) float16 view
-        view: np.ndarray = values.reshape(len(batch), self.meta.L, self.meta.D)  # (n_b, L, D)
+        view: np.ndarray = values.reshape(len(batch), self.spec.L, self.spec.D)  # (n_b, L, D)
         return view
 
     def __len__(self) -> int:
@@ -259,7 +192,7 @@ class FeatureStore:
 
     def get_batch(self, indices: np.ndarray | Sequence[int]) -> np.ndarray:
         """Rows ``indices`` gathered into a new (B, L, D) float16 array."""
-        out = np.empty((len(indices), self.meta.L, self.meta.D), dtype=np.float16)
+        out = np.empty((len(indices), self.spec.L, self.spec.D), dtype=np.float16)
         for j, i in enumerate(indices):
             out[j] = self[int(i)]
         return out
@@ -277,14 +210,14 @@ def channel_statistics(
     if len(store) == 0:
         raise ValueError(f"{store.path}: no features to compute statistics from")
     rows = np.unique(np.linspace(0, len(store) - 1, min(max_images, len(store))).round())
-    total = np.zeros(store.meta.D)
-    squares = np.zeros(store.meta.D)
+    total = np.zeros(store.spec.D)
+    squares = np.zeros(store.spec.D)
     for start in range(0, len(rows), chunk):
         block = store.get_batch(rows[start : start + chunk].astype(int)).astype(np.float64)
         flat = block.reshape(-1, block.shape[-1])  # (B*L, D)
         total += flat.sum(0)
         squares += (flat * flat).sum(0)
-    count = len(rows) * store.meta.L
+    count = len(rows) * store.spec.L
     mean = total / count
     std = np.sqrt(np.maximum(squares / count - mean * mean, 0.0))
     return mean.astype(np.float32), std.astype(np.float32)

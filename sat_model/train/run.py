@@ -22,7 +22,7 @@ import io
 import json
 import pickle
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -428,7 +428,7 @@ def _set_up(
     mirrored = None
     if params.train.mirror > 0:  # the extract stage's, with encoder.mirror_train
         mirrored = FeatureStore(features_dir / store_file("train", mirrored=True))
-        if mirrored.meta != store.meta:
+        if mirrored.spec != store.spec:
             raise FeatureStoreError(f"{mirrored.path}: not train.arrow's encoder; re-extract")
     dataset, skipped = load_caption_dataset(
         prepared_dir / CAPTIONS_FILE, "train", store, vocab, mirrored
@@ -440,9 +440,9 @@ def _set_up(
     model = build_model(
         params.model,
         vocab_size=len(vocab),
-        annotation_dim=store.meta.D,
-        num_locations=store.meta.L,
-        grid_w=store.meta.grid_w,
+        annotation_dim=store.spec.D,
+        num_locations=store.spec.L,
+        grid_w=store.spec.grid_w,
         attention=attention,
         **semi_sampling_options(cfg),
     )
@@ -577,11 +577,11 @@ def _rank_zero(
         "attention": setup.attention,
         # the store records the crop (input_size); the shorter-side resize that preceded it is
         # needed to preprocess new images the same way (sat caption, the served model)
-        "encoder": {
-            **asdict(setup.train_store.meta),
-            "resize": params.encoder.resize,
-            "keep_aspect": params.encoder.keep_aspect,
-        },
+        "encoder": replace(
+            setup.train_store.spec,
+            resize=params.encoder.resize,
+            keep_aspect=params.encoder.keep_aspect,
+        ).to_config(),
         "train": {"seed": params.train.seed, **setup.cfg.model_dump()},
         # what the model knows: the scenes' shapes or photos (sat caption and sat serve say so)
         "data": {"source": params.data.source},

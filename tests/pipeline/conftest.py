@@ -36,7 +36,8 @@ def _write_tiny_inputs(root: Path) -> None:
     import numpy as np
 
     from sat_model.data.vocab import build_vocab, save_vocab
-    from sat_model.features.store import FeatureMeta, FeatureWriter
+    from sat_model.features.spec import EncoderSpec
+    from sat_model.features.store import FeatureWriter
     from tests.factories import write_captions
 
     rng = np.random.default_rng(1)
@@ -56,9 +57,9 @@ def _write_tiny_inputs(root: Path) -> None:
     prepared.mkdir(parents=True)
     write_captions(prepared / "captions.parquet", [(*r[:3], " ".join(r[3])) for r in rows])
     save_vocab(build_vocab([r[3] for r in rows], 1, 50, 20), prepared / "vocab.json")
-    meta = FeatureMeta("random", "none", 32, TINY_L, TINY_D, 2, 2, "0" * 64)
+    spec = EncoderSpec("random", "none", 32, TINY_L, TINY_D, 2, 2, "0" * 64)
     for split, (ids, vecs) in feats.items():
-        with FeatureWriter(root / "data" / "features" / f"{split}.arrow", meta) as writer:
+        with FeatureWriter(root / "data" / "features" / f"{split}.arrow", spec) as writer:
             writer.write(ids, vecs)
 
 

@@ -22,7 +22,7 @@ from PIL import Image
 from pipeline.cli.main import main
 from pipeline.stages import register
 from sat_model.features.encoders import build_encoder
-from sat_model.features.store import FeatureMeta, FeatureWriter
+from sat_model.features.store import FeatureWriter
 from tests.factories import write_references, write_tiny_model
 from tests.figures import figure_panels, read_index
 
@@ -75,12 +75,9 @@ def _write_project(root):
     encoder = build_encoder("random", input_size=64)
     from sat_model.features.images import preprocess
 
-    d = encoder.description
+    d = encoder.spec
     batch = torch.stack([preprocess(p, 72, 64, d.mean, d.std) for p in pixels])  # (B, 3, S, S)
-    meta = FeatureMeta(
-        d.name, d.layer, 64, d.num_locations, d.annotation_dim, d.grid_h, d.grid_w, d.weights_sha256
-    )
-    with FeatureWriter(root / "data" / "features" / "test.arrow", meta) as writer:
+    with FeatureWriter(root / "data" / "features" / "test.arrow", d) as writer:
         writer.write(IDS, encoder(batch).detach().numpy())
     (root / "params.yaml").write_text(PARAMS)
 

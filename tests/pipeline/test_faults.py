@@ -24,7 +24,8 @@ import pytest
 from PIL import Image
 
 from sat_model.features.encoders import build_encoder
-from sat_model.features.store import FeatureMeta, FeatureStore, FeatureWriter
+from sat_model.features.spec import EncoderSpec
+from sat_model.features.store import FeatureStore, FeatureWriter
 from tests.factories import write_references, write_tiny_model
 from tests.pipeline.servers import free_port, mlflow_server
 
@@ -119,14 +120,14 @@ def test_extract_killed_half_way_never_exposes_a_partial_store_and_reruns_cleanl
 
 
 def test_a_live_writers_temp_file_is_left_alone(tmp_path: Path) -> None:
-    meta = FeatureMeta("random", "none", 32, 4, 6, 2, 2, "0" * 64)
+    spec = EncoderSpec("random", "none", 32, 4, 6, 2, 2, "0" * 64)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         live = tmp_path / f".train.arrow.{sleeper.pid}.partial"
         live.write_bytes(b"another process is writing this")
         dead = tmp_path / ".train.arrow.999999999.partial"  # above any Linux pid_max
         dead.write_bytes(b"left by a killed run")
-        with FeatureWriter(tmp_path / "train.arrow", meta) as writer:
+        with FeatureWriter(tmp_path / "train.arrow", spec) as writer:
             writer.write(["a"], np.zeros((1, 4, 6), np.float16))
         assert live.exists() and not dead.exists()
     finally:
@@ -257,12 +258,9 @@ def _evaluate_project(root: Path) -> None:
     pq.write_table(table, prepared / "images.parquet")
     write_references(prepared / "captions.parquet", {i: ["a red circle"] for i in ids})
     write_tiny_model(root / "models" / "soft", crop=32, resize=36)
-    d = build_encoder("random", input_size=32).description
-    meta = FeatureMeta(
-        d.name, d.layer, 32, d.num_locations, d.annotation_dim, d.grid_h, d.grid_w, d.weights_sha256
-    )
+    d = build_encoder("random", input_size=32).spec
     rng = np.random.default_rng(0)
-    with FeatureWriter(root / "data" / "features" / "test.arrow", meta) as writer:
+    with FeatureWriter(root / "data" / "features" / "test.arrow", d) as writer:
         writer.write(ids, rng.standard_normal((2, d.num_locations, d.annotation_dim)))
     (root / "params.yaml").write_text(
         "encoder: {name: random, resize: 36, crop: 32}\n"

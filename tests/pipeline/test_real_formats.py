@@ -161,7 +161,7 @@ def _store_ids(out: Path, split: str) -> list[str]:
     store = FeatureStore(out / "features" / f"{split}.arrow")
     try:
         # the profile's encoder, Lite2 at 330 px: 11x11 cells of 1280 channels
-        assert (store.meta.name, store.meta.L, store.meta.D) == ("efficientnet_lite2", 121, 1280)
+        assert (store.spec.name, store.spec.L, store.spec.D) == ("efficientnet_lite2", 121, 1280)
         return sorted(store.ids)
     finally:
         store.close()

@@ -213,7 +213,7 @@ def test_a_logged_model_requires_the_weights_package_of_its_own_encoder(tmp_path
     experiment_id = client.create_experiment("sat-test", (tmp_path / "mlartifacts").as_uri())
     requirements = {}
     for name in ("efficientnet_lite0", "efficientnet_lite2"):
-        recorded = build_encoder(name).description.to_dict()  # as training records it
+        recorded = build_encoder(name).spec.to_fields()  # as training records it
         model_dir = write_tiny_model(
             tmp_path / name, encoder_section={**recorded, "resize": recorded["input_size"] + 32}
         )

@@ -12,7 +12,8 @@ import pytest
 
 from pipeline.stages import train
 from sat_model.data.vocab import build_vocab, save_vocab
-from sat_model.features.store import FeatureMeta, FeatureWriter
+from sat_model.features.spec import EncoderSpec
+from sat_model.features.store import FeatureWriter
 from tests.factories import write_captions
 
 L, D = 4, 6
@@ -35,9 +36,9 @@ def _write_inputs(root: Path) -> Path:
     prepared.mkdir(parents=True)
     write_captions(prepared / "captions.parquet", [r[:4] for r in rows])
     save_vocab(build_vocab([r[4] for r in rows], 1, 50, 20), prepared / "vocab.json")
-    meta = FeatureMeta("random", "none", 32, L, D, 2, 2, "0" * 64)
+    spec = EncoderSpec("random", "none", 32, L, D, 2, 2, "0" * 64)
     for split, (ids, vecs) in feats.items():
-        with FeatureWriter(root / "data" / "features" / f"{split}.arrow", meta) as writer:
+        with FeatureWriter(root / "data" / "features" / f"{split}.arrow", spec) as writer:
             writer.write(ids, np.stack(vecs))
     params = root / "params.yaml"
     params.write_text(

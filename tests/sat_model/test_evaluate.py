@@ -24,7 +24,8 @@ from sat_model.evaluation.evaluate import (
     write_attention_gallery,
     write_reports,
 )
-from sat_model.features.store import FeatureMeta, FeatureStore, FeatureWriter
+from sat_model.features.spec import EncoderSpec
+from sat_model.features.store import FeatureStore, FeatureWriter
 from tests.factories import write_references, write_tiny_model
 from tests.figures import figure_panels, read_index
 
@@ -87,8 +88,8 @@ def data(tmp_path_factory):
         "img3": ["a circle"],
     }
     write_references(root / "captions.parquet", refs)
-    meta = FeatureMeta("random", "conv2", CROP, GRID * GRID, 32, GRID, GRID, "random-seed-0")
-    with FeatureWriter(root / "test.arrow", meta) as writer:
+    spec = EncoderSpec("random", "conv2", CROP, GRID * GRID, 32, GRID, GRID, "random-seed-0")
+    with FeatureWriter(root / "test.arrow", spec) as writer:
         ids = ["img0", "img1", "img2", "img4"]
         writer.write(ids, rng.normal(size=(4, GRID * GRID, 32)).astype(np.float16))
     return root, write_tiny_model(root / "model", words=("a", "circle"), crop=CROP)

@@ -102,8 +102,8 @@ def test_corrupt_image_is_skipped_with_reason_and_others_extracted(tmp_path, enc
 def test_stored_features_equal_encoding_each_image_alone(tmp_path, encoder) -> None:
     _extract(write_image_table(tmp_path), tmp_path / "features", encoder)
     store = FeatureStore(tmp_path / "features" / "train.arrow")
-    assert store.meta.L == 4 and store.meta.D == 32  # 32 px / 16 → 2×2 grid
-    d = encoder.description
+    assert store.spec.L == 4 and store.spec.D == 32  # 32 px / 16 → 2×2 grid
+    d = encoder.spec
     image = load_image(tmp_path / "images" / "c.png")
     x = preprocess(image, RESIZE, CROP, d.mean, d.std)[None]  # (1, 3, S, S)
     with torch.inference_mode():
@@ -120,7 +120,7 @@ def test_a_mirrored_split_holds_the_features_of_its_photos_mirrored(tmp_path, en
     assert mirrored.ids == train.ids == ["a", "c", "g"]  # b is corrupt in both
     assert not (tmp_path / "features" / "val_mirrored.arrow").exists()
     assert (report["extracted_train_mirrored"], report["skipped_train_mirrored"]) == (3, 1)
-    d = encoder.description
+    d = encoder.spec
     x = preprocess(load_image(tmp_path / "images" / "c.png"), RESIZE, CROP, d.mean, d.std)
     with torch.inference_mode():
         expected = encoder(x.flip(-1)[None])[0].numpy()  # (L, D) of the mirrored crop
@@ -206,7 +206,7 @@ def test_parallel_workers_give_the_sequential_features_on_real_jpegs(tmp_path: P
     rows = np.arange(len(names))
     np.testing.assert_array_equal(parallel.get_batch(rows), sequential.get_batch(rows))
     # the store holds what the one-image path (``preprocess``, as ``sat caption`` uses) gives
-    d = encoder.description
+    d = encoder.spec
     first = preprocess(load_image(root / names[0], min_side=256), 256, 224, d.mean, d.std)
     with torch.inference_mode():
         expected = encoder(first.unsqueeze(0)).to(torch.float16).numpy()  # (1, L, D)

@@ -8,15 +8,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from sat_model.features.spec import EncoderSpec
 from sat_model.features.store import (
-    FeatureMeta,
     FeatureStore,
     FeatureStoreError,
     FeatureWriter,
     channel_statistics,
 )
 
-META = FeatureMeta(
+META = EncoderSpec(
     name="random",
     layer="conv2",
     input_size=32,
@@ -47,7 +47,7 @@ def test_round_trip_keeps_ids_order_values_dtype_and_metadata(tmp_path: Path) ->
     ids = _write(tmp_path / "train.arrow")
     store = FeatureStore(tmp_path / "train.arrow")
     assert store.ids == ids and len(store) == 6
-    assert store.meta == META
+    assert store.spec == META
     expected = _features(6)
     for i in range(6):
         assert store[i].dtype == np.float16 and store[i].shape == (4, 3)
@@ -70,18 +70,20 @@ def test_file_follows_the_architecture_contract_schema(tmp_path: Path) -> None:
         schema = pa.ipc.open_file(source).schema
     assert schema.field("image_id").type == pa.string()
     assert schema.field("features").type == pa.list_(pa.float16(), 12)
-    keys = {k.decode() for k in schema.metadata}
-    assert keys == {
-        "name",
-        "layer",
-        "input_size",
-        "num_locations",
-        "annotation_dim",
-        "grid_h",
-        "grid_w",
-        "weights_sha256",
-        "format_version",
-    }
+    # the keys, text values and order of every store written since issue #18: the file's bytes,
+    # and so DVC's hash of data/features, depend on them
+    assert [(k.decode(), v.decode()) for k, v in schema.metadata.items()] == [
+        ("name", "random"),
+        ("layer", "conv2"),
+        ("input_size", "32"),
+        ("num_locations", "4"),
+        ("annotation_dim", "3"),
+        ("grid_h", "2"),
+        ("grid_w", "2"),
+        ("weights_sha256", "random-seed-0"),
+        ("format_version", "1"),
+    ]
+    assert FeatureStore(tmp_path / "train.arrow").format_version == 1
 
 
 def test_rows_are_views_into_the_mapping_not_copies(tmp_path: Path) -> None:
@@ -160,15 +162,18 @@ def test_channel_statistics_equal_numpy_over_every_location(tmp_path: Path) -> N
     np.testing.assert_allclose(std, flat.std(0), rtol=1e-6)
 
 
-def test_the_stored_description_has_the_encoders_own_field_names() -> None:
+def test_a_store_gives_back_the_built_encoders_spec_less_its_normalisation(
+    tmp_path: Path,
+) -> None:
+    from dataclasses import replace
+
     from sat_model.features.encoders import build_encoder
 
-    d = build_encoder("random", input_size=32).description
-    meta = FeatureMeta.from_fields(d.to_dict())
-    stored = set(meta.to_fields())
-    # every stored key is EncoderDescription's (mean/std are not stored), plus the file format
-    assert stored - {"format_version"} == set(d.to_dict()) - {"mean", "std"}
-    assert (d.num_locations, d.annotation_dim) == (meta.L, meta.D)
+    spec = build_encoder("random", input_size=32).spec
+    with FeatureWriter(tmp_path / "f.arrow", spec) as writer:
+        writer.write(["a"], np.zeros((1, spec.L, spec.D)))
+    # mean and std are the network's, given back when it is rebuilt: the store does not hold them
+    assert FeatureStore(tmp_path / "f.arrow").spec == replace(spec, mean=None, std=None)
 
 
 def test_a_store_written_with_the_pre_issue_18_metadata_names_is_read(tmp_path: Path) -> None:
@@ -179,4 +184,4 @@ def test_a_store_written_with_the_pre_issue_18_metadata_names_is_read(tmp_path: 
     path = tmp_path / "old.arrow"
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         writer.write_table(pa.table({"image_id": ["a"], "features": column}, schema=schema))
-    assert FeatureStore(path).meta == META
+    assert FeatureStore(path).spec == META

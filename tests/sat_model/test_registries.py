@@ -75,7 +75,7 @@ def test_a_toy_encoder_source_and_metric_run_through_their_registries(
     prepared = prepare_dataset(loaded.data, tmp_path)
     assert prepared.report["images_ok"] == 12
     encoder = encoders.build_encoder("toy_pool", input_size=32)
-    assert encoder.description.num_locations == 16 and encoder.description.annotation_dim == 3
+    assert encoder.spec.num_locations == 16 and encoder.spec.annotation_dim == 3
     extract_features(
         tmp_path / "data/prepared/images.parquet",
         sources.image_root(loaded.data, tmp_path),

@@ -325,7 +325,8 @@ def write_tiny_run(root: Path) -> tuple[Path, Path]:
     import numpy as np
 
     from sat_model.data.vocab import save_vocab
-    from sat_model.features.store import FeatureMeta, FeatureWriter
+    from sat_model.features.spec import EncoderSpec
+    from sat_model.features.store import FeatureWriter
 
     prepared, features = root / "prepared", root / "features"
     colours = ["red", "blue", "green"]
@@ -345,9 +346,9 @@ def write_tiny_run(root: Path) -> tuple[Path, Path]:
     save_vocab(
         build_vocab([r[4] for r in rows if r[1] == "train"], 1, 100, 20), prepared / "vocab.json"
     )
-    meta = FeatureMeta("random", "none", 32, L, D, 2, 2, "0" * 64)
+    spec = EncoderSpec("random", "none", 32, L, D, 2, 2, "0" * 64)
     for split, (ids, feats) in vectors.items():
-        with FeatureWriter(features / f"{split}.arrow", meta) as writer:
+        with FeatureWriter(features / f"{split}.arrow", spec) as writer:
             writer.write(ids, np.stack(feats))
     return prepared, features
 
@@ -427,6 +428,12 @@ def test_train_model_writes_a_loadable_model_metrics_and_curves(
     assert vocab.itos == load_vocab(prepared / "vocab.json").itos
     cfg = json.loads((model_dir / "config.json").read_text())
     assert cfg["encoder"]["name"] == "random" and cfg["encoder"]["num_locations"] == L
+    from sat_model.features.spec import EncoderSpec
+    from sat_model.features.store import FeatureStore
+
+    recorded = EncoderSpec.from_fields(cfg["encoder"])
+    assert recorded == FeatureStore(features / "train.arrow").spec
+    assert "format_version" not in cfg["encoder"]  # the store's, not the encoder's
     # the saved model is the best epoch's
     from sat_model.model.checkpoint import load_checkpoint
 
@@ -494,7 +501,7 @@ def test_train_mirror_trains_on_the_mirrored_store_and_nothing_else_changes(
     plain = final_loss(0.0, "plain")
     assert final_loss(1.0, "copy") == plain
     rows = np.arange(len(train))
-    with FeatureWriter(mirrored, train.meta) as writer:  # each photo's features reversed
+    with FeatureWriter(mirrored, train.spec) as writer:  # each photo's features reversed
         writer.write(train.ids, train.get_batch(rows)[:, :, ::-1].copy())
     assert final_loss(1.0, "reversed") != plain
     with pytest.raises(ParamsError, match=r"encoder\.mirror_train is false"):
