@@ -4,8 +4,8 @@ Dimensions: ``B`` images per batch, ``S`` crop size, ``L = grid_h × grid_w`` lo
 annotation size.
 
 Used by ``sat caption`` and by the MLflow pyfunc model. A model folder (``models/soft``) holds
-everything needed: ``model.pt``, ``vocab.json`` and ``config.json``, whose ``encoder`` section
-describes the frozen encoder the features came from (the feature store's metadata, or
+everything needed: ``model.safetensors``, ``vocab.json`` and ``config.json``, whose ``encoder``
+section describes the frozen encoder the features came from (the feature store's metadata, or
 ``EncoderDescription`` fields, plus ``resize`` and ``keep_aspect``: when absent, the paper's
 256/224 ratio and the shorter side). The
 encoder is rebuilt from that description with :func:`sat_model.features.encoders.build_encoder` (its
