@@ -239,7 +239,7 @@ def load_checkpoint(
         raise CheckpointError(f"{path} is corrupted: its tensors differ from their sha256")
     model_config, file_vocab = _cross_check(directory, path, config, itos, state, vocab)
     saved = _load_best_state(directory, digest, model_config, map_location) if training else None
-    return Checkpoint(model_config, file_vocab, state, config, FORMAT_VERSION, saved)
+    return Checkpoint(model_config, file_vocab, state, config, FORMAT_VERSION, training=saved)
 
 
 def _load_best_state(
@@ -273,10 +273,14 @@ def _load_legacy(
     )
     saved = _training_state(payload, path, model_config) if training else None
     config = payload["config"]
-    return Checkpoint(model_config, file_vocab, state, config, LEGACY_FORMAT_VERSION, saved)
+    return Checkpoint(
+        model_config, file_vocab, state, config, LEGACY_FORMAT_VERSION, training=saved
+    )
 
 
-def _read_metadata(metadata: Mapping[str, str], path: Path) -> tuple[dict[str, Any], Any, str]:
+def _read_metadata(
+    metadata: Mapping[str, str], path: Path
+) -> tuple[dict[str, Any], list[str], str]:
     """``config``, ``itos`` and ``weights_sha256`` from ``model.safetensors``' metadata."""
     missing = [key for key in _METADATA_KEYS if key not in metadata]
     if missing:
