@@ -4,8 +4,8 @@ Dimensions: ``B`` images per batch, ``S`` crop size, ``L = grid_h × grid_w`` lo
 annotation size.
 
 Used by ``sat caption`` and by the MLflow pyfunc model. A model folder (``models/soft``) holds
-everything needed: ``model.pt``, ``vocab.json`` and ``config.json``, whose ``encoder`` section
-records the frozen encoder the features came from and the photos' preprocessing
+everything needed: ``model.safetensors``, ``vocab.json`` and ``config.json``, whose ``encoder``
+section records the frozen encoder the features came from and the photos' preprocessing
 (:meth:`sat_model.features.spec.EncoderSpec.from_config`). The encoder is rebuilt from that spec
 (its weights come from installed packages, never from the model folder), and its weights
 checksum must match the one recorded: the decoder never reads features of another network.

@@ -7,6 +7,7 @@ fixtures and helpers that build whole projects call them too.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from collections.abc import Iterable, Mapping, Sequence
@@ -31,6 +32,7 @@ __all__ = [
     "copy_project",
     "model_config",
     "photo_of_another_shape",
+    "to_format_1",
     "write_captions",
     "write_references",
     "write_tiny_model",
@@ -141,6 +143,32 @@ def write_tiny_model(
         },
     )
     return Path(directory)
+
+
+def to_format_1(directory: Path) -> Path:
+    """Rewrite a model folder as sat wrote it before safetensors (format 1): one ``model.pt``, a
+    ``torch.save`` of the weights, the training state, the config and the vocabulary, beside
+    ``config.json`` and ``vocab.json``."""
+    from safetensors import safe_open
+
+    with safe_open(directory / "model.safetensors", framework="pt") as f:
+        metadata = f.metadata()
+        weights = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (no __iter__)
+    training = torch.load(directory / "best_state.pt", weights_only=True)
+    config = {**json.loads(metadata["config"]), "format_version": 1}
+    kept = ("train_state", "criterion_state", "optimizer_state", "scheduler_state")
+    payload = {
+        "format_version": 1,
+        "model_state": weights,
+        **{key: training[key] for key in (*kept, "epoch", "best_score", "best_epoch")},
+        "config": config,
+        "itos": json.loads(metadata["itos"]),
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    torch.save(payload, directory / "model.pt")
+    (directory / "model.safetensors").unlink()
+    (directory / "best_state.pt").unlink()
+    return directory
 
 
 def write_captions(path: Path, rows: Iterable[tuple[str, str, int, str]]) -> Path:

@@ -98,12 +98,12 @@ def _caption_model_dir(args: argparse.Namespace, workdir: Path) -> Path:
     """The model folder to caption with: ``--model`` as a folder, or a downloaded MLflow model
     (by default the champion); a missing model is a :class:`CommandError`."""
     from pipeline.tracking.model_uri import is_model_uri, resolve_model_dir
-    from sat_model.model.checkpoint import MODEL_FILE
+    from sat_model.model.checkpoint import MODEL_FILE, is_checkpoint_dir
 
     model = args.model or f"models:/{model_name(args)}@champion"
     if not is_model_uri(model):
-        if not (Path(model) / MODEL_FILE).is_file():
-            raise CommandError(f"{model} is not a model folder (no model.pt in it)")
+        if not is_checkpoint_dir(model):
+            raise CommandError(f"{model} is not a model folder (no {MODEL_FILE} in it)")
         return Path(model)
     from mlflow.exceptions import MlflowException
 

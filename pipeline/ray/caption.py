@@ -92,11 +92,13 @@ def caption_with_ray_data(
     import ray
     import ray.data
 
-    from pipeline.tracking.registry import CHECKPOINT_FILES
+    from sat_model.model.checkpoint import model_files
 
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # a plan and a report per dataset
 
-    checkpoint = {name: (checkpoint_dir / name).read_bytes() for name in CHECKPOINT_FILES}
+    checkpoint = {
+        name: (checkpoint_dir / name).read_bytes() for name in model_files(checkpoint_dir)
+    }
     files = ray.data.read_binary_files(
         source, include_paths=True, file_extensions=list(IMAGE_SUFFIXES)
     )

@@ -236,7 +236,7 @@ def _worker_env() -> dict[str, str]:
 def copy_checkpoint(source: Path | Storage, destination: Path) -> None:
     """Replace ``destination`` by a durable copy of ``source`` (local or in storage) in one rename.
 
-    Only a folder sat wrote (a checkpoint: ``model.pt`` beside a sat ``config.json``) or an empty
+    Only a folder sat wrote (a checkpoint: weights beside a sat ``config.json``) or an empty
     one is replaced: ``models_dir`` pointing at a folder of the user's raises
     :class:`~sat_model.atomic.ForeignFolderError` and deletes nothing. Temporary copies left by
     killed writers (``.<attention>.<pid>.*``) are removed first.

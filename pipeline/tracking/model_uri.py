@@ -24,17 +24,15 @@ def resolve_model_dir(model: str, workdir: Path, tracking_uri: str | None = None
     import mlflow
 
     from pipeline.tracking.pyfunc_model import CHECKPOINT_ARTIFACT
-    from sat_model.model.checkpoint import MODEL_FILE
+    from sat_model.model.checkpoint import CONFIG_FILE, MODEL_FILE, is_checkpoint_dir
 
     if model.startswith("models:/") and tracking_uri:
         model = _registry_location(model, tracking_uri)
     local = mlflow.artifacts.download_artifacts(
         artifact_uri=model, dst_path=str(workdir), tracking_uri=tracking_uri
     )
-    found = sorted(Path(local).rglob(MODEL_FILE))
-    checkpoints = [p.parent for p in found if p.parent.name == CHECKPOINT_ARTIFACT] or [
-        p.parent for p in found
-    ]
+    found = sorted(p.parent for p in Path(local).rglob(CONFIG_FILE) if is_checkpoint_dir(p.parent))
+    checkpoints = [p for p in found if p.name == CHECKPOINT_ARTIFACT] or found
     if not checkpoints:
         raise FileNotFoundError(f"{model} holds no checkpoint ({MODEL_FILE})")
     return checkpoints[0]

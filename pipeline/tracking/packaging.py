@@ -24,7 +24,7 @@ from typing import Any
 
 from mlflow import MlflowClient
 
-from pipeline.tracking.registry import CHECKPOINT_FILES, checkpoint_sha256, versions_of_checkpoint
+from pipeline.tracking.registry import checkpoint_sha256, versions_of_checkpoint
 from pipeline.tracking.runs import CHECKPOINT_TAG
 
 __all__ = ["DECODING_TAG", "PYFUNC_FILE", "RegisteredVersion", "log_and_register"]
@@ -137,9 +137,11 @@ def _staged_checkpoint(model_dir: Path, tmp: Path) -> Path:
     """Only the checkpoint files go into the model (not curves, gallery or other outputs)."""
     import shutil
 
+    from sat_model.model.checkpoint import model_files
+
     out = tmp / "checkpoint"
     out.mkdir()
-    for name in CHECKPOINT_FILES:
+    for name in model_files(model_dir):
         shutil.copy2(model_dir / name, out / name)
     return out
 

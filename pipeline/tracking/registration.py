@@ -43,7 +43,12 @@ from pipeline.tracking.runs import (
 )
 from sat_model.config import ATTENTION_KINDS, EvalConfig, Params
 from sat_model.evaluation.evaluate import CAPTIONS_FILE, GALLERY_DIR, METRICS_FILE
-from sat_model.model.checkpoint import CONFIG_FILE, CURVES_FILE, MODEL_FILE, TRAIN_METRICS_FILE
+from sat_model.model.checkpoint import (
+    CONFIG_FILE,
+    CURVES_FILE,
+    TRAIN_METRICS_FILE,
+    is_checkpoint_dir,
+)
 
 __all__ = ["register_models"]
 
@@ -91,7 +96,7 @@ def register_models(params: Params, project_root: Path) -> dict[str, Any]:
 def _evaluated(params: Params, root: Path, attention: str) -> bool:
     model_dir = root / params.train.models_dir / attention
     metrics_file = root / params.eval.reports_dir / attention / METRICS_FILE
-    return (model_dir / MODEL_FILE).is_file() and metrics_file.is_file()
+    return is_checkpoint_dir(model_dir) and metrics_file.is_file()
 
 
 def _run_artifacts(model_dir: Path, reports: Path) -> list[tuple[str, str | Path]]:

@@ -21,11 +21,10 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from pipeline.tracking.runs import ATTENTION_TAG, CHECKPOINT_TAG
-from sat_model.model.checkpoint import CONFIG_FILE, MODEL_FILE, VOCAB_FILE
+from sat_model.model.checkpoint import model_files
 
 __all__ = [
     "CHAMPION_ALIAS",
-    "CHECKPOINT_FILES",
     "CHECKPOINT_TAG",
     "PromotionDecision",
     "PromotionResult",
@@ -42,8 +41,6 @@ __all__ = [
 ]
 
 CHAMPION_ALIAS = "champion"
-# what makes a model: weights, model/encoder config and vocabulary (a new vocab is a new model)
-CHECKPOINT_FILES = (MODEL_FILE, CONFIG_FILE, VOCAB_FILE)
 
 
 class RegistryError(RuntimeError):
@@ -102,9 +99,10 @@ def decide_promotion(candidate: float | None, champion: float | None) -> Promoti
 
 
 def checkpoint_sha256(model_dir: str | Path) -> str:
-    """sha256 over the checkpoint's files, each prefixed by its name (fixed order)."""
+    """sha256 over the checkpoint's files, each prefixed by its name (fixed order): what makes a
+    model, its weights, model/encoder config and vocabulary (a new vocab is a new model)."""
     digest = hashlib.sha256()
-    for name in CHECKPOINT_FILES:
+    for name in model_files(model_dir):
         path = Path(model_dir) / name
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: not a model directory")

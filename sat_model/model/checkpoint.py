@@ -1,24 +1,38 @@
-"""The model folder (``models/<attention>/``) and its self-describing checkpoint: ``model.pt`` +
-``config.json`` + ``vocab.json``, beside training's ``train_metrics.json``, ``curves.csv`` and
-``last_state.pt`` (written by :mod:`sat_model.train.run`). Every file name is spelled here.
+"""The model folder (``models/<attention>/``) and its self-describing checkpoint. Every file name
+is spelled here::
 
-``model.pt`` is a ``torch.save`` of plain containers and tensors only: ``format_version``,
-``model_state`` (the weights to use: the moving average when training kept one),
-``train_state`` (the weights the optimiser was updating, to resume from; absent or None when
-they are ``model_state``), ``criterion_state`` (the hard-attention baseline buffer lives there),
-``optimizer_state``, ``scheduler_state``, ``epoch``, ``best_score``, ``best_epoch``, ``config``
-(the JSON-able dict of ``config.json``) and ``itos`` (the vocabulary). It is always read with
-``torch.load(weights_only=True)``, so a file that carries pickled code (a whole ``nn.Module``,
-a custom class) is refused, never run. ``config.json`` and ``vocab.json`` are readable copies for
-people and other tools; they must agree with ``model.pt``.
+    model.safetensors   the weights to use (the moving average when training kept one)
+    config.json         what rebuilds the model: model, encoder, train and data sections
+    vocab.json          the vocabulary
+    best_state.pt       the rest of that epoch's training state: for resuming only
+    train_metrics.json, curves.csv, last_state.pt    training's (:mod:`sat_model.train.run`)
 
-Every file is written atomically, ``model.pt`` last: it is the commit point, and a folder whose
-JSON files disagree with it (a crash between writes, files copied from elsewhere) is refused.
+A model for use (captioning, evaluation, serving) is read from ``model.safetensors`` and the two
+JSON files alone: no pickle. ``model.safetensors`` is the ecosystem's format for weights that never
+run code: ``safetensors.torch.load_file`` reads it and ``ShowAttendTell(ModelConfig(**config
+["model"])).load_state_dict`` takes it. Its metadata holds ``format_version``, copies of
+``config.json`` and the vocabulary (the file alone rebuilds the model) and ``weights_sha256``
+(:func:`weights_sha256`): safetensors has no checksum, and a flipped byte would load as another
+weight.
+
+``best_state.pt`` holds what only resuming needs, in a form safetensors cannot (nested optimiser
+dicts): ``train_state`` (the weights the optimiser was updating, when the saved ones are their
+average), ``criterion_state`` (hard attention's REINFORCE baseline, a training quantity that
+decoding never reads), ``optimizer_state``, ``scheduler_state``, ``epoch``, ``best_score``,
+``best_epoch`` and the ``weights_sha256`` of the weights it goes with. It is a ``torch.save`` of
+plain containers and tensors, read with ``torch.load(weights_only=True)`` after its zip CRCs are
+checked (torch does not check them): a file that carries pickled code is refused, never run.
+
+Every file is written atomically, ``model.safetensors`` last: it is the commit point, and a folder
+whose other files disagree with it (a crash between writes, files copied from elsewhere) is
+refused. Format 1 kept weights and training state in one ``model.pt`` (a ``torch.save`` with
+``config`` and ``itos`` inside); such folders still load, for use and to resume.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import math
@@ -30,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from sat_model.atomic import write_bytes_atomic, write_text_atomic
@@ -37,27 +53,35 @@ from sat_model.data.vocab import Vocab, VocabError, load_vocab, save_vocab
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
 
 __all__ = [
+    "BEST_STATE_FILE",
     "CONFIG_FILE",
     "CURVES_FILE",
     "FORMAT_VERSION",
     "LAST_STATE_FILE",
+    "LEGACY_MODEL_FILE",
     "MODEL_FILE",
     "TRAIN_METRICS_FILE",
     "VOCAB_FILE",
     "Checkpoint",
     "CheckpointError",
+    "TrainingState",
     "check_archive",
     "is_checkpoint_dir",
     "load_checkpoint",
     "load_model",
+    "model_files",
     "model_from_checkpoint",
     "recorded_data_source",
     "save_checkpoint",
     "state_of",
+    "weights_sha256",
 ]
 
-FORMAT_VERSION = 1
-MODEL_FILE, CONFIG_FILE, VOCAB_FILE = "model.pt", "config.json", "vocab.json"
+FORMAT_VERSION = 2
+LEGACY_FORMAT_VERSION = 1  # model.pt alone
+MODEL_FILE, CONFIG_FILE, VOCAB_FILE = "model.safetensors", "config.json", "vocab.json"
+BEST_STATE_FILE = "best_state.pt"  # what resuming from model.safetensors needs beyond weights
+LEGACY_MODEL_FILE = "model.pt"  # format 1: weights and training state in one torch.save
 TRAIN_METRICS_FILE, CURVES_FILE = "train_metrics.json", "curves.csv"  # training summary, curves
 LAST_STATE_FILE = "last_state.pt"  # the last epoch's training state, to resume from
 # Bounds far above the paper's sizes (n = 1800, K ≈ 10k words, L = 196): a config beyond them is
@@ -65,18 +89,18 @@ LAST_STATE_FILE = "last_state.pt"  # the last epoch's training state, to resume 
 MAX_DIM = 1 << 16
 MAX_VOCAB = 1 << 22
 _NONE = type(None)
-# what a sat payload holds (extra keys are allowed: later formats add sections)
-_PAYLOAD_TYPES: dict[str, tuple[type, ...]] = {
-    "model_state": (dict,),
+# what a training state holds (extra keys are allowed: later formats add sections)
+_TRAINING_TYPES: dict[str, tuple[type, ...]] = {
     "criterion_state": (dict,),
     "optimizer_state": (dict, _NONE),
     "scheduler_state": (dict, _NONE),
     "epoch": (int,),
     "best_score": (float, int, _NONE),
     "best_epoch": (int, _NONE),
-    "config": (dict,),
-    "itos": (list,),
 }
+# format 1's model.pt: the training state beside the weights, config and vocabulary
+_LEGACY_TYPES = {"model_state": (dict,), **_TRAINING_TYPES, "config": (dict,), "itos": (list,)}
+_METADATA_KEYS = ("format_version", "config", "itos", "weights_sha256")
 
 
 class CheckpointError(RuntimeError):
@@ -84,22 +108,29 @@ class CheckpointError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Checkpoint:
-    """Everything in a checkpoint folder, loaded and cross-checked."""
+class TrainingState:
+    """What resuming from a checkpoint needs beyond its weights (``best_state.pt``)."""
 
-    model_config: ModelConfig
-    vocab: Vocab
-    model_state: dict[str, torch.Tensor]
     criterion_state: dict[str, torch.Tensor]
     optimizer_state: dict[str, Any] | None
     scheduler_state: dict[str, Any] | None
     epoch: int  # epochs completed when saved
     best_score: float | None  # best validation score so far (BLEU-4)
     best_epoch: int | None
+    # the optimiser's weights when model_state is their moving average; else None
+    train_state: dict[str, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint folder, loaded and cross-checked: the model and what describes it."""
+
+    model_config: ModelConfig
+    vocab: Vocab
+    model_state: dict[str, torch.Tensor]
     config: dict[str, Any]  # the whole config.json: model, encoder, train, ...
     format_version: int = FORMAT_VERSION
-    # the optimiser's weights when model_state is their moving average (to resume); else None
-    train_state: dict[str, torch.Tensor] | None = None
+    training: TrainingState | None = None  # read only when asked (load_checkpoint(training=True))
 
 
 def recorded_data_source(config: Mapping[str, Any]) -> str | None:
@@ -125,7 +156,8 @@ def save_checkpoint(
     best_epoch: int | None = None,
     extra_config: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write ``model.pt``, ``config.json`` and ``vocab.json`` under ``directory``; return it.
+    """Write ``best_state.pt``, ``config.json``, ``vocab.json`` and ``model.safetensors`` under
+    ``directory`` (in that order); return it.
 
     ``extra_config`` adds JSON-able sections to ``config.json`` beside ``model`` (the encoder
     description from the feature store, the train params).
@@ -137,9 +169,11 @@ def save_checkpoint(
     directory = Path(directory)
     config = {"format_version": FORMAT_VERSION, "model": dataclasses.asdict(model_config)}
     config.update(dict(extra_config or {}))
-    payload = {
+    weights = {k: v.detach().cpu().contiguous() for k, v in model_state.items()}
+    digest = weights_sha256(weights)
+    training = {
         "format_version": FORMAT_VERSION,
-        "model_state": _cpu(model_state),
+        "weights_sha256": digest,  # which weights this state goes with
         "train_state": _cpu(train_state) if train_state is not None else None,
         "criterion_state": _cpu(criterion_state or {}),
         "optimizer_state": _cpu(optimizer_state) if optimizer_state is not None else None,
@@ -147,50 +181,151 @@ def save_checkpoint(
         "epoch": int(epoch),
         "best_score": None if best_score is None else float(best_score),
         "best_epoch": None if best_epoch is None else int(best_epoch),
-        "config": json.loads(json.dumps(config)),  # plain containers only (weights_only)
-        "itos": list(vocab.itos),
     }
     buffer = io.BytesIO()
-    torch.save(payload, buffer)
+    torch.save(training, buffer)
+    metadata = {
+        "format_version": str(FORMAT_VERSION),
+        "config": json.dumps(config),
+        "itos": json.dumps(list(vocab.itos)),
+        "weights_sha256": digest,
+    }
+    write_bytes_atomic(directory / BEST_STATE_FILE, buffer.getvalue())
     write_text_atomic(directory / CONFIG_FILE, json.dumps(config, indent=1) + "\n")
     save_vocab(vocab, directory / VOCAB_FILE)
-    write_bytes_atomic(directory / MODEL_FILE, buffer.getvalue())  # last: the commit point
+    write_bytes_atomic(directory / MODEL_FILE, safetensors_bytes(weights, metadata))  # commit
+    (directory / LEGACY_MODEL_FILE).unlink(missing_ok=True)  # a resumed format-1 folder's old
     return directory
 
 
+def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order: what
+    ``model.safetensors`` records of its weights (safetensors itself checks no sum)."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def load_checkpoint(
-    directory: str | Path, vocab: Vocab | None = None, map_location: str = "cpu"
+    directory: str | Path,
+    vocab: Vocab | None = None,
+    map_location: str = "cpu",
+    *,
+    training: bool = False,
 ) -> Checkpoint:
     """Read and cross-check a checkpoint folder; :class:`CheckpointError` says what is wrong.
 
     ``vocab``, when given, must be the checkpoint's vocabulary (e.g. the prepared data's).
+    ``training`` also reads what resuming needs (``Checkpoint.training``); without it only
+    ``model.safetensors`` and the JSON files are read.
     """
     directory = Path(directory)
-    payload = _load_payload(directory / MODEL_FILE, map_location)
-    if payload.get("format_version") != FORMAT_VERSION:
+    path = directory / MODEL_FILE
+    if not path.is_file() and (directory / LEGACY_MODEL_FILE).is_file():
+        return _load_legacy(directory, vocab, map_location, training)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        with safe_open(path, framework="pt", device=map_location) as f:
+            metadata = f.metadata() or {}
+            state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (no __iter__)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is corrupted: {e}") from None
+    config, itos, digest = _read_metadata(metadata, path)
+    if weights_sha256(state) != digest:
+        raise CheckpointError(f"{path} is corrupted: its tensors differ from their sha256")
+    model_config, file_vocab = _cross_check(directory, path, config, itos, state, vocab)
+    saved = _load_best_state(directory, digest, model_config, map_location) if training else None
+    return Checkpoint(model_config, file_vocab, state, config, FORMAT_VERSION, training=saved)
+
+
+def _load_best_state(
+    directory: Path, digest: str, config: ModelConfig, map_location: str
+) -> TrainingState:
+    """``best_state.pt``, which must name the digest of the weights beside it."""
+    path = directory / BEST_STATE_FILE
+    payload = _load_pt(path, map_location, "training state")
+    _check_version(payload.get("format_version"), FORMAT_VERSION, path)
+    if payload.get("weights_sha256") != digest:
         raise CheckpointError(
-            f"{directory / MODEL_FILE}: format_version {payload.get('format_version')!r}, "
-            f"this code reads {FORMAT_VERSION}"
+            f"{path} belongs to other weights than {MODEL_FILE} (a crash between writes, or "
+            f"files from elsewhere)"
         )
-    _check_payload_types(payload, directory / MODEL_FILE)
-    model_config = _model_config(payload["config"].get("model"), directory)
-    _check_shapes(model_config, payload["model_state"], directory / MODEL_FILE, "model_state")
-    if payload.get("train_state") is not None:
-        _check_shapes(model_config, payload["train_state"], directory / MODEL_FILE, "train_state")
-    file_vocab = _check_vocab(directory, payload["itos"], model_config, vocab)
-    _check_config_json(directory, payload["config"])
+    return _training_state(payload, path, config)
+
+
+def _load_legacy(
+    directory: Path, vocab: Vocab | None, map_location: str, training: bool
+) -> Checkpoint:
+    """A format-1 folder: weights, training state, config and vocabulary in one ``model.pt``."""
+    path = directory / LEGACY_MODEL_FILE
+    payload = _load_pt(path, map_location, "checkpoint")
+    if "model_state" not in payload:
+        raise CheckpointError(f"{path} is not a sat checkpoint (no model_state)")
+    _check_version(payload.get("format_version"), LEGACY_FORMAT_VERSION, path)
+    _check_types(payload, path, _LEGACY_TYPES)
+    state = payload["model_state"]
+    model_config, file_vocab = _cross_check(
+        directory, path, payload["config"], payload["itos"], state, vocab
+    )
+    saved = _training_state(payload, path, model_config) if training else None
+    config = payload["config"]
     return Checkpoint(
-        model_config=model_config,
-        vocab=file_vocab,
-        model_state=payload["model_state"],
+        model_config, file_vocab, state, config, LEGACY_FORMAT_VERSION, training=saved
+    )
+
+
+def _read_metadata(
+    metadata: Mapping[str, str], path: Path
+) -> tuple[dict[str, Any], list[str], str]:
+    """``config``, ``itos`` and ``weights_sha256`` from ``model.safetensors``' metadata."""
+    missing = [key for key in _METADATA_KEYS if key not in metadata]
+    if missing:
+        raise CheckpointError(f"{path} is not a sat checkpoint: no {missing[0]!r} in its metadata")
+    _check_version(metadata["format_version"], FORMAT_VERSION, path)
+    try:
+        sections = {key: json.loads(metadata[key]) for key in ("config", "itos")}
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: its metadata is not JSON: {e}") from None
+    _check_types(sections, path, {"config": (dict,), "itos": (list,)})
+    return sections["config"], sections["itos"], metadata["weights_sha256"]
+
+
+def _cross_check(
+    directory: Path,
+    path: Path,
+    config: dict[str, Any],
+    itos: list[str],
+    state: Mapping[str, torch.Tensor],
+    vocab: Vocab | None,
+) -> tuple[ModelConfig, Vocab]:
+    """The model config, checked against the weights' shapes, and the vocabulary, checked
+    against ``vocab.json``, ``vocab`` and the config; ``config.json`` must equal ``config``."""
+    model_config = _model_config(config.get("model"), directory)
+    _check_shapes(model_config, state, path, "model_state")
+    file_vocab = _check_vocab(directory, path.name, itos, model_config, vocab)
+    _check_config_json(directory, path.name, config)
+    return model_config, file_vocab
+
+
+def _training_state(payload: dict[str, Any], path: Path, config: ModelConfig) -> TrainingState:
+    """The checked :class:`TrainingState` of a ``best_state.pt`` or format-1 ``model.pt``."""
+    _check_types(payload, path, _TRAINING_TYPES)
+    train_state = payload.get("train_state")
+    if train_state is not None:
+        _check_tensors(train_state, path, "train_state")
+        _check_shapes(config, train_state, path, "train_state")
+    return TrainingState(
         criterion_state=payload["criterion_state"],
         optimizer_state=payload["optimizer_state"],
         scheduler_state=payload["scheduler_state"],
         epoch=payload["epoch"],
         best_score=payload["best_score"],
         best_epoch=payload["best_epoch"],
-        config=payload["config"],
-        train_state=payload.get("train_state"),  # absent in checkpoints written before it
+        train_state=train_state,  # absent in checkpoints written before it
     )
 
 
@@ -228,9 +363,11 @@ def _cpu(state: Mapping[str, Any]) -> dict[str, Any]:
     return moved
 
 
-def _load_payload(path: Path, map_location: str) -> dict[str, Any]:
+def _load_pt(path: Path, map_location: str, what: str) -> dict[str, Any]:
+    """A ``torch.save`` dict of plain containers and tensors (``best_state.pt``, format 1's
+    ``model.pt``), its zip CRCs checked first; pickled code is refused."""
     if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}")
+        raise CheckpointError(f"no {what} at {path}")
     check_archive(path)
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
@@ -244,8 +381,8 @@ def _load_payload(path: Path, map_location: str) -> dict[str, Any]:
         raise CheckpointError(f"{path} is corrupted: {e}") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointError(f"{path} is corrupted: {e}") from None
-    if not isinstance(payload, dict) or "model_state" not in payload:
-        raise CheckpointError(f"{path} is not a sat checkpoint (no model_state)")
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{path} is not a sat {what} (not a dict)")
     return payload
 
 
@@ -265,23 +402,35 @@ def check_archive(path: Path) -> None:
         raise CheckpointError(f"{path} is corrupted: checksum mismatch in {bad}")
 
 
-def _check_payload_types(payload: dict[str, Any], path: Path) -> None:
-    for key, types in _PAYLOAD_TYPES.items():
+def _check_version(found: Any, expected: int, path: Path) -> None:
+    # safetensors metadata holds strings: "2" there is 2 in a torch.save payload
+    if found not in (expected, str(expected)) or isinstance(found, bool):
+        raise CheckpointError(f"{path}: format_version {found!r}, this code reads {expected}")
+
+
+def _check_types(
+    payload: Mapping[str, Any], path: Path, types: dict[str, tuple[type, ...]]
+) -> None:
+    """Every key of ``types`` is in ``payload`` with one of its types (bool is not an int)."""
+    for key, allowed in types.items():
         if key not in payload:
             raise CheckpointError(f"{path} is not a sat checkpoint: no {key!r}")
         value = payload[key]
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            names = " or ".join("None" if t is _NONE else t.__name__ for t in types)
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            names = " or ".join("None" if t is _NONE else t.__name__ for t in allowed)
             raise CheckpointError(f"{path}: {key} is {type(value).__name__}, expected {names}")
-    if not all(isinstance(w, str) for w in payload["itos"]):
+    if "itos" in types and not all(isinstance(w, str) for w in payload["itos"]):
         raise CheckpointError(f"{path}: itos holds a non-string word")
-    train_state = payload.get("train_state")
-    for key, state in (("model_state", payload["model_state"]), ("train_state", train_state)):
-        if state is not None and not (
-            isinstance(state, dict)
-            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
-        ):
-            raise CheckpointError(f"{path}: {key} is not a mapping of names to tensors")
+    if "model_state" in types:
+        _check_tensors(payload["model_state"], path, "model_state")
+
+
+def _check_tensors(state: Any, path: Path, what: str) -> None:
+    if not (
+        isinstance(state, dict)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
+    ):
+        raise CheckpointError(f"{path}: {what} is not a mapping of names to tensors")
 
 
 def _field_error(name: str, kind: str, value: Any) -> str:
@@ -351,7 +500,7 @@ def _check_shapes(
 
 
 def _check_vocab(
-    directory: Path, itos: list[str], config: ModelConfig, given: Vocab | None
+    directory: Path, weights: str, itos: list[str], config: ModelConfig, given: Vocab | None
 ) -> Vocab:
     try:
         on_disk = load_vocab(directory / VOCAB_FILE)
@@ -360,7 +509,7 @@ def _check_vocab(
     if list(on_disk.itos) != list(itos):
         raise CheckpointError(
             f"{directory / VOCAB_FILE} ({len(on_disk)} words) is not the vocabulary "
-            f"{MODEL_FILE} was trained with ({len(itos)} words)"
+            f"{weights} was trained with ({len(itos)} words)"
         )
     if config.vocab_size != len(itos):
         raise CheckpointError(
@@ -375,26 +524,36 @@ def _check_vocab(
     return on_disk
 
 
-def _check_config_json(directory: Path, config: dict[str, Any]) -> None:
+def _check_config_json(directory: Path, weights: str, config: dict[str, Any]) -> None:
     try:
         on_disk = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {directory / CONFIG_FILE}: {e}") from e
     if on_disk != config:
-        raise CheckpointError(f"{directory / CONFIG_FILE} does not match {MODEL_FILE}")
+        raise CheckpointError(f"{directory / CONFIG_FILE} does not match {weights}")
 
 
 def is_checkpoint_dir(directory: str | Path) -> bool:
-    """Whether ``directory`` holds a checkpoint sat wrote: ``model.pt`` beside a ``config.json``
-    with sat's keys (the test for "ours" before a model folder is replaced)."""
+    """Whether ``directory`` holds a checkpoint sat wrote: ``model.safetensors`` (or format 1's
+    ``model.pt``) beside a ``config.json`` with sat's keys (the test for "ours" before a model
+    folder is replaced)."""
     directory = Path(directory)
-    if not (directory / MODEL_FILE).is_file():
+    if not (directory / model_files(directory)[0]).is_file():
         return False
     try:
         config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
     return isinstance(config, dict) and "format_version" in config and "model" in config
+
+
+def model_files(directory: str | Path) -> tuple[str, str, str]:
+    """The files of ``directory`` that a model for use is loaded from (what a packaged model
+    carries and its hash covers): the weights, ``config.json`` and ``vocab.json``. The weights
+    are ``model.safetensors``, or ``model.pt`` in a format-1 folder."""
+    directory = Path(directory)
+    legacy = (directory / LEGACY_MODEL_FILE).is_file() and not (directory / MODEL_FILE).is_file()
+    return (LEGACY_MODEL_FILE if legacy else MODEL_FILE, CONFIG_FILE, VOCAB_FILE)
 
 
 def state_of(module: nn.Module) -> dict[str, torch.Tensor]:

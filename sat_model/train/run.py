@@ -3,9 +3,10 @@
 ``train_model`` is what ``sat train`` runs in-process and what every Ray Train worker runs with
 its ``rank``/``world_size``; it builds everything from files (``vocab.json``,
 ``captions.parquet``, ``{train,val}.arrow``) and, on rank 0, writes ``<out_dir>/<attention>/``:
-``model.pt`` + ``config.json`` + ``vocab.json`` (the best epoch so far, rewritten whenever
-validation BLEU-4 improves), ``train_metrics.json`` (flat keys) and ``curves.csv`` (epoch,
-train_loss, val_bleu_4, val_cider, lr; for ``dvc plots``), both rewritten every epoch, and
+the best epoch so far (``model.safetensors`` + ``config.json`` + ``vocab.json`` +
+``best_state.pt``, see :mod:`sat_model.model.checkpoint`; rewritten whenever validation BLEU-4
+improves), ``train_metrics.json`` (flat keys) and ``curves.csv`` (epoch, train_loss, val_bleu_4,
+val_cider, lr; for ``dvc plots``), both rewritten every epoch, and
 ``last_state.pt``, the last epoch's training state (weights, moving average, criterion state with
 the hard-attention baseline, optimiser, scheduler, torch RNG states, epoch, best score), rewritten
 atomically every epoch after the other files. The folder is complete after every epoch, so a
@@ -44,10 +45,10 @@ from sat_model.features.store import (
 from sat_model.model.checkpoint import (
     CURVES_FILE,
     LAST_STATE_FILE,
-    MODEL_FILE,
     TRAIN_METRICS_FILE,
     CheckpointError,
     check_archive,
+    is_checkpoint_dir,
     load_checkpoint,
     save_checkpoint,
 )
@@ -217,7 +218,7 @@ def save_training_state(path: Path, snapshot: Mapping[str, Any]) -> None:
 def load_training_state(path: Path) -> dict[str, Any]:
     """Read a file written by :func:`save_training_state`; :class:`CheckpointError` if it is not
     one (missing, corrupted, another format)."""
-    check_archive(path)  # torch.load does not check the zip's CRCs (model.pt gets the same)
+    check_archive(path)  # torch.load does not check the zip's CRCs (best_state.pt gets the same)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
@@ -608,20 +609,13 @@ def _resume(directory: Path, setup: _Setup, phases: list[_Phase]) -> tuple[Resum
     the phase it was saved in; returns where to resume and that phase's index in ``phases``.
     A likelihood phase that had ended goes on into the self-critical one, from its best
     weights."""
-    best = load_checkpoint(directory, vocab=setup.vocab)  # also checks the folder's vocabulary
-    if (directory / LAST_STATE_FILE).is_file():
-        state = load_training_state(directory / LAST_STATE_FILE)
+    last = directory / LAST_STATE_FILE
+    # also checks the folder's vocabulary; its training state only when there is no last one
+    best = load_checkpoint(directory, vocab=setup.vocab, training=not last.is_file())
+    if best.training is None:
+        state = load_training_state(last)
     else:
-        state = {
-            "model_state": best.model_state,
-            "train_state": best.train_state,
-            "criterion_state": best.criterion_state,
-            "optimizer_state": best.optimizer_state,
-            "scheduler_state": best.scheduler_state,
-            "epoch": best.epoch,
-            "best_score": best.best_score,
-            "best_epoch": best.best_epoch,
-        }
+        state = {"model_state": best.model_state, **vars(best.training)}
     names = [p.name for p in phases]
     saved = state.get("phase", LIKELIHOOD)
     if saved not in names:
@@ -683,7 +677,7 @@ def _restore_rng(rng: Mapping[str, Any] | None) -> None:
 
 def _read_metrics(model_dir: Path) -> dict[str, float]:
     path = model_dir / TRAIN_METRICS_FILE
-    if not (model_dir / MODEL_FILE).is_file() or not path.is_file():
+    if not is_checkpoint_dir(model_dir) or not path.is_file():
         return {}
     metrics: dict[str, float] = json.loads(path.read_text(encoding="utf-8"))
     return metrics

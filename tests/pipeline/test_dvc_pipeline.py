@@ -229,8 +229,8 @@ def test_repro_runs_every_stage_and_writes_every_output(project: Path) -> None:
         "data/prepared/vocab.json",
         "data/features/train.arrow",
         "data/features/test.arrow",
-        "models/soft/model.pt",
-        "models/hard/model.pt",
+        "models/soft/model.safetensors",
+        "models/hard/model.safetensors",
         "reports/soft/captions.json",
         "reports/hard/attention/index.html",
     ):
@@ -437,7 +437,7 @@ def test_push_then_a_fresh_clone_pulls_and_finds_nothing_to_run(
         dvc(fresh, "pull", "dvc.yaml")
     for rel in (
         "data/features/train.arrow",
-        "models/soft/model.pt",
+        "models/soft/model.safetensors",
         "models/hard/curves.csv",
         "reports/hard/metrics.json",
         "reports/soft/attention/index.html",

@@ -223,7 +223,7 @@ def _assert_model_is_code_not_pickle(model_dir: Path) -> None:
     # models-from-code: MLflow's code loader runs the logged source file, no python_model.pkl
     assert flavor["loader_module"] == "mlflow.pyfunc.loaders.code_model"
     assert "pyfunc_model.py" in files and "python_model.pkl" not in files
-    assert {"checkpoint/model.pt", "checkpoint/config.json", "checkpoint/vocab.json"} <= {
+    assert {"checkpoint/model.safetensors", "checkpoint/config.json", "checkpoint/vocab.json"} <= {
         f.split("artifacts/", 1)[-1] for f in files
     }
 

@@ -23,8 +23,8 @@ from sat_model.paths import PathError, output_path
 
 def _checkpoint(path: Path, weights: bytes) -> Path:
     path.mkdir(parents=True)
-    (path / "model.pt").write_bytes(weights)
-    (path / "config.json").write_text('{"format_version": 1, "model": {}}\n')
+    (path / "model.safetensors").write_bytes(weights)
+    (path / "config.json").write_text('{"format_version": 2, "model": {}}\n')
     return path
 
 
@@ -56,7 +56,7 @@ def test_copy_checkpoint_removes_a_killed_copys_temp_folder(tmp_path: Path) -> N
     leftover = _checkpoint(models / f".soft.{dead.pid}.k1ll3d", b"half")
     copy_checkpoint(_checkpoint(tmp_path / "run", b"new"), models / "soft")
     assert not leftover.exists()
-    assert (models / "soft" / "model.pt").read_bytes() == b"new"
+    assert (models / "soft" / "model.safetensors").read_bytes() == b"new"
     assert sorted(p.name for p in models.iterdir()) == ["soft"]
 
 

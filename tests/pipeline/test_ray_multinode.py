@@ -297,7 +297,7 @@ def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoi
     }
     model_dir = project / "models" / "soft"
     shipped = {str(p.relative_to(model_dir)) for p in model_dir.rglob("*") if p.is_file()}
-    assert shipped == set(stored) and "model.pt" in shipped
+    assert shipped == set(stored) and "model.safetensors" in shipped
     for name in shipped:
         with s3.open_input_stream(stored[name].path) as f:
             assert f.read() == (model_dir / name).read_bytes(), name

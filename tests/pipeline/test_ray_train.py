@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from ray import cloudpickle
 
@@ -203,15 +204,15 @@ def test_run_name_is_deterministic_and_changes_with_its_inputs() -> None:
 def test_copy_checkpoint_replaces_the_destination_whole(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
-    (src / "model.pt").write_bytes(b"new")
+    (src / "model.safetensors").write_bytes(b"new")
     dst = tmp_path / "models" / "soft"
     dst.mkdir(parents=True)
-    (dst / "model.pt").write_bytes(b"old")
-    (dst / "config.json").write_text('{"format_version": 1, "model": {}}')  # a sat checkpoint
+    (dst / "model.safetensors").write_bytes(b"old")
+    (dst / "config.json").write_text('{"format_version": 2, "model": {}}')  # a sat checkpoint
     (dst / "stale.json").write_text("{}")
     copy_checkpoint(src, dst)
-    assert sorted(p.name for p in dst.iterdir()) == ["model.pt"]
-    assert (dst / "model.pt").read_bytes() == b"new"
+    assert sorted(p.name for p in dst.iterdir()) == ["model.safetensors"]
+    assert (dst / "model.safetensors").read_bytes() == b"new"
     assert sorted(p.name for p in dst.parent.iterdir()) == ["soft"]  # no staging left behind
 
 
@@ -259,8 +260,8 @@ def test_train_with_ray_writes_the_model_folder_and_logs_each_epoch(
     assert etas[1:] == ["1 self-critical epoch", "0s"], etas
     model_dir = tiny_project / "models" / "soft"
     assert outcome.model_dir == model_dir
-    files = ("model.pt", "config.json", "vocab.json", "train_metrics.json", "curves.csv")
-    for name in (*files, "last_state.pt"):
+    files = ("model.safetensors", "config.json", "vocab.json", "train_metrics.json", "curves.csv")
+    for name in (*files, "best_state.pt", "last_state.pt"):
         assert (model_dir / name).is_file(), name
     assert outcome.metrics["epochs"] == 3
     assert load_training_state(model_dir / "last_state.pt")["phase"] == "self_critical"
@@ -309,9 +310,9 @@ def _project_copy(tiny_project: Path, root: Path) -> Path:
 
 
 def _states(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
-    best = torch.load(model_dir / "model.pt", weights_only=True)
+    best = safetensors.torch.load_file(model_dir / "model.safetensors")
     last = torch.load(model_dir / "last_state.pt", weights_only=True)
-    return {"best": best["model_state"], "last": last["model_state"]}
+    return {"best": best, "last": last["model_state"]}
 
 
 @pytest.mark.ray

@@ -28,7 +28,7 @@ from pipeline.tracking.registry import (
     promote_if_better,
     promotion_allowed,
 )
-from tests.factories import write_tiny_model
+from tests.factories import to_format_1, write_tiny_model
 from tests.pipeline.servers import mlflow_server
 
 NAME = "sat-captioner"
@@ -79,6 +79,11 @@ def test_checkpoint_hash_follows_the_files_not_the_folder(tmp_path):
     assert checkpoint_sha256(a) != checkpoint_sha256(other)
     (copy / "vocab.json").write_text((copy / "vocab.json").read_text() + " ")
     assert checkpoint_sha256(a) != checkpoint_sha256(copy)
+    bare = Path(shutil.copytree(a, tmp_path / "bare"))
+    (bare / "best_state.pt").unlink()  # the training state is not part of the model
+    assert checkpoint_sha256(bare) == checkpoint_sha256(a)
+    legacy = to_format_1(Path(shutil.copytree(a, tmp_path / "legacy")))
+    assert checkpoint_sha256(legacy) != checkpoint_sha256(a)  # a format-1 folder: its model.pt
 
 
 @pytest.fixture(scope="module")

@@ -309,12 +309,13 @@ class _RunsCode:
 
 def _damage(model: Path, how: str, marker: Path) -> str:
     """Damage the checkpoint folder ``model``; return the words its error must contain."""
-    if how == "pickled code":
+    if how == "pickled code":  # a format-1 folder (model.pt, before safetensors) that runs code
+        (model / "model.safetensors").unlink()
         torch.save({"format_version": 1, "model_state": _RunsCode(marker)}, model / "model.pt")
         return "refusing to unpickle code"
     if how == "corrupted":
-        data = (model / "model.pt").read_bytes()
-        (model / "model.pt").write_bytes(data[: len(data) // 2])
+        data = (model / "model.safetensors").read_bytes()
+        (model / "model.safetensors").write_bytes(data[: len(data) // 2])
         return "corrupted"
     other = Vocab(("<pad>", "<start>", "<end>", "<unk>", "a", "blue", "square"), 1, 100, 20)
     (model / "vocab.json").write_text(
@@ -379,7 +380,7 @@ def test_training_on_a_truncated_feature_store_names_the_file(
             project / "models",
             device="cpu",
         )
-    assert not (project / "models" / "soft" / "model.pt").exists()
+    assert not (project / "models" / "soft" / "model.safetensors").exists()
 
 
 # ----------------------------------------------------------------------- params, every stage

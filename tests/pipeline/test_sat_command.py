@@ -117,7 +117,7 @@ def test_caption_of_a_folder_that_is_no_model_is_one_line(workdir, tmp_path):
     done = _sat("caption", str(image), "--model", "models/absent", cwd=workdir)
     assert done.returncode == 1
     assert done.stderr.splitlines() == [
-        "sat caption: error: models/absent is not a model folder (no model.pt in it)"
+        "sat caption: error: models/absent is not a model folder (no model.safetensors in it)"
     ]
 
 

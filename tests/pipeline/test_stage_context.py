@@ -100,5 +100,5 @@ def test_the_evaluate_stage_reports_a_folder_that_is_no_model_in_one_line(
     assert evaluate.main([*argv, "--out", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        f"evaluate: error: no checkpoint at {tmp_path}/not_a_model/model.pt"
+        f"evaluate: error: no checkpoint at {tmp_path}/not_a_model/model.safetensors"
     ]

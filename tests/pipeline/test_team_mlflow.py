@@ -124,7 +124,7 @@ def test_repro_on_postgres_and_s3_keeps_nothing_local(team: Team) -> None:
         for page in team.s3.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
         for o in page.get("Contents", [])
     ]
-    for name in ("MLmodel", "model.pt", "captions.json", "curves.csv", "index.html"):
+    for name in ("MLmodel", "model.safetensors", "captions.json", "curves.csv", "index.html"):
         assert any(k.endswith("/" + name) for k in keys), f"no {name} in the bucket"
     assert not (team.project / "mlflow.db").exists()
     assert not (team.project / "mlartifacts").exists()

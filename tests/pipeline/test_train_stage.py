@@ -59,7 +59,13 @@ def test_train_stage_writes_model_folder_and_resumes_from_it(tmp_path: Path) -> 
     args = ["--params", str(params), "--attention", "soft", "--no-progress", "--in-process"]
     assert train.main(args) == 0
     model_dir = tmp_path / "models" / "soft"
-    for name in ("model.pt", "config.json", "vocab.json", "train_metrics.json", "curves.csv"):
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "vocab.json",
+        "train_metrics.json",
+        "curves.csv",
+    ):
         assert (model_dir / name).is_file(), name
     assert json.loads((model_dir / "train_metrics.json").read_text())["epochs"] == 1
     # continue the same run for one more epoch, with -S raising the epoch budget

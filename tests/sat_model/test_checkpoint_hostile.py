@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from sat_model.data.vocab import build_vocab
 from sat_model.model.checkpoint import (
@@ -19,9 +21,10 @@ from sat_model.model.checkpoint import (
     load_checkpoint,
     load_model,
     save_checkpoint,
+    weights_sha256,
 )
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
-from tests.factories import model_config
+from tests.factories import model_config, to_format_1
 
 WORDS = ["a", "red", "circle", "square"]
 
@@ -46,14 +49,39 @@ def checkpoint(tmp_path: Path) -> Path:
 
 
 def _rewrite(directory: Path, edit) -> None:
-    """Change the payload of ``model.pt`` (and ``config.json`` to agree), as a forger would."""
-    payload = torch.load(directory / MODEL_FILE, weights_only=True)
-    edit(payload)
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    (directory / MODEL_FILE).write_bytes(buffer.getvalue())
+    """Edit what the folder holds (and ``config.json`` to agree), as a forger would: one
+    payload of format 1's ``model.pt``, or the weights, metadata and ``best_state.pt`` of
+    format 2 rewritten with a matching ``weights_sha256``."""
+    if (directory / "model.pt").is_file():
+        payload = torch.load(directory / "model.pt", weights_only=True)
+        edit(payload)
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        (directory / "model.pt").write_bytes(buffer.getvalue())
+    else:
+        payload = _format_2_payload(directory)
+        edit(payload)
+        _write_format_2(directory, payload)
     if isinstance(payload.get("config"), dict):
         (directory / "config.json").write_text(json.dumps(payload["config"], indent=1) + "\n")
+
+
+def _format_2_payload(directory: Path) -> dict:
+    with safe_open(directory / MODEL_FILE, framework="pt") as f:
+        metadata = f.metadata()
+        weights = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (no __iter__)
+    sections = {key: json.loads(metadata[key]) for key in ("config", "itos")}
+    best = torch.load(directory / "best_state.pt", weights_only=True)
+    return {**best, **sections, "model_state": weights}
+
+
+def _write_format_2(directory: Path, payload: dict) -> None:
+    weights = payload.pop("model_state")
+    digest = weights_sha256(weights)
+    metadata = {"format_version": "2", "weights_sha256": digest}
+    metadata |= {key: json.dumps(payload.pop(key)) for key in ("config", "itos") if key in payload}
+    save_file(weights, directory / MODEL_FILE, metadata=metadata)
+    torch.save({**payload, "weights_sha256": digest}, directory / "best_state.pt")
 
 
 def _set_model_field(key: str, value: object):
@@ -86,6 +114,7 @@ def test_a_hostile_model_config_is_refused_before_the_model_is_built(
         load_model(checkpoint)
 
 
+@pytest.mark.parametrize("weights", ["model.safetensors", "model.pt"])
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -97,7 +126,6 @@ def test_a_hostile_model_config_is_refused_before_the_model_is_built(
         (lambda p: p.update(itos="a b c"), "itos is str, expected list"),
         (lambda p: p.update(epoch="3"), "epoch is str, expected int"),
         (lambda p: p.update(epoch=True), "epoch is bool, expected int"),
-        (lambda p: p.update(model_state={"w": [1.0]}), "not a mapping of names to tensors"),
         (lambda p: p["model_state"].pop("embedding.weight"), r"missing \['embedding.weight'\]"),
         (lambda p: p["model_state"].update(extra=torch.zeros(1)), r"unexpected \['extra'\]"),
         (
@@ -106,10 +134,26 @@ def test_a_hostile_model_config_is_refused_before_the_model_is_built(
         ),
     ],
 )
-def test_a_malformed_payload_is_a_checkpoint_error(checkpoint: Path, edit, message: str) -> None:
+def test_a_malformed_payload_is_a_checkpoint_error(
+    checkpoint: Path, edit, message: str, weights: str
+) -> None:
+    if weights == "model.pt":
+        to_format_1(checkpoint)
     _rewrite(checkpoint, edit)
     with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(checkpoint, training=True)
+
+
+def test_format_1_weights_that_are_not_tensors_are_refused(checkpoint: Path) -> None:
+    _rewrite(to_format_1(checkpoint), lambda p: p.update(model_state={"w": [1.0]}))
+    with pytest.raises(CheckpointError, match="not a mapping of names to tensors"):
         load_checkpoint(checkpoint)
+
+
+def test_weights_without_sat_metadata_are_refused(checkpoint: Path) -> None:
+    save_file(ShowAttendTell(_config(6)).state_dict(), checkpoint / MODEL_FILE)
+    with pytest.raises(CheckpointError, match="is not a sat checkpoint: no 'format_version'"):
+        load_model(checkpoint)
 
 
 def test_a_truncated_model_file_is_a_checkpoint_error(checkpoint: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from sat_model.train.trainer import (
     build_scheduler,
     fit,
 )
-from tests.factories import model_config, write_captions
+from tests.factories import model_config, to_format_1, write_captions
 
 L, D, K = 4, 6, 12
 
@@ -198,8 +199,8 @@ def test_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path: Pa
     with pytest.raises(NonFiniteLossError, match="nan at epoch 3"):
         _fit(model, None, [rec, Saver()], max_epochs=5, batches=_batches(nan_at_epoch=2))
     assert [s.epoch for s in rec.states] == [1, 2]  # no callback saw the bad epoch
-    saved = load_checkpoint(tmp_path)
-    assert saved.epoch == 2
+    saved = load_checkpoint(tmp_path, training=True)
+    assert saved.training is not None and saved.training.epoch == 2
     assert all(torch.isfinite(t).all() for t in saved.model_state.values())
     assert torch.equal(saved.model_state["out.weight"], rec.weights[-1])
 
@@ -394,8 +395,10 @@ def test_train_model_writes_a_loadable_model_metrics_and_curves(
     result = train_model(params, attention, prepared, features, tmp_path / "models", device="cpu")
     model_dir = tmp_path / "models" / attention
     assert result.model_dir == model_dir
-    assert {p.name for p in model_dir.iterdir()} >= {
-        "model.pt",
+    assert {p.name for p in model_dir.iterdir()} == {
+        "model.safetensors",
+        "best_state.pt",
+        "last_state.pt",
         "config.json",
         "vocab.json",
         "train_metrics.json",
@@ -437,7 +440,7 @@ def test_train_model_writes_a_loadable_model_metrics_and_curves(
     # the saved model is the best epoch's
     from sat_model.model.checkpoint import load_checkpoint
 
-    assert load_checkpoint(model_dir).epoch == metrics["best_epoch"]
+    assert load_checkpoint(model_dir, training=True).training.epoch == metrics["best_epoch"]
 
 
 @pytest.mark.parametrize(("monitor", "shipped"), [("cider", 2), ("bleu_4", 1)])
@@ -569,8 +572,8 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
     assert state["phase"] == "self_critical" and state["epoch"] == 4
     assert json.loads((whole / "train_metrics.json").read_text())["epochs"] == 4
     # the self-critical epochs moved the weights away from the best likelihood epoch's (1)
-    best = load_checkpoint(whole)
-    assert best.epoch == 1
+    best = load_checkpoint(whole, training=True)
+    assert best.training.epoch == 1
     moved = [not torch.equal(best.model_state[k], v) for k, v in state["model_state"].items()]
     assert sum(moved) > len(moved) // 2
 
@@ -578,7 +581,7 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
     mixed = train("mixed", 2, ("train.soft.scst_bleu_weight=1.0",), device="cpu")
     mixed_state = run.load_training_state(mixed / run.LAST_STATE_FILE)["model_state"]
     assert any(not torch.equal(mixed_state[k], v) for k, v in state["model_state"].items())
-    assert load_checkpoint(mixed).epoch == 1
+    assert load_checkpoint(mixed, training=True).training.epoch == 1
     for name, value in best.model_state.items():
         torch.testing.assert_close(load_checkpoint(mixed).model_state[name], value, msg=name)
 
@@ -593,11 +596,14 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
 
     likelihood = train("likelihood", 0, device="cpu")
     assert run.load_training_state(likelihood / run.LAST_STATE_FILE)["phase"] == "likelihood"
-    train("likelihood", 2, device="cpu", resume_from=likelihood)
-    resumed = run.load_training_state(likelihood / run.LAST_STATE_FILE)
-    assert resumed["phase"] == "self_critical" and resumed["epoch"] == 4
-    for name, value in state["model_state"].items():
-        torch.testing.assert_close(resumed["model_state"][name], value, msg=name)
+    # the same folder as the code before safetensors wrote it (format 1: model.pt) resumes alike
+    legacy = to_format_1(Path(shutil.copytree(likelihood, tmp_path / "legacy" / "soft")))
+    for folder, name in ((likelihood, "likelihood"), (legacy, "legacy")):
+        train(name, 2, device="cpu", resume_from=folder)
+        resumed = run.load_training_state(folder / run.LAST_STATE_FILE)
+        assert resumed["phase"] == "self_critical" and resumed["epoch"] == 4
+        for key, value in state["model_state"].items():
+            torch.testing.assert_close(resumed["model_state"][key], value, msg=key)
 
     with pytest.raises(CheckpointError, match="self_critical phase"):
         train("whole", 0, device="cpu", resume_from=whole)
