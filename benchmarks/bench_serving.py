@@ -1,10 +1,12 @@
-"""Serving and batch captioning: Ray Serve against ``sat serve``, Ray Data against one process.
+"""Serving and batch captioning: Ray Serve against MLflow's scoring server and ``sat serve``, Ray
+Data against one process.
 
 Serving: the same registered model (untrained, over the default encoder EfficientNet-Lite0)
-served by ``sat serve`` (the local engine) and by ``sat serve --engine ray`` on a local Ray, both
-up on the same cores and loaded in turn, round by round; 16 client threads each post one real
-photo per request (base64 in JSON, as a client does) for a fixed time; images/s and latency
-percentiles over the answered requests, medians over rounds.
+served by MLflow's own scoring server (``mlflow models serve``, the issue's baseline), by
+``sat serve`` (the local engine) and by ``sat serve --engine ray`` on a local Ray, all up on the
+same cores and loaded in turn, round by round (the order rotating); 16 client threads each post
+one real photo per request (base64 in JSON, as a client does) for a fixed time; images/s and
+latency percentiles over the answered requests, medians over rounds.
 
 Batch captioning, on the same photos: ``sat caption``'s one-process path
 (:meth:`Captioner.caption_files`) and the encoder's forward pass alone on the same photos already
@@ -73,9 +75,15 @@ def _register(root: Path) -> str:
     return uri
 
 
-def _serve(root: Path, engine: str, port: int) -> subprocess.Popen[bytes]:
+def _serve(root: Path, engine: str, port: int, uri: str) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
     command = [str(SAT), "serve", "--engine", engine, "--port", str(port)]
+    if engine == "mlflow":  # MLflow's scoring server of the same champion, in this venv
+        env["MLFLOW_TRACKING_URI"] = uri
+        env["PATH"] = f"{SAT.parent}{os.pathsep}{env.get('PATH', '')}"
+        model = f"models:/{NAME}@champion"
+        command = [str(SAT.with_name("mlflow")), "models", "serve", "-m", model]
+        command += ["--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)]
     process = subprocess.Popen(
         command, cwd=root, env=env, stdout=subprocess.DEVNULL, start_new_session=True
     )
@@ -148,21 +156,21 @@ def _load(url: str, bodies: list[bytes], clients: int, seconds: float) -> dict:
 
 
 def bench_serving(
-    root: Path, photos: list[Path], clients: int, seconds: float, rounds: int
+    root: Path, uri: str, photos: list[Path], clients: int, seconds: float, rounds: int
 ) -> dict:
-    """Both servers up at once, loaded in turn (the first alternating round by round), so a
-    machine whose load drifts slows both alike; medians over rounds."""
+    """The servers up at once, loaded in turn (the order rotating round by round), so a
+    machine whose load drifts slows them alike; medians over rounds."""
     rows = [[[base64.b64encode(p.read_bytes()).decode()]] for p in photos]
     split = [{"dataframe_split": {"columns": ["image"], "data": r}} for r in rows]
     bodies = [json.dumps(doc).encode() for doc in split]
-    engines = {"local": 18761, "ray": 18762}
-    processes = [_serve(root, engine, port) for engine, port in engines.items()]
+    engines = {"mlflow": 18760, "local": 18761, "ray": 18762}
+    processes = [_serve(root, engine, port, uri) for engine, port in engines.items()]
     runs: dict[str, list[dict]] = {engine: [] for engine in engines}
     try:
         for port in engines.values():
             _load(f"http://127.0.0.1:{port}", bodies[:4], 4, 5)  # warm-up
         for r in range(rounds):
-            order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+            order = list(engines)[r % 3 :] + list(engines)[: r % 3]
             for engine in order:
                 url = f"http://127.0.0.1:{engines[engine]}"
                 runs[engine].append(_load(url, bodies, clients, seconds))
@@ -177,6 +185,10 @@ def bench_serving(
             "latency_p50_s": statistics.median(x["latency_p50_s"] for x in results),
             "latency_p95_s": statistics.median(x["latency_p95_s"] for x in results),
         }
+    for engine in ("ray", "local"):
+        figures[f"{engine}_over_mlflow_images_per_s"] = (
+            figures[engine]["images_per_s"] / figures["mlflow"]["images_per_s"]
+        )
     figures["ray_over_local_images_per_s"] = (
         figures["ray"]["images_per_s"] / figures["local"]["images_per_s"]
     )
@@ -270,10 +282,10 @@ def main() -> None:
         source, photos = _photos(args.flickr8k, args.images, Path(tmp))
         root = Path(tmp) / "bench"
         root.mkdir()
-        _register(root)
+        uri = _register(root)
         serving, batch = None, None
         if args.only != "batch":
-            serving = bench_serving(root, photos, args.clients, args.seconds, args.rounds)
+            serving = bench_serving(root, uri, photos, args.clients, args.seconds, args.rounds)
         if args.only != "serving":
             batch = bench_batch(root, photos, args.batch_size, args.rounds)
     result = {

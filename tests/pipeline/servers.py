@@ -233,6 +233,7 @@ def _auth_config(tmp: Path, user: str, password: str) -> Path:
         f"admin_username = {user}\n"
         f"admin_password = {password}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        "auth_cache_ttl_seconds = 60\n"
     )
     return path
 
