@@ -19,10 +19,11 @@ $(BIN)/python:
 # Re-install when the project's dependency list changes. setuptools' editable build warns, on
 # every install, to beware of folders named like the package in the working directory (this
 # repository is that directory): the filter keeps that notice off the user's terminal.
-# --no-compile: Python compiles a module at its first import, so only the modules in use are
-# compiled, not the whole 7 GB tree (docs/EXPERIMENTS.md has the install's time both ways).
+# pip byte-compiles everything it installs: this environment sets PYTHONDONTWRITEBYTECODE, so a
+# module pip did not compile would be compiled again by every process that imports it
+# (docs/EXPERIMENTS.md: --no-compile saved a minute of install and cost 15 minutes of tests).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install --quiet --no-compile -e '.[dev]'
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
 # `make run PROFILE=flickr8k`: the same pipeline on a dataset profile, profiles/<name>/ (its own
