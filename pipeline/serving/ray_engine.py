@@ -1,11 +1,11 @@
 """``sat serve --engine ray``: the champion on Ray Serve, behind the same front door.
 
-Two deployments. ``FrontDoor`` (no CPU of its own) is the front door of
-:mod:`pipeline.serving.front_door` as a Ray Serve ingress: the same checks, requests and
-answers as ``sat serve``. ``CaptionModel`` holds the model, loaded in each replica from the
-registry with the installed code and checked against its recorded sha256
-(:mod:`pipeline.serving.registered`); concurrent requests reach it through ``@serve.batch`` and
-are captioned together, their images sharing one batched beam search. Replicas scale between
+One deployment, ``CaptionModel``, is both the ingress and the model: each replica runs the front
+door of :mod:`pipeline.serving.front_door` (the same checks, requests and answers as
+``sat serve``) over a model loaded from the registry with the installed code and checked against
+its recorded sha256 (:mod:`pipeline.serving.registered`). Concurrent requests meet in
+``@serve.batch`` and are captioned together, their images sharing one batched beam search; a
+request's body never leaves the replica that read it. Replicas scale between
 ``serve.ray.min_replicas`` and ``max_replicas`` on the requests in flight. Every
 ``serve.ray.reload_interval_s`` each replica looks at the alias it serves (``@champion``); when
 ``sat promote`` has moved it, the replica loads the new version and serves it from then on.
@@ -21,14 +21,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle
 
 from pipeline.serving.front_door import build_app
 from pipeline.serving.registered import ServedModel, load_served_model
 from sat_model.caption_request import PreparedRequest, RequestError
 from sat_model.config import ServeConfig
 
-__all__ = ["CaptionModel", "FrontDoor", "application", "run"]
+__all__ = ["CaptionModel", "application", "run"]
 
 _logger = logging.getLogger(__name__)
 
@@ -38,8 +37,10 @@ _GRACE: dict[str, Any] = {"graceful_shutdown_timeout_s": 5.0, "graceful_shutdown
 
 
 @serve.deployment(**_GRACE)
+@serve.ingress()
 class CaptionModel:
-    """The model: requests in, rows (or the reason a request is refused) out."""
+    """The front door and the model: requests in, rows (or the reason a request is refused)
+    out."""
 
     def __init__(self, model_uri: str, tracking_uri: str, serve_cfg: ServeConfig) -> None:
         self.uri, self.tracking_uri = model_uri, tracking_uri
@@ -52,10 +53,17 @@ class CaptionModel:
             # Serve runs a replica's constructor on its event loop
             self._watch = asyncio.get_running_loop().create_task(self._follow_alias())
 
-    async def caption(
-        self, values: list[Any], params: Mapping[str, Any]
-    ) -> list[dict[str, Any]] | RequestError:
-        return await self.caption_batch((values, dict(params)))
+    def __serve_build_asgi_app__(self) -> Any:
+        async def predict(values: list[Any], params: Mapping[str, Any]) -> list[dict[str, Any]]:
+            answer = await self.caption_batch((values, dict(params)))
+            if isinstance(answer, RequestError):
+                raise answer
+            return answer
+
+        async def describe() -> Mapping[str, Any]:
+            return self.served.describe()
+
+        return build_app(predict, _front_door(self.serve), describe)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.05)
     async def caption_batch(
@@ -76,9 +84,6 @@ class CaptionModel:
             return [p if isinstance(p, RequestError) else next(answers) for p in prepared]
 
         return await asyncio.get_running_loop().run_in_executor(None, work)
-
-    def describe(self) -> dict[str, Any]:
-        return self.served.describe()
 
     def __del__(self) -> None:  # Serve's shutdown of a replica waits for its tasks
         if hasattr(self, "_watch"):
@@ -107,45 +112,27 @@ class CaptionModel:
         return load_served_model(self.uri, self.tracking_uri, self.serve)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, **_GRACE)
-@serve.ingress()
-class FrontDoor:
-    """The front door as a Ray Serve ingress; predictions go to ``CaptionModel``."""
-
-    def __init__(self, model: DeploymentHandle, serve_cfg: ServeConfig) -> None:
-        self.model = model
-        self.serve = serve_cfg
-
-    def __serve_build_asgi_app__(self) -> Any:
-        async def predict(values: list[Any], params: Mapping[str, Any]) -> list[dict[str, Any]]:
-            answer = await self.model.caption.remote(values, params)
-            if isinstance(answer, RequestError):
-                raise answer
-            return answer
-
-        async def describe() -> Mapping[str, Any]:
-            return await self.model.describe.remote()
-
-        return build_app(predict, self.serve, describe)
+def _front_door(serve_cfg: ServeConfig) -> ServeConfig:
+    """A replica's front-door limits: two batches' worth of predictions in flight, so that the
+    next batch fills while one is captioned."""
+    return serve_cfg.model_copy(
+        update={"max_concurrent_requests": serve_cfg.ray.max_batch_size * 2}
+    )
 
 
 def application(model_uri: str, tracking_uri: str, serve_cfg: ServeConfig) -> Any:
-    """The bound Serve application: the front door over the model's replicas. Predictions in
-    flight are bounded by what the replicas batch (``max_batch_size`` x ``max_replicas``), not
-    by ``serve.max_concurrent_requests``, so that concurrent requests can meet in a batch."""
+    """The bound Serve application. Serve hands a replica up to ``serve.max_queued_requests``
+    requests at once, so that its front door, not Serve's queue, admits and refuses them."""
     ray_cfg = serve_cfg.ray
-    in_flight = ray_cfg.max_batch_size * ray_cfg.max_replicas
-    front = serve_cfg.model_copy(update={"max_concurrent_requests": in_flight})
-    model = CaptionModel.options(  # type: ignore[attr-defined]
+    return CaptionModel.options(  # type: ignore[attr-defined]
         ray_actor_options={"num_cpus": ray_cfg.num_cpus},
         autoscaling_config={
             "min_replicas": ray_cfg.min_replicas,
             "max_replicas": ray_cfg.max_replicas,
             "target_ongoing_requests": ray_cfg.target_ongoing_requests,
         },
-        max_ongoing_requests=ray_cfg.max_batch_size * 2,
+        max_ongoing_requests=serve_cfg.max_queued_requests,
     ).bind(model_uri, tracking_uri, serve_cfg)
-    return FrontDoor.bind(model, front)  # type: ignore[attr-defined]
 
 
 def run(model_uri: str, tracking_uri: str, serve_cfg: ServeConfig, host: str, port: int) -> None:

@@ -24,7 +24,6 @@ from typing import IO
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
-from torchvision.transforms import functional as TF
 
 __all__ = [
     "FILE_FORMATS",
@@ -41,6 +40,9 @@ __all__ = [
     "to_rgb",
 ]
 
+# _TORCHVISION: torchvision is imported where pixels are made, not with this module: importing it
+# costs a second of CPU (it pulls in torch._dynamo), and every params load imports this module
+# through the encoder registry.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -257,6 +259,8 @@ def encoder_view(
     ``keep_aspect``, both sides) resized to ``resize``, then the centre ``crop × crop``."""
     if crop > resize:
         raise ValueError(f"crop {crop} is larger than resize {resize}")
+    from torchvision.transforms import functional as TF  # see _TORCHVISION
+
     size = [resize] if keep_aspect else [resize, resize]
     resized = TF.resize(image, size, interpolation=TF.InterpolationMode.BILINEAR)
     view: Image.Image = TF.center_crop(resized, [crop, crop])
@@ -273,6 +277,8 @@ def resize_crop(
     """
     if image.mode != "RGB":
         raise ValueError(f"preprocess expects an RGB image, got mode {image.mode!r}")
+    from torchvision.transforms import functional as TF  # see _TORCHVISION
+
     pixels: torch.Tensor = TF.pil_to_tensor(encoder_view(image, resize, crop, keep_aspect))
     return pixels  # (3, S, S) uint8
 
@@ -287,6 +293,8 @@ def normalize_pixels(
     The same float operations in the same order for one image or a batch, so a batch normalised
     at once equals its images normalised one by one, bit for bit.
     """
+    from torchvision.transforms import functional as TF  # see _TORCHVISION
+
     normalised: torch.Tensor = TF.normalize(pixels.float().div_(255.0), mean, std, inplace=True)
     return normalised
 
