@@ -2,7 +2,8 @@
 
 The address comes from, in order: an explicit argument (``sat tune --address``), ``RAY_ADDRESS``,
 ``ray.address`` in params; with none of them Ray starts locally with ``ray.num_cpus`` CPUs. The
-dashboard and usage statistics are off and logs are quiet unless the user asks otherwise.
+dashboard and usage statistics are off, logs are quiet and Ray Train starts no preemption watcher
+unless the user asks otherwise.
 
 A single-machine Ray must stay on loopback: Ray rewrites ``127.0.0.1`` to the machine's network
 address unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set, so :func:`loopback_env` sets it
@@ -33,23 +34,26 @@ __all__ = [
 ]
 
 # Defaults a user may still override in the environment (setdefault, never overwrite).
-_QUIET_ENV = {
+_DEFAULT_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # keep 127.0.0.1 as given (see module docstring)
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # Train's print patch spams the driver's terminal
+    # an actor per fit that waits for spot-instance preemption notices: a process (about a
+    # second of CPU) that clusters this project starts have no use for (docs/EXPERIMENTS.md)
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
 
 
 def loopback_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     """Return ``base`` (default ``os.environ``) plus the loopback/quiet Ray defaults it lacks."""
     env = dict(os.environ if base is None else base)
-    for key, value in _QUIET_ENV.items():
+    for key, value in _DEFAULT_ENV.items():
         env.setdefault(key, value)
     return env
 
 
 def _apply_loopback_env() -> None:
-    for key, value in _QUIET_ENV.items():
+    for key, value in _DEFAULT_ENV.items():
         os.environ.setdefault(key, value)
 
 
