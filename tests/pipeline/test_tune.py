@@ -94,12 +94,28 @@ def check_recorded_sweep(project: Path, out: str, trials: int) -> None:
     table in its output ``out``, best_params.yaml, one MLflow parent run and a child per trial,
     and a ``dvc exp run`` line that trains the winner. The sweep itself is run the way the README
     gives it, in tests/pipeline/test_dvc_pipeline.py."""
-    best_file = project / "reports" / "tune" / "best_params.yaml"
-    best = yaml.safe_load(best_file.read_text())
+    best = yaml.safe_load((project / "reports" / "tune" / "best_params.yaml").read_text())
     assert best["metric"] == "val_bleu_4" and best["attention"] == "soft"
     assert set(best["params"]) == {"train.soft.lr", "train.soft.doubly_stochastic"}
     assert f"{best['score']:.4f}" in out
-    # the trial table: a header, then rows of trial, status, epoch, searched values, BLEU-4
+    _check_trial_table(out, trials)
+    params = load_params(project / "params.yaml")
+    trial_values = _check_parent_and_child_runs(params, project, best, trials)
+    # applying the printed `dvc exp run -S ...` line gives that trial's values exactly
+    printed = [line for line in out.splitlines() if "dvc exp run" in line]
+    assert printed and printed[-1].endswith(best["apply"])
+    command = shlex.split(best["apply"])
+    assert command[:3] == ["dvc", "exp", "run"]
+    flags, overrides = command[3::2], command[4::2]
+    assert set(flags) == {"-S"} and len(flags) == len(overrides) == 2
+    applied = load_params(project / "params.yaml", overrides)
+    assert applied.train.soft.lr == trial_values["train.soft.lr"]
+    assert applied.train.soft.doubly_stochastic == trial_values["train.soft.doubly_stochastic"]
+    assert applied.train.hard == params.train.hard and applied.model == params.model
+
+
+def _check_trial_table(out: str, trials: int) -> None:
+    """The trial table: a header, then rows of trial, status, epoch, searched values, BLEU-4."""
     table = out.splitlines()
     header = next(i for i, line in enumerate(table) if line.startswith("trial "))
     assert table[header].split() == [
@@ -115,7 +131,12 @@ def check_recorded_sweep(project: Path, out: str, trials: int) -> None:
     assert {row[1] for row in rows} <= {"running", "done"}
     assert all(row[2] in {"1", "2"} for row in rows if row[1] == "running")
 
-    params = load_params(project / "params.yaml")
+
+def _check_parent_and_child_runs(
+    params: Params, project: Path, best: dict, trials: int
+) -> dict[str, float]:
+    """One parent run, a finished child per trial with its values and curves, and the best
+    score one the winner logged; returns the winner's values."""
     tracking = connect(params.mlflow, project)
     client = tracking.client()
     runs = client.search_runs([tracking.experiment_id], "tags.`sat.sweep` = '1'")
@@ -139,21 +160,10 @@ def check_recorded_sweep(project: Path, out: str, trials: int) -> None:
     # last MLflow values: a trial that ASHA stops can log one more epoch than Tune received
     assert any(best["score"] == pytest.approx(s, rel=1e-9, abs=0.0) for s in scores)
     assert parent.data.metrics["best_val_bleu_4"] == pytest.approx(best["score"])
-
     # the best is the trial it names: that trial logged the score and the params recorded
     (winner,) = [c for c in children if c.data.tags["sat.trial_id"] == best["trial_id"]]
     history = client.get_metric_history(winner.info.run_id, "val_bleu_4")
     assert best["score"] in [m.value for m in history]
     trial_values = {k: float(v) for k, v in winner.data.params.items()}
     assert best["params"] == trial_values
-    # applying the printed `dvc exp run -S ...` line gives that trial's values exactly
-    printed = [line for line in out.splitlines() if "dvc exp run" in line]
-    assert printed and printed[-1].endswith(best["apply"])
-    command = shlex.split(best["apply"])
-    assert command[:3] == ["dvc", "exp", "run"]
-    flags, overrides = command[3::2], command[4::2]
-    assert set(flags) == {"-S"} and len(flags) == len(overrides) == 2
-    applied = load_params(project / "params.yaml", overrides)
-    assert applied.train.soft.lr == trial_values["train.soft.lr"]
-    assert applied.train.soft.doubly_stochastic == trial_values["train.soft.doubly_stochastic"]
-    assert applied.train.hard == params.train.hard and applied.model == params.model
+    return trial_values
