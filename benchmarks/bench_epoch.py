@@ -30,10 +30,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sat_model.config import ATTENTION_KINDS, Params, load_params
+from sat_model.config import (
+    ATTENTION_KINDS,
+    HardTrainConfig,
+    Params,
+    SoftTrainConfig,
+    load_params,
+)
 from sat_model.data.tables import read_caption_rows
 from sat_model.data.vocab import END_ID, Vocab, load_vocab
 from sat_model.features.store import FeatureStore
+from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.decoding import greedy
 from sat_model.model.factory import build_model
 from sat_model.model.losses import SelfCriticalLoss, build_criterion
@@ -115,32 +122,69 @@ def bench_epoch(
     of each epoch, scaled to the whole epoch by the batch count."""
     cfg = params.train.soft if attention == "soft" else params.train.hard
     dataset, vocab = _split(params, prepared, "train", grid)
+    model = _model(params, cfg, len(vocab), grid, attention, device)
+    sampler = LengthGroupedBatchSampler(dataset.lengths, cfg.batch_size, seed=params.train.seed)
+    options = _fit_options(params, cfg, device)
+    out = {
+        "attention": attention,
+        "mixed_precision": params.train.mixed_precision,
+        "train_captions": len(dataset),
+    }
+    out |= _likelihood_epoch(
+        model, dataset, sampler.batches(0), cfg, attention, options, max_batches
+    )
+    if cfg.scst_epochs > 0:
+        out |= _self_critical_epoch(model, dataset, params, cfg, options, max_batches)
+    return out | _validation_decode(model, params, prepared, grid, attention, device)
+
+
+def _model(
+    params: Params,
+    cfg: SoftTrainConfig | HardTrainConfig,
+    vocab_size: int,
+    grid: tuple[int, int, int],
+    attention: str,
+    device: torch.device,
+) -> ShowAttendTell:
+    """The stage's model for ``attention`` at the features' shape, seeded as the stage seeds it."""
     h, w, d = grid
     torch.manual_seed(params.train.seed)
-    model = build_model(
+    return build_model(
         params.model,
-        vocab_size=len(vocab),
+        vocab_size=vocab_size,
         annotation_dim=d,
         num_locations=h * w,
         grid_w=w,
         attention=attention,
         **semi_sampling_options(cfg),
     ).to(device)
-    sampler = LengthGroupedBatchSampler(dataset.lengths, cfg.batch_size, seed=params.train.seed)
-    autocast = torch.bfloat16 if params.train.mixed_precision == "bf16" else None
 
-    def options(max_epochs: int = 1) -> FitOptions:
-        return FitOptions(
-            max_epochs=max_epochs,
-            patience=max_epochs,
-            device=device,
-            grad_clip=cfg.grad_clip,
-            seed=params.train.seed * 1_000,
-            ema_decay=cfg.ema_decay,
-            autocast_dtype=autocast,
-        )
 
-    batches = sampler.batches(0)
+def _fit_options(
+    params: Params, cfg: SoftTrainConfig | HardTrainConfig, device: torch.device
+) -> FitOptions:
+    """The stage's options for one epoch: clipping, EMA and ``train.mixed_precision``."""
+    return FitOptions(
+        max_epochs=1,
+        patience=1,
+        device=device,
+        grad_clip=cfg.grad_clip,
+        seed=params.train.seed * 1_000,
+        ema_decay=cfg.ema_decay,
+        autocast_dtype=torch.bfloat16 if params.train.mixed_precision == "bf16" else None,
+    )
+
+
+def _likelihood_epoch(
+    model: ShowAttendTell,
+    dataset: CaptionDataset,
+    batches: list[list[int]],
+    cfg: SoftTrainConfig | HardTrainConfig,
+    attention: str,
+    options: FitOptions,
+    max_batches: int | None,
+) -> dict:
+    """One likelihood epoch over the sampler's ``batches`` (the first ``max_batches`` timed)."""
     timed = batches[:max_batches]
     likelihood = fit(
         model,
@@ -149,46 +193,66 @@ def bench_epoch(
         None,
         lambda epoch: (dataset.collate(b) for b in timed),
         None,
-        options(),
+        options,
     ).history[0]
-    out = {
-        "attention": attention,
-        "mixed_precision": params.train.mixed_precision,
-        "train_captions": len(dataset),
+    return {
         "likelihood_epoch_s": likelihood.train_seconds * len(batches) / len(timed),
         "likelihood_batches": len(batches),
         "likelihood_batches_timed": len(timed),
         "likelihood_captions_per_s": likelihood.captions / likelihood.train_seconds,
     }
 
-    if cfg.scst_epochs > 0:
-        reward = Reward(references_by_image(dataset), cfg.scst_bleu_weight, cfg.scst_bleu1_weight)
-        images = ImageBatches(
-            dataset,
-            model,
-            reward,
-            batch_size=cfg.scst_batch_size,
-            num_samples=cfg.scst_samples,
-            max_length=params.train.val_max_length,
-            seed=params.train.seed,
-            epoch=0,
-        )
-        total = len(images.batches)
-        images.batches = images.batches[:max_batches]
-        scst = fit(
-            model,
-            SelfCriticalLoss(),
-            build_optimizer(model.parameters(), cfg.optimizer, cfg.scst_lr),
-            None,
-            lambda epoch: images,
-            None,
-            options(),
-            step_loss=self_critical_step,
-        ).history[0]
-        out["self_critical_epoch_s"] = scst.train_seconds * total / len(images.batches)
-        out["self_critical_batches"] = total
-        out["self_critical_batches_timed"] = len(images.batches)
 
+def _self_critical_epoch(
+    model: ShowAttendTell,
+    dataset: CaptionDataset,
+    params: Params,
+    cfg: SoftTrainConfig | HardTrainConfig,
+    options: FitOptions,
+    max_batches: int | None,
+) -> dict:
+    """One self-critical epoch: ``scst_batch_size`` training images a batch, captions sampled
+    from the model and rewarded as the stage rewards them (the first ``max_batches`` timed)."""
+    reward = Reward(references_by_image(dataset), cfg.scst_bleu_weight, cfg.scst_bleu1_weight)
+    images = ImageBatches(
+        dataset,
+        model,
+        reward,
+        batch_size=cfg.scst_batch_size,
+        num_samples=cfg.scst_samples,
+        max_length=params.train.val_max_length,
+        seed=params.train.seed,
+        epoch=0,
+    )
+    total = len(images.batches)
+    images.batches = images.batches[:max_batches]
+    scst = fit(
+        model,
+        SelfCriticalLoss(),
+        build_optimizer(model.parameters(), cfg.optimizer, cfg.scst_lr),
+        None,
+        lambda epoch: images,
+        None,
+        options,
+        step_loss=self_critical_step,
+    ).history[0]
+    return {
+        "self_critical_epoch_s": scst.train_seconds * total / len(images.batches),
+        "self_critical_batches": total,
+        "self_critical_batches_timed": len(images.batches),
+    }
+
+
+def _validation_decode(
+    model: ShowAttendTell,
+    params: Params,
+    prepared: Path,
+    grid: tuple[int, int, int],
+    attention: str,
+    device: torch.device,
+) -> dict:
+    """Seconds of the stage's greedy decode of the validation images, every caption run to
+    ``val_max_length`` words."""
     val, _ = _split(params, prepared, "val", grid)
     val_rows = sorted(set(val.image_indices.tolist()))
     if params.train.val_images:
@@ -206,9 +270,7 @@ def bench_epoch(
 
     with torch.no_grad():
         seconds = _seconds(device, decode)
-    out["validation_images"] = len(val_rows)
-    out["validation_decode_s"] = seconds
-    return out
+    return {"validation_images": len(val_rows), "validation_decode_s": seconds}
 
 
 def _grid(text: str | None, params: Params, root: Path) -> tuple[int, int, int]:

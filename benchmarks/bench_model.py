@@ -22,10 +22,11 @@ import platform
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ from sat_model.config import (
 )
 from sat_model.data.vocab import END_ID, PAD_ID, START_ID
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
-from sat_model.model.decoding import beam_search
+from sat_model.model.decoding import Caption, beam_search
 from sat_model.model.factory import build_model
 from sat_model.model.kernels import native
 from sat_model.model.kernels.backend import torch_lstm_step
@@ -60,6 +61,12 @@ class Dims:
     n: int
     A: int
     K: int
+
+
+# the Flickr8k profile (profiles/flickr8k/params.yaml): Lite2's head at 260 px, 9x9x1280
+FLICKR8K = Dims("flickr8k", 81, 1280, 256, 512, 256, 2500)
+TUTORIAL = Dims("tutorial", 196, 512, 512, 512, 512, 2600)  # sgrvinod's tutorial's sizes
+PAPER = Dims("paper", 196, 512, 512, 1800, 512, 10_000)
 
 
 def matmul_flops(size: int = 2048, repeats: int = 5) -> dict[str, float]:
@@ -280,6 +287,34 @@ def tutorial_loss(
     return (nll + lam * penalty.sum()) / B
 
 
+def _soft_fields(d: Dims) -> dict[str, Any]:
+    """``ModelConfig``'s fields at ``d``'s sizes: soft attention with the gate, dropout 0.5."""
+    return dict(
+        vocab_size=d.K,
+        annotation_dim=d.D,
+        num_locations=d.L,
+        embed_dim=d.m,
+        hidden_dim=d.n,
+        attention_dim=d.A,
+        dropout=0.5,
+        gate=True,
+        attention="soft",
+    )
+
+
+def _interleaved_best(
+    runs: Mapping[str, Callable[[], object]], rounds: int, device: str = "cpu"
+) -> dict[str, float]:
+    """Fastest time of each run over ``rounds`` interleaved rounds: this machine's speed drifts
+    by tens of percent over seconds, and timing one way after the other would hand the drift
+    to one side only."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, run in runs.items():
+            best[name] = min(best[name], _best_time(run, 1, device))
+    return best
+
+
 def bench_against_reference(
     d: Dims,
     batch: int,
@@ -294,68 +329,91 @@ def bench_against_reference(
     words; with ``baseline`` (``load_tree``) also that tree's step. Interleaved rounds, best
     of each."""
     gen = torch.Generator().manual_seed(0)
-    fields = dict(
-        vocab_size=d.K,
-        annotation_dim=d.D,
-        num_locations=d.L,
-        embed_dim=d.m,
-        hidden_dim=d.n,
-        attention_dim=d.A,
-        dropout=0.5,
-        gate=True,
-        attention="soft",
-    )
-    config = ModelConfig(**fields)  # type: ignore[arg-type]
-    ours = ShowAttendTell(config, backend="fast").to(device)
-    eager = ShowAttendTell(config, backend="fast").to(device)
-    readable = ShowAttendTell(config, backend="readable").to(device)
-    theirs = ShowAttendTell(config, backend="readable").to(device)
-    for model in (eager, readable, theirs):
-        model.load_state_dict(ours.state_dict())
+    fields = _soft_fields(d)
+    models = _reference_models(fields, device)
     criterion = build_criterion("soft", SoftTrainConfig(doubly_stochastic=doubly_stochastic)).to(
         device
     )
     annotations = torch.randn(batch, d.L, d.D, generator=gen).to(device)
     captions = _captions(batch, 20, d.K, gen).to(device)  # lengths 10-20 tokens after <start>
+    steps = _reference_steps(models, criterion, annotations, captions, doubly_stochastic)
+    if baseline is not None:
+        steps["baseline"] = _baseline_training_step(
+            baseline, fields, models["ours"], device, doubly_stochastic
+        )(annotations, captions)
+    for step in steps.values():
+        step()  # warm-up
+    best = _interleaved_best(steps, rounds, device)
+    return _reference_row(d, batch, rounds, device, best)
 
-    def step_of(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> Callable[[], None]:
-        # the project's optimizer (Adam, fused where torch has it) for the project's steps,
-        # torch's default Adam for the reference, as a plain implementation would write it
-        fused = model is not theirs
-        opt = build_optimizer(model.parameters(), "adam", lr=1e-4) if fused else None
-        opt = opt or torch.optim.Adam(model.parameters(), lr=1e-4)
 
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            loss().backward()
-            opt.step()
+def _reference_models(fields: dict[str, Any], device: str) -> dict[str, ShowAttendTell]:
+    """The models ``bench_against_reference`` times, all with the first one's weights: the fast
+    backend twice (with and without the compiled kernels), the readable model, and the
+    readable model the tutorial's step runs on."""
+    config = ModelConfig(**fields)
+    models = {
+        "ours": ShowAttendTell(config, backend="fast").to(device),
+        "without_native_kernels": ShowAttendTell(config, backend="fast").to(device),
+        "readable": ShowAttendTell(config, backend="readable").to(device),
+        "reference": ShowAttendTell(config, backend="readable").to(device),
+    }
+    for name in ("without_native_kernels", "readable", "reference"):
+        models[name].load_state_dict(models["ours"].state_dict())
+    return models
 
-        return step
+
+def _reference_steps(
+    models: dict[str, ShowAttendTell],
+    criterion: torch.nn.Module,
+    annotations: torch.Tensor,
+    captions: torch.Tensor,
+    doubly_stochastic: float,
+) -> dict[str, Callable[[], None]]:
+    """A training step of each of ``_reference_models``: the project's loss (the fast step
+    once with the compiled kernels off) and, for the reference, ``tutorial_loss``."""
+    ours, eager = models["ours"], models["without_native_kernels"]
+    readable, theirs = models["readable"], models["reference"]
 
     def eager_loss() -> torch.Tensor:
         with native.turned_off():  # the project's fused step with the compiled kernels off
             return criterion(eager(annotations, captions), captions).loss
 
-    steps = {
-        "ours": step_of(ours, lambda: criterion(ours(annotations, captions), captions).loss),
-        "without_native_kernels": step_of(eager, eager_loss),
-        "readable": step_of(
+    return {
+        "ours": _adam_step(ours, lambda: criterion(ours(annotations, captions), captions).loss),
+        "without_native_kernels": _adam_step(eager, eager_loss),
+        "readable": _adam_step(
             readable, lambda: criterion(readable(annotations, captions), captions).loss
         ),
-        "reference": step_of(
-            theirs, lambda: tutorial_loss(theirs, annotations, captions, doubly_stochastic)
+        "reference": _adam_step(
+            theirs,
+            lambda: tutorial_loss(theirs, annotations, captions, doubly_stochastic),
+            fused=False,
         ),
     }
-    if baseline is not None:
-        steps["baseline"] = _baseline_training_step(
-            baseline, fields, ours, device, doubly_stochastic
-        )(annotations, captions)
-    for step in steps.values():
-        step()  # warm-up
-    best = dict.fromkeys(steps, float("inf"))
-    for _ in range(rounds):
-        for name, step in steps.items():
-            best[name] = min(best[name], _best_time(step, 1, device))
+
+
+def _adam_step(
+    model: torch.nn.Module, loss: Callable[[], torch.Tensor], fused: bool = True
+) -> Callable[[], None]:
+    """A training step of ``loss``: the project's optimizer (Adam, fused where torch has it)
+    for the project's steps, torch's default Adam (``fused=False``) for the reference, as a
+    plain implementation would write it."""
+    if fused:
+        opt = build_optimizer(model.parameters(), "adam", lr=1e-4)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss().backward()
+        opt.step()
+
+    return step
+
+
+def _reference_row(d: Dims, batch: int, rounds: int, device: str, best: dict[str, float]) -> dict:
+    """``bench_against_reference``'s row from the best seconds of each step."""
     row = {
         "device": device,
         "dims": d.name,
@@ -373,7 +431,7 @@ def bench_against_reference(
         "readable_speedup_over_reference": best["reference"] / best["readable"],
         "matmul_flops_per_s": train_step_flops(d, batch, 20) / best["ours"],
     }
-    if baseline is not None:
+    if "baseline" in best:
         row["baseline_captions_per_s"] = batch / best["baseline"]
         row["over_baseline"] = best["baseline"] / best["ours"]
         row["baseline_speedup_over_reference"] = best["reference"] / best["baseline"]
@@ -434,18 +492,8 @@ def bench_beam(
     then also counts the images whose batched caption equals the float32 model's. With
     ``baseline`` (``load_tree``), that tree's batched search on the same weights too."""
     torch.manual_seed(0)
-    fields = dict(
-        vocab_size=d.K,
-        annotation_dim=d.D,
-        num_locations=d.L,
-        embed_dim=d.m,
-        hidden_dim=d.n,
-        attention_dim=d.A,
-        dropout=0.5,
-        gate=True,
-        attention="soft",
-    )
-    model = ShowAttendTell(ModelConfig(**fields)).to(device)  # type: ignore[arg-type]
+    fields = _soft_fields(d)
+    model = ShowAttendTell(ModelConfig(**fields)).to(device)
     with torch.no_grad():
         model.out.bias[END_ID] = -1e4  # every caption runs to max_length: equal work both ways
     annotations = torch.randn(images, d.L, d.D, device=device)
@@ -456,52 +504,91 @@ def bench_beam(
     beam_search(model, annotations[:2], beam, max_length)  # warm-up
     batched = beam_search(model, annotations, beam, max_length)
     single = [beam_search(model, a.unsqueeze(0), beam, max_length)[0] for a in annotations]
+    runs = _beam_runs(model, annotations, beam, max_length, device)
+    if baseline is not None:
+        runs["baseline"] = _baseline_beam_run(
+            baseline, fields, model, annotations, beam, max_length
+        )
+    best = _interleaved_best(runs, rounds, device)
+    same = _same_captions(batched, single)
+    row: dict = {}
+    if baseline is not None:
+        row["baseline_batched_captions_per_s"] = images / best["baseline"]
+        row["batched_over_baseline"] = best["baseline"] / best["batched"]
+    if float32_captions is not None:
+        row["images_with_the_same_caption_both_ways"] = same
+        row["images_with_the_float32_caption"] = _same_captions(batched, float32_captions)
+    return row | _beam_row(d, images, beam, max_length, device, rounds, dtype, best, same)
 
-    def batched_run() -> object:
+
+def _beam_runs(
+    model: ShowAttendTell, annotations: torch.Tensor, beam: int, max_length: int, device: str
+) -> dict[str, Callable[[], object]]:
+    """Batched beam search, the same with the compiled kernels off (on the CPU only: they are
+    CPU code, elsewhere both runs are the same) and one image at a time."""
+
+    def batched() -> object:
         return beam_search(model, annotations, beam, max_length)
 
-    def batched_eager_run() -> object:
+    def batched_eager() -> object:
         with native.turned_off():
             return beam_search(model, annotations, beam, max_length)
 
-    def single_run() -> object:
+    def one_at_a_time() -> object:
         return [beam_search(model, a.unsqueeze(0), beam, max_length) for a in annotations]
 
-    baseline_run = None
-    if baseline is not None:
-        other = baseline["decoder"].ShowAttendTell(baseline["decoder"].ModelConfig(**fields))
-        other = other.to(device=device, dtype=dtype)
-        other.load_state_dict(model.state_dict())
-        other_search = baseline["decoding"].beam_search
-        other_search(other, annotations[:2], beam, max_length)  # warm-up
+    runs: dict[str, Callable[[], object]] = {"batched": batched}
+    if device == "cpu":
+        runs["without_native_kernels"] = batched_eager
+    runs["one_at_a_time"] = one_at_a_time
+    return runs
 
-        def baseline_run() -> object:
-            return other_search(other, annotations, beam, max_length)
 
-    # interleaved rounds, best of each: this machine's speed drifts by tens of percent over
-    # seconds, and timing one way after the other would hand the drift to one side only
-    batched_s = single_s = baseline_s = float("inf")
-    eager_s = float("inf") if device == "cpu" else 0.0
-    for _ in range(rounds):
-        batched_s = min(batched_s, _best_time(batched_run, 1, device))
-        if device == "cpu":  # the kernels are CPU code: elsewhere both runs are the same
-            eager_s = min(eager_s, _best_time(batched_eager_run, 1, device))
-        single_s = min(single_s, _best_time(single_run, 1, device))
-        if baseline_run is not None:
-            baseline_s = min(baseline_s, _best_time(baseline_run, 1, device))
-    same = sum(x.tokens == y.tokens for x, y in zip(batched, single, strict=True))
+def _baseline_beam_run(
+    tree: dict[str, ModuleType],
+    fields: dict[str, Any],
+    model: ShowAttendTell,
+    annotations: torch.Tensor,
+    beam: int,
+    max_length: int,
+) -> Callable[[], object]:
+    """Batched beam search through another tree's modules (``load_tree``), with ``model``'s
+    weights on the annotations' device and dtype; warmed up."""
+    other = tree["decoder"].ShowAttendTell(tree["decoder"].ModelConfig(**fields))
+    other = other.to(device=annotations.device, dtype=annotations.dtype)
+    other.load_state_dict(model.state_dict())
+    other_search = tree["decoding"].beam_search
+    other_search(other, annotations[:2], beam, max_length)  # warm-up
+
+    def run() -> object:
+        return other_search(other, annotations, beam, max_length)
+
+    return run
+
+
+def _same_captions(ours: list[Caption], theirs: list[Caption]) -> int:
+    """How many images have the same caption (tokens) both ways."""
+    return sum(x.tokens == y.tokens for x, y in zip(ours, theirs, strict=True))
+
+
+def _beam_row(
+    d: Dims,
+    images: int,
+    beam: int,
+    max_length: int,
+    device: str,
+    rounds: int,
+    dtype: torch.dtype,
+    best: dict[str, float],
+    same: int,
+) -> dict:
+    """``bench_beam``'s row from the best seconds of each run and the count of images whose
+    batched caption is the one-at-a-time one."""
+    batched_s, single_s = best["batched"], best["one_at_a_time"]
+    eager_s = best.get("without_native_kernels", 0.0)
     # one row per image at the first step, then all B*k rows (<end> is unreachable here)
     row_steps = images * (1 + beam * (max_length - 1))
-    row: dict = {}
-    if baseline_run is not None:
-        row["baseline_batched_captions_per_s"] = images / baseline_s
-        row["batched_over_baseline"] = baseline_s / batched_s
-    if float32_captions is not None:
-        row["images_with_the_same_caption_both_ways"] = same
-        row["images_with_the_float32_caption"] = sum(
-            x.tokens == y.tokens for x, y in zip(batched, float32_captions, strict=True)
-        )
-    return row | {
+    return {
         "device": device,
         "dtype": str(dtype).removeprefix("torch."),
         "dims": d.name,
@@ -527,18 +614,42 @@ def bench_compiled(d: Dims, batch: int, rounds: int, beam_images: int) -> dict:
     ``advance`` and ``deep_output``, the equations of a step) against the hand-written backend,
     training (soft, forward + backward) and batched beam search; interleaved rounds, best of
     each, the compile time apart. Where Inductor cannot compile, the error instead."""
+    fast, compiled = _compiled_models(d)
+    criterion = build_criterion("soft", SoftTrainConfig())
+    gen = torch.Generator().manual_seed(0)
+    annotations = torch.randn(batch, d.L, d.D, generator=gen)
+    captions = _captions(batch, 20, d.K, gen)
+    images = annotations[:beam_images]
+    row: dict = {"dims": d.name, "batch": batch, "beam_images": beam_images, "rounds": rounds}
+    try:
+        start = time.perf_counter()
+        _training_pass(compiled, criterion, annotations, captions)()
+        _beam_pass(compiled, images)()
+        row["compile_s"] = time.perf_counter() - start
+    except Exception as exc:
+        return row | {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+    runs = {
+        "fast_train": _training_pass(fast, criterion, annotations, captions),
+        "compiled_train": _training_pass(compiled, criterion, annotations, captions),
+        "fast_beam": _beam_pass(fast, images),
+        "compiled_beam": _beam_pass(compiled, images),
+    }
+    for run in runs.values():
+        run()  # warm-up
+    best = _interleaved_best(runs, rounds)
+    return row | {
+        "training_captions_per_s": {k: batch / best[f"{k}_train"] for k in ("fast", "compiled")},
+        "beam_captions_per_s": {k: beam_images / best[f"{k}_beam"] for k in ("fast", "compiled")},
+        "training_fast_over_compiled": best["compiled_train"] / best["fast_train"],
+        "beam_fast_over_compiled": best["compiled_beam"] / best["fast_beam"],
+    }
+
+
+def _compiled_models(d: Dims) -> tuple[ShowAttendTell, ShowAttendTell]:
+    """The fast backend's model, and the readable one with its weights and its step's equations
+    (``advance``, ``deep_output``) wrapped by ``torch.compile``, compiled at their first call."""
     torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=d.K,
-        annotation_dim=d.D,
-        num_locations=d.L,
-        embed_dim=d.m,
-        hidden_dim=d.n,
-        attention_dim=d.A,
-        dropout=0.5,
-        gate=True,
-        attention="soft",
-    )
+    config = ModelConfig(**_soft_fields(d))
     fast = ShowAttendTell(config, backend="fast")
     compiled = ShowAttendTell(config, backend="readable")
     compiled.load_state_dict(fast.state_dict())
@@ -547,53 +658,33 @@ def bench_compiled(d: Dims, batch: int, rounds: int, beam_images: int) -> dict:
     torch._dynamo.config.recompile_limit = 64
     compiled.advance = torch.compile(compiled.advance)  # type: ignore[method-assign]
     compiled.deep_output = torch.compile(compiled.deep_output)  # type: ignore[method-assign]
-    criterion = build_criterion("soft", SoftTrainConfig())
-    gen = torch.Generator().manual_seed(0)
-    annotations = torch.randn(batch, d.L, d.D, generator=gen)
-    captions = _captions(batch, 20, d.K, gen)
-    images = annotations[:beam_images]
+    return fast, compiled
 
-    def train(model: ShowAttendTell) -> Callable[[], None]:
-        def step() -> None:
-            model.zero_grad(set_to_none=True)
-            criterion(model(annotations, captions), captions).loss.backward()
 
-        return step
+def _training_pass(
+    model: ShowAttendTell,
+    criterion: torch.nn.Module,
+    annotations: torch.Tensor,
+    captions: torch.Tensor,
+) -> Callable[[], None]:
+    """Forward and backward of the loss over the batch, no optimizer step."""
 
-    def decode(model: ShowAttendTell) -> Callable[[], None]:
-        def run() -> None:
-            with torch.no_grad():
-                beam_search(model.eval(), images, 3, 20)
-            model.train()
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        criterion(model(annotations, captions), captions).loss.backward()
 
-        return run
+    return step
 
-    row: dict = {"dims": d.name, "batch": batch, "beam_images": beam_images, "rounds": rounds}
-    try:
-        start = time.perf_counter()
-        train(compiled)()
-        decode(compiled)()
-        row["compile_s"] = time.perf_counter() - start
-    except Exception as exc:
-        return row | {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
-    runs = {
-        "fast_train": train(fast),
-        "compiled_train": train(compiled),
-        "fast_beam": decode(fast),
-        "compiled_beam": decode(compiled),
-    }
-    for run in runs.values():
-        run()  # warm-up
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(rounds):
-        for name, run in runs.items():
-            best[name] = min(best[name], _best_time(run, 1))
-    return row | {
-        "training_captions_per_s": {k: batch / best[f"{k}_train"] for k in ("fast", "compiled")},
-        "beam_captions_per_s": {k: beam_images / best[f"{k}_beam"] for k in ("fast", "compiled")},
-        "training_fast_over_compiled": best["compiled_train"] / best["fast_train"],
-        "beam_fast_over_compiled": best["compiled_beam"] / best["fast_beam"],
-    }
+
+def _beam_pass(model: ShowAttendTell, images: torch.Tensor) -> Callable[[], None]:
+    """Batched beam search (beam 3, 20 words) over ``images``, the model left in training mode."""
+
+    def run() -> None:
+        with torch.no_grad():
+            beam_search(model.eval(), images, 3, 20)
+        model.train()
+
+    return run
 
 
 def speedup_bound(beam: dict, peak: float) -> float:
@@ -603,7 +694,8 @@ def speedup_bound(beam: dict, peak: float) -> float:
     return float(beam["one_at_a_time_s"] / (beam["batched_matmul_flops"] / peak))
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command-line options; the module docstring shows the usual runs."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations, default dims only")
     parser.add_argument("--params", default="params.yaml")
@@ -636,43 +728,38 @@ def main(argv: list[str] | None = None) -> dict:
         help="only torch.compile of the readable step against the hand-written backend, at the "
         "default, the Flickr8k profile's and the paper's sizes (model_compiled.json)",
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """The rows the options ask for, at the default sizes (the params file's model, 14x14x112
+    features, 100 words) and, by option, others; written to ``benchmarks/results/``."""
+    args = _parse_args(argv)
     params = load_params(args.params)
     mp = params.model
     beam_images = args.beam_images or params.eval.batch_size
-    dims = [Dims("default", 196, 112, mp.embed_dim, mp.hidden_dim, mp.attention_dim, 100)]
+    default = Dims("default", 196, 112, mp.embed_dim, mp.hidden_dim, mp.attention_dim, 100)
     if args.device == "cuda":
-        return _main_cuda(dims[0], beam_images)
+        return _main_cuda(default, beam_images)
     baseline = load_tree(args.baseline) if args.baseline else None
     if args.comparison:
-        return comparison(dims[0], beam_images, args.rounds, baseline)
+        return comparison(default, beam_images, args.rounds, baseline)
     if args.compiled:
-        flickr8k = Dims("flickr8k", 81, 1280, 256, 512, 256, 2500)
-        paper = Dims("paper", 196, 512, 512, 1800, 512, 10_000)
-        rows = [bench_compiled(d, 64, args.rounds, beam_images) for d in (dims[0], flickr8k, paper)]
-        path = RESULTS.with_name("model_compiled.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
-        print(json.dumps(rows, indent=2))
+        rows = [bench_compiled(d, 64, args.rounds, beam_images) for d in (default, FLICKR8K, PAPER)]
+        _write_json(RESULTS.with_name("model_compiled.json"), rows)
         return {"compiled": rows}
-    if not args.quick:
-        dims.append(Dims("paper", 196, 512, 512, 1800, 512, 10_000))
+    return _main_cpu([default] if args.quick else [default, PAPER], beam_images, args.quick)
+
+
+def _main_cpu(dims: list[Dims], beam_images: int, quick: bool) -> dict:
+    """The CPU rows (``model.json``): training captions/s, the reference comparison, f_att's
+    nonlinearity, the LSTM kernels and beam search, against the float32 matmul peak; without
+    ``quick`` also beam search at the paper's sizes and in bfloat16."""
     backends = matmul_flops()
     peak = max(backends.values())
-    training = []
-    for d in dims:
-        iters = 3 if args.quick or d.name == "paper" else 5
-        for attention in ATTENTION_KINDS:
-            row = bench_training(d, attention, batch=64, steps=16, iters=iters)
-            row["fraction_of_matmul_peak"] = row["matmul_flops_per_s"] / peak
-            training.append(row)
-    tutorial = Dims("tutorial", 196, 512, 512, 512, 512, 2600)
-    against_reference = []
-    for d in [dims[0]] if args.quick else [dims[0], tutorial]:
-        row = bench_against_reference(d, batch=64, rounds=2 if args.quick else 3)
-        row["fraction_of_matmul_peak"] = row["matmul_flops_per_s"] / peak
-        against_reference.append(row)
-    result = {
+    training = _training_rows(dims, quick, peak)
+    against_reference = _against_reference_rows(dims[0], quick, peak)
+    result: dict = {
         "training_against_reference": against_reference,
         "device": "cpu",
         "threads": torch.get_num_threads(),
@@ -688,32 +775,71 @@ def main(argv: list[str] | None = None) -> dict:
         ],
         "beam_search": bench_beam(dims[0], images=beam_images, beam=3, max_length=20),
     }
-    if not args.quick:  # one-image decoding at the paper's sizes: ~25 s a round here
+    if not quick:  # one-image decoding at the paper's sizes: ~25 s a round here
         result["beam_search_paper"] = bench_beam(
             dims[1], images=beam_images, beam=3, max_length=20, rounds=2
         )
     for key in ("beam_search", "beam_search_paper"):
         if key in result:
-            beam = result[key]
-            beam["batched_fraction_of_matmul_peak"] = beam["batched_matmul_flops_per_s"] / peak
-            beam["speedup_bound_at_float32_matmul_peak"] = speedup_bound(beam, peak)
-    if not args.quick:  # bfloat16 (AMX where the CPU has it): faster products, other rounding
-        bf16_peak = cpu_bf16_matmul_flops()
-        result["matmul_bf16_flops_per_s"] = bf16_peak
-        result["beam_search_bf16"] = [
-            bench_beam(d, beam_images, 3, 20, rounds=3 if d is dims[0] else 1, dtype=torch.bfloat16)
-            for d in dims
-        ]
-        for beam in result["beam_search_bf16"]:
-            beam["speedup_bound_at_bf16_matmul_peak"] = speedup_bound(beam, bf16_peak)
+            _add_float32_bound(result[key], peak)
+    if not quick:  # bfloat16 (AMX where the CPU has it): faster products, other rounding
+        result |= _bf16_beam_rows(dims, beam_images)
     if torch.cuda.is_available():  # the same comparison where a GPU is present
         result["beam_search_gpu"] = bench_beam(
             dims[0], images=beam_images, beam=3, max_length=20, device="cuda"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps(result, indent=2))
+    _write_json(RESULTS, result)
     return result
+
+
+def _training_rows(dims: list[Dims], quick: bool, peak: float) -> list[dict]:
+    """``bench_training`` for each size and attention, with its fraction of ``peak``."""
+    rows = []
+    for d in dims:
+        iters = 3 if quick or d.name == "paper" else 5
+        for attention in ATTENTION_KINDS:
+            row = bench_training(d, attention, batch=64, steps=16, iters=iters)
+            row["fraction_of_matmul_peak"] = row["matmul_flops_per_s"] / peak
+            rows.append(row)
+    return rows
+
+
+def _against_reference_rows(default: Dims, quick: bool, peak: float) -> list[dict]:
+    """``bench_against_reference`` at the default sizes (and, without ``quick``, the
+    tutorial's), with its fraction of ``peak``."""
+    rows = []
+    for d in [default] if quick else [default, TUTORIAL]:
+        row = bench_against_reference(d, batch=64, rounds=2 if quick else 3)
+        row["fraction_of_matmul_peak"] = row["matmul_flops_per_s"] / peak
+        rows.append(row)
+    return rows
+
+
+def _bf16_beam_rows(dims: list[Dims], beam_images: int) -> dict:
+    """The bfloat16 matmul peak and ``bench_beam`` in bfloat16 at each size, with its speedup
+    bound at that peak."""
+    bf16_peak = cpu_bf16_matmul_flops()
+    rows = [
+        bench_beam(d, beam_images, 3, 20, rounds=3 if d is dims[0] else 1, dtype=torch.bfloat16)
+        for d in dims
+    ]
+    for beam in rows:
+        beam["speedup_bound_at_bf16_matmul_peak"] = speedup_bound(beam, bf16_peak)
+    return {"matmul_bf16_flops_per_s": bf16_peak, "beam_search_bf16": rows}
+
+
+def _add_float32_bound(beam: dict, peak: float) -> None:
+    """A ``bench_beam`` row's batched search as a fraction of the float32 matmul ``peak``, and
+    its speedup bound at that peak."""
+    beam["batched_fraction_of_matmul_peak"] = beam["batched_matmul_flops_per_s"] / peak
+    beam["speedup_bound_at_float32_matmul_peak"] = speedup_bound(beam, peak)
+
+
+def _write_json(path: Path, data: object) -> None:
+    """``data`` as indented JSON to ``path`` (its folder made where missing) and to stdout."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(data, indent=2))
 
 
 def comparison(
@@ -723,8 +849,6 @@ def comparison(
     paper's sizes, and batched beam search against one image at a time (default and paper
     sizes), each beside ``baseline``'s where given, and beam search's fraction of the float32
     matmul bound at the paper's sizes."""
-    tutorial = Dims("tutorial", 196, 512, 512, 512, 512, 2600)
-    paper = Dims("paper", 196, 512, 512, 1800, 512, 10_000)
     backends = matmul_flops()
     peak = max(backends.values())
     result: dict = {
@@ -735,22 +859,18 @@ def comparison(
         "matmul_peak_flops_per_s": peak,
         "training_against_reference": [
             bench_against_reference(d, 64, rounds, baseline=baseline)
-            for d in (tutorial, default, paper)
+            for d in (TUTORIAL, default, PAPER)
         ],
         "beam_search": [
             bench_beam(
                 d, beam_images, 3, 20, rounds=rounds if d is default else 1, baseline=baseline
             )
-            for d in (default, paper)
+            for d in (default, PAPER)
         ],
     }
     for beam in result["beam_search"]:
-        beam["batched_fraction_of_matmul_peak"] = beam["batched_matmul_flops_per_s"] / peak
-        beam["speedup_bound_at_float32_matmul_peak"] = speedup_bound(beam, peak)
-    path = RESULTS.with_name("model_comparison.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps(result, indent=2))
+        _add_float32_bound(beam, peak)
+    _write_json(RESULTS.with_name("model_comparison.json"), result)
     return result
 
 
@@ -770,13 +890,9 @@ def _main_cuda(default: Dims, beam_images: int) -> dict:
     """The GPU rows: training captions/s in float32 and under bf16 autocast
     (``train.mixed_precision``), the reference comparison, and batched against per-image beam
     search, at the default, the Flickr8k profile's, the tutorial's and the paper's sizes."""
-    # the Flickr8k profile (profiles/flickr8k/params.yaml): Lite2's head at 260 px, 9x9x1280
-    flickr8k = Dims("flickr8k", 81, 1280, 256, 512, 256, 2500)
-    tutorial = Dims("tutorial", 196, 512, 512, 512, 512, 2600)
-    paper = Dims("paper", 196, 512, 512, 1800, 512, 10_000)
     peaks = cuda_matmul_flops()
     training = []
-    for d in (default, flickr8k, tutorial, paper):
+    for d in (default, FLICKR8K, TUTORIAL, PAPER):
         for attention in ATTENTION_KINDS:
             for autocast in (None, torch.bfloat16):
                 row = bench_training(d, attention, 64, 16, 10, "cuda", autocast)
@@ -791,17 +907,14 @@ def _main_cuda(default: Dims, beam_images: int) -> dict:
         "training": training,
         "training_against_reference": [
             bench_against_reference(d, batch=64, rounds=5, device="cuda")
-            for d in (default, tutorial)
+            for d in (default, TUTORIAL)
         ],
         "beam_search": [
             bench_beam(d, images=beam_images, beam=3, max_length=20, device="cuda", rounds=3)
-            for d in (default, flickr8k, paper)
+            for d in (default, FLICKR8K, PAPER)
         ],
     }
-    path = RESULTS.with_name("model_cuda.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps(result, indent=2))
+    _write_json(RESULTS.with_name("model_cuda.json"), result)
     return result
 
 
