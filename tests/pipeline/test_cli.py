@@ -162,10 +162,9 @@ def test_caption_of_only_missing_files_says_so_before_looking_for_a_model(projec
     assert not (project / "mlflow.db").exists()
 
 
-@pytest.mark.java
-@pytest.mark.mlflow
-@pytest.mark.slow
-def test_evaluate_register_models_promote_and_caption_the_champion(project, capsys):
+def _evaluate_soft(project):
+    """`sat evaluate --attention soft`: its metrics, pointing accuracy and attention gallery;
+    returns the metrics."""
     assert main(["evaluate", "--attention", "soft"]) == 0
     metrics = json.loads((project / "reports/soft/metrics.json").read_text())
     assert {"bleu_4", "meteor", "rouge_l", "cider", "pointing_accuracy"} <= set(metrics)
@@ -177,8 +176,12 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     assert gallery.images == ["images/000.png", "images/001.png"]
     for src in gallery.images:  # the photo, then 4 words
         assert sum(map(len, figure_panels(project / "reports/soft/attention" / src))) == 1 + 4
+    return metrics
 
-    # a store named in params (not the default mlflow.db) is the one every command uses
+
+def _register_in_the_params_store(project):
+    """A store named in params (not the default mlflow.db) is the one every command uses; the
+    register stage makes version 1 the champion, then reuses it. Returns the store's URI."""
     store = project / "elsewhere.db"
     with (project / "params.yaml").open("a") as f:
         f.write(f"mlflow: {{tracking_uri: 'sqlite:///{store}'}}\n")
@@ -190,7 +193,11 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     assert register.main([]) == 0  # the same checkpoint again: no second version
     report = json.loads((project / "reports/registry.json").read_text())
     assert report["versions"][0] == {**report["versions"][0], "version": "1", "reused": True}
-    _the_served_champion_decodes_as_it_was_evaluated(project, f"sqlite:///{store}")
+    return f"sqlite:///{store}"
+
+
+def _summary_models_and_promote_name_the_champion(capsys, metrics):
+    """`sat summary`, `sat models` and `sat promote` on the registry with version 1."""
     # `make run` ends with `sat summary`: the champion as a user asks for it, by name and version
     capsys.readouterr()
     assert main(["summary"]) == 0
@@ -207,6 +214,10 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     assert "version 1" in capsys.readouterr().out
     assert main(["promote", "--version", "7"]) == 1
 
+
+def _caption_with_the_champion(project, capsys):
+    """`sat caption` with no --model captions with the champion, in process and as the installed
+    command; a model name nobody registered fails with one line."""
     image = project / "data" / "prepared" / "images" / "t1.png"
     assert main(["caption", str(image)]) == 0  # default: models:/sat-captioner@champion
     assert capsys.readouterr().out.startswith(f"{image}: ")
@@ -225,18 +236,18 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     assert line.startswith("sat caption: error: no champion model registered as ")
     assert "models:/absent@champion" in line and "make run" in line
 
-    assert main(["evaluate", "--model", "models:/sat-captioner@champion"]) == 0
-    assert (project / "reports/eval/sat-captioner@champion/metrics.json").exists()
 
-    # the same checkpoint scored with another length penalty: a new version, served that way
+def _another_length_penalty_is_a_new_version(project, capsys, tracking):
+    """The same checkpoint scored with another length penalty: a new version, served that way,
+    while the champion stays version 1."""
     text = (project / "params.yaml").read_text().replace("{soft: 1.5}", "{soft: 0.0}")
     (project / "params.yaml").write_text(text)
     assert main(["evaluate", "--attention", "soft"]) == 0
     assert register.main([]) == 0
     report = json.loads((project / "reports/registry.json").read_text())
     assert report["versions"][0] == {**report["versions"][0], "version": "2", "reused": False}
-    assert _served_length_penalty(f"sqlite:///{store}", "models:/sat-captioner/2") == 0.0
-    assert _served_length_penalty(f"sqlite:///{store}", "models:/sat-captioner/1") == 1.5
+    assert _served_length_penalty(tracking, "models:/sat-captioner/2") == 0.0
+    assert _served_length_penalty(tracking, "models:/sat-captioner/1") == 1.5
     assert register.main([]) == 0  # and that one is found again
     report = json.loads((project / "reports/registry.json").read_text())
     assert report["versions"][0] == {**report["versions"][0], "version": "2", "reused": True}
@@ -245,6 +256,22 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     capsys.readouterr()
     assert main(["summary"]) == 0
     assert "champion: sat-captioner version 1 (soft attention" in capsys.readouterr().out
+
+
+@pytest.mark.java
+@pytest.mark.mlflow
+@pytest.mark.slow
+def test_evaluate_register_models_promote_and_caption_the_champion(project, capsys):
+    metrics = _evaluate_soft(project)
+    tracking = _register_in_the_params_store(project)
+    _the_served_champion_decodes_as_it_was_evaluated(project, tracking)
+    _summary_models_and_promote_name_the_champion(capsys, metrics)
+    _caption_with_the_champion(project, capsys)
+
+    assert main(["evaluate", "--model", "models:/sat-captioner@champion"]) == 0
+    assert (project / "reports/eval/sat-captioner@champion/metrics.json").exists()
+
+    _another_length_penalty_is_a_new_version(project, capsys, tracking)
 
 
 def _served_length_penalty(tracking, uri):

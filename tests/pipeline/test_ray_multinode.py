@@ -201,17 +201,9 @@ def _read_log(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.java
-@pytest.mark.skipif(shutil.which("java") is None, reason="validation BLEU needs Java")
-def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoint(
-    cluster: Cluster, tiny_project: Path, tmp_path: Path
-) -> None:
-    import pyarrow.fs as pafs
-
-    from sat_model.model.checkpoint import load_checkpoint
-
-    env, tracking_uri = cluster.env, cluster.tracking_uri
-    project = tmp_path / "project"
+def _write_ddp_project(tiny_project: Path, project: Path, tracking_uri: str) -> Path:
+    """Copies the tiny project and sets a two-worker STRICT_SPREAD run that checkpoints to S3
+    and may fail twice; returns its params file."""
     shutil.copytree(tiny_project, project, ignore=shutil.ignore_patterns("mlflow.db", "reports"))
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["train"]["soft"]["max_epochs"] = EPOCHS
@@ -225,27 +217,27 @@ def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoi
         "placement_strategy": "STRICT_SPREAD",
     }
     (project / "params.yaml").write_text(yaml.safe_dump(params))
-    log = tmp_path / "epochs.jsonl"
+    return project / "params.yaml"
+
+
+def _train_killing_node2_mid_run(
+    cluster: Cluster, params_file: Path, log: Path, driver_log: Path
+) -> tuple[subprocess.Popen[str], str, list[dict[str, object]]]:
+    """Runs the DDP driver, kills node2's raylet once both workers are in KILL_EPOCH and starts
+    it again; returns the finished driver, its stdout and the epoch log as it was at the kill."""
     driver = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            DRIVER,
-            str(project / "params.yaml"),
-            cluster.nodes.address,
-            str(log),
-        ],
-        env=env,
+        [sys.executable, "-c", DRIVER, str(params_file), cluster.nodes.address, str(log)],
+        env=cluster.env,
         cwd=REPO,
         stdout=subprocess.PIPE,
-        stderr=(tmp_path / "driver.log").open("wb"),
+        stderr=driver_log.open("wb"),
         text=True,
         start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 300
         while sum(e["epoch"] == KILL_EPOCH for e in _read_log(log)) < 2:  # both workers in it
-            assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+            assert driver.poll() is None, driver_log.read_text()[-3000:]
             assert time.monotonic() < deadline, f"epoch {KILL_EPOCH} never started"
             time.sleep(0.2)
         before = _read_log(log)
@@ -254,18 +246,14 @@ def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoi
         stdout, _ = driver.communicate(timeout=400)
     finally:
         stop_process_group(driver)
-    assert driver.returncode == 0, (tmp_path / "driver.log").read_text()[-3000:]
-    outcome = json.loads(stdout.strip().splitlines()[-1])
-    # the driver printed a progress line for every epoch, across the restart
-    said = (tmp_path / "driver.log").read_text()
-    pattern = rf"^train soft  epoch (\d)/{EPOCHS}  loss \S+  val BLEU-4 \S+  CIDEr \S+"
-    pattern += r"  \d+ captions/s"
-    progress = re.findall(pattern, said, re.M)
-    assert sorted(set(progress)) == [str(e) for e in range(1, EPOCHS + 1)], said[-3000:]
+    return driver, stdout, before
 
-    # placement: every epoch ran on both nodes, one worker each (STRICT_SPREAD); which rank
-    # lands on which node is Ray's choice. Epochs in the hook count from 0.
-    entries = _read_log(log)
+
+def _assert_spread_and_resumed_after_the_kill(
+    entries: list[dict[str, object]], before: list[dict[str, object]]
+) -> None:
+    """Placement: every epoch ran on both nodes, one worker each (STRICT_SPREAD); which rank
+    lands on which node is Ray's choice. Epochs in the hook count from 0."""
     for epoch in range(EPOCHS):
         nodes = {e["node2"] for e in entries if e["epoch"] == epoch}
         assert nodes == {False, True}, (epoch, entries)
@@ -277,15 +265,18 @@ def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoi
     assert after[0]["epoch"] == KILL_EPOCH  # resumed from the epoch before's checkpoint in S3
     assert max(e["epoch"] for e in after) == EPOCHS - 1
 
-    # each epoch logged once to the tracking server
-    from mlflow import MlflowClient
 
-    history = MlflowClient(tracking_uri).get_metric_history(outcome["run_id"], "train_loss")
-    assert sorted(m.step for m in history) == list(range(1, EPOCHS + 1))
+def _assert_the_stores_last_checkpoint_was_shipped(
+    env: dict[str, str], run_name: str, model_dir: Path
+) -> None:
+    """models/soft/ holds exactly the last checkpoint of the run in the store, and loads; the
+    inputs were uploaded once."""
+    import pyarrow.fs as pafs
 
-    # models/soft/ holds exactly the last checkpoint of the run in the store
+    from sat_model.model.checkpoint import load_checkpoint
+
     s3 = pafs.S3FileSystem(endpoint_override=env["AWS_ENDPOINT_URL"], region="us-east-1")
-    run_dir = f"sat-runs/ray/{outcome['run_name']}"
+    run_dir = f"sat-runs/ray/{run_name}"
     with s3.open_input_stream(f"{run_dir}/sat_run.json") as f:
         record = json.loads(f.read())
     assert record["status"] == "FINISHED"
@@ -295,7 +286,6 @@ def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoi
         for info in s3.get_file_info(pafs.FileSelector(checkpoint, recursive=True))
         if info.type == pafs.FileType.File
     }
-    model_dir = project / "models" / "soft"
     shipped = {str(p.relative_to(model_dir)) for p in model_dir.rglob("*") if p.is_file()}
     assert shipped == set(stored) and "model.safetensors" in shipped
     for name in shipped:
@@ -305,6 +295,37 @@ def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoi
     assert loaded is not None
     inputs = s3.get_file_info(pafs.FileSelector("sat-runs/ray/inputs/sha256"))
     assert len(inputs) == 4  # captions, vocabulary, train and val features, uploaded once
+
+
+@pytest.mark.java
+@pytest.mark.skipif(shutil.which("java") is None, reason="validation BLEU needs Java")
+def test_ddp_on_two_nodes_survives_a_killed_raylet_and_ships_the_stores_checkpoint(
+    cluster: Cluster, tiny_project: Path, tmp_path: Path
+) -> None:
+    project = tmp_path / "project"
+    params_file = _write_ddp_project(tiny_project, project, cluster.tracking_uri)
+    log, driver_log = tmp_path / "epochs.jsonl", tmp_path / "driver.log"
+    driver, stdout, before = _train_killing_node2_mid_run(cluster, params_file, log, driver_log)
+    assert driver.returncode == 0, driver_log.read_text()[-3000:]
+    outcome = json.loads(stdout.strip().splitlines()[-1])
+    # the driver printed a progress line for every epoch, across the restart
+    said = driver_log.read_text()
+    pattern = rf"^train soft  epoch (\d)/{EPOCHS}  loss \S+  val BLEU-4 \S+  CIDEr \S+"
+    pattern += r"  \d+ captions/s"
+    progress = re.findall(pattern, said, re.M)
+    assert sorted(set(progress)) == [str(e) for e in range(1, EPOCHS + 1)], said[-3000:]
+
+    _assert_spread_and_resumed_after_the_kill(_read_log(log), before)
+
+    # each epoch logged once to the tracking server
+    from mlflow import MlflowClient
+
+    history = MlflowClient(cluster.tracking_uri).get_metric_history(outcome["run_id"], "train_loss")
+    assert sorted(m.step for m in history) == list(range(1, EPOCHS + 1))
+
+    _assert_the_stores_last_checkpoint_was_shipped(
+        cluster.env, outcome["run_name"], project / "models" / "soft"
+    )
 
 
 def test_a_bucket_of_photos_is_captioned_by_ray_data_on_the_cluster(

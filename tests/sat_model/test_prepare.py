@@ -100,6 +100,33 @@ def read_rows(path: Path) -> list[dict]:
     return pq.read_table(path).to_pylist()
 
 
+def _assert_the_report_counts_and_gives_every_reason(out: Path) -> None:
+    """prepare_report.json names each skipped caption's reason and counts what was kept."""
+    report = json.loads((out / "prepare_report.json").read_text())
+    reasons = [s["reason"] for s in report["skipped"]]
+    for expected in (
+        "line is not UTF-8",
+        "empty caption",
+        "caption longer than max_caption_length 10",
+    ):
+        assert any(r.startswith(expected) for r in reasons), expected
+    assert sum(r == "empty caption" for r in reasons) == 2
+    # by hand: 13 image rows, 4 usable; 17 caption lines, 5 kept; train words: a caption for
+    # good1 good2 good3 png red circle (9) + 4 specials
+    assert {k: report[k] for k in REPORT_KEYS} == {
+        "images_total": 13,
+        "images_ok": 4,
+        "images_skipped": 9,
+        "captions_total": 17,
+        "captions_kept": 5,
+        "captions_skipped": 12,
+        "vocab_size": 4 + 9,
+        "images_train": 3,
+        "images_val": 1,
+        "images_test": 0,
+    }
+
+
 def test_every_bad_input_is_skipped_with_its_reason_and_valid_items_are_kept(
     bad_dataset: Path,
 ) -> None:
@@ -140,29 +167,7 @@ def test_every_bad_input_is_skipped_with_its_reason_and_valid_items_are_kept(
         ("good4", 0, ["a", "val", "caption", "with", "valword"]),
     ]
     assert {c["split"] for c in captions if c["image_id"] == "good4"} == {"val"}
-    report = json.loads((out / "prepare_report.json").read_text())
-    reasons = [s["reason"] for s in report["skipped"]]
-    for expected in (
-        "line is not UTF-8",
-        "empty caption",
-        "caption longer than max_caption_length 10",
-    ):
-        assert any(r.startswith(expected) for r in reasons), expected
-    assert sum(r == "empty caption" for r in reasons) == 2
-    # by hand: 13 image rows, 4 usable; 17 caption lines, 5 kept; train words: a caption for
-    # good1 good2 good3 png red circle (9) + 4 specials
-    assert {k: report[k] for k in REPORT_KEYS} == {
-        "images_total": 13,
-        "images_ok": 4,
-        "images_skipped": 9,
-        "captions_total": 17,
-        "captions_kept": 5,
-        "captions_skipped": 12,
-        "vocab_size": 4 + 9,
-        "images_train": 3,
-        "images_val": 1,
-        "images_test": 0,
-    }
+    _assert_the_report_counts_and_gives_every_reason(out)
 
 
 def test_vocab_is_built_from_train_captions_only(bad_dataset: Path) -> None:

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from sat_model.data.vocab import build_vocab
-from sat_model.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from sat_model.model.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+)
 from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.losses import SoftAttentionLoss
 from sat_model.train.batching import Batch
@@ -364,19 +371,70 @@ TINY = [
 ]
 
 
+def _assert_flat_metrics_and_two_epochs_of_curves(model_dir: Path) -> dict[str, float]:
+    """train_metrics.json is flat and names what a run reports; curves.csv has a row an epoch
+    with scores in their ranges. Returns the metrics."""
+    import csv
+    import json
+
+    metrics = json.loads((model_dir / "train_metrics.json").read_text())
+    assert {
+        "best_epoch",
+        "epochs",
+        "final_train_loss",
+        "best_val_bleu_4",
+        "final_val_bleu_4",
+        "train_captions",
+        "skipped_captions",
+        "val_images",
+    } <= set(metrics)
+    assert metrics["epochs"] == 2 and metrics["train_captions"] == 48
+    assert metrics["val_images"] == 4
+    assert all(isinstance(v, int | float) for v in metrics.values())  # flat
+    with (model_dir / "curves.csv").open() as f:
+        curves = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in curves] == [1, 2]
+    assert set(curves[0]) == {"epoch", "train_loss", "val_bleu_4", "val_cider", "lr"}
+    assert 0.0 <= float(curves[0]["val_bleu_4"]) <= 1.0
+    assert 0.0 <= float(curves[0]["val_cider"]) <= 10.0  # CIDEr-D: 10 x a mean cosine
+    assert metrics["final_val_cider"] == pytest.approx(float(curves[-1]["val_cider"]))
+    return metrics
+
+
+def _assert_the_model_loads_with_its_vocab_and_store_spec(
+    model_dir: Path, prepared: Path, features: Path, attention: str, metrics: dict[str, float]
+) -> None:
+    """The model folder loads for inference with the run's vocabulary, records the feature
+    store's encoder spec, and holds the best epoch's weights."""
+    import json
+
+    from sat_model.data.vocab import load_vocab
+    from sat_model.features.spec import EncoderSpec
+    from sat_model.features.store import FeatureStore
+    from sat_model.model.checkpoint import load_model
+
+    model, vocab, config = load_model(model_dir)
+    assert config.attention == attention and config.annotation_dim == D
+    assert not model.training
+    assert vocab.itos == load_vocab(prepared / "vocab.json").itos
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["encoder"]["name"] == "random" and cfg["encoder"]["num_locations"] == L
+    recorded = EncoderSpec.from_fields(cfg["encoder"])
+    assert recorded == FeatureStore(features / "train.arrow").spec
+    assert "format_version" not in cfg["encoder"]  # the store's, not the encoder's
+    # the saved model is the best epoch's
+    assert load_checkpoint(model_dir, training=True).training.epoch == metrics["best_epoch"]
+
+
 @pytest.mark.java
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_train_model_writes_a_loadable_model_metrics_and_curves(
     tmp_path: Path, attention: str
 ) -> None:
-    import csv
-    import json
     import shutil
 
     from sat_model.config import load_params
-    from sat_model.data.vocab import load_vocab
-    from sat_model.model.checkpoint import load_model
     from sat_model.train.run import train_model
 
     if shutil.which("java") is None:
@@ -404,43 +462,10 @@ def test_train_model_writes_a_loadable_model_metrics_and_curves(
         "train_metrics.json",
         "curves.csv",
     }
-    metrics = json.loads((model_dir / "train_metrics.json").read_text())
-    assert {
-        "best_epoch",
-        "epochs",
-        "final_train_loss",
-        "best_val_bleu_4",
-        "final_val_bleu_4",
-        "train_captions",
-        "skipped_captions",
-        "val_images",
-    } <= set(metrics)
-    assert metrics["epochs"] == 2 and metrics["train_captions"] == 48
-    assert metrics["val_images"] == 4
-    assert all(isinstance(v, int | float) for v in metrics.values())  # flat
-    with (model_dir / "curves.csv").open() as f:
-        curves = list(csv.DictReader(f))
-    assert [int(r["epoch"]) for r in curves] == [1, 2]
-    assert set(curves[0]) == {"epoch", "train_loss", "val_bleu_4", "val_cider", "lr"}
-    assert 0.0 <= float(curves[0]["val_bleu_4"]) <= 1.0
-    assert 0.0 <= float(curves[0]["val_cider"]) <= 10.0  # CIDEr-D: 10 x a mean cosine
-    assert metrics["final_val_cider"] == pytest.approx(float(curves[-1]["val_cider"]))
-    model, vocab, config = load_model(model_dir)
-    assert config.attention == attention and config.annotation_dim == D
-    assert not model.training
-    assert vocab.itos == load_vocab(prepared / "vocab.json").itos
-    cfg = json.loads((model_dir / "config.json").read_text())
-    assert cfg["encoder"]["name"] == "random" and cfg["encoder"]["num_locations"] == L
-    from sat_model.features.spec import EncoderSpec
-    from sat_model.features.store import FeatureStore
-
-    recorded = EncoderSpec.from_fields(cfg["encoder"])
-    assert recorded == FeatureStore(features / "train.arrow").spec
-    assert "format_version" not in cfg["encoder"]  # the store's, not the encoder's
-    # the saved model is the best epoch's
-    from sat_model.model.checkpoint import load_checkpoint
-
-    assert load_checkpoint(model_dir, training=True).training.epoch == metrics["best_epoch"]
+    metrics = _assert_flat_metrics_and_two_epochs_of_curves(model_dir)
+    _assert_the_model_loads_with_its_vocab_and_store_spec(
+        model_dir, prepared, features, attention, metrics
+    )
 
 
 @pytest.mark.parametrize(("monitor", "shipped"), [("cider", 2), ("bleu_4", 1)])
@@ -540,6 +565,50 @@ class _KillAfter(Callback):
             raise _Killed(f"killed after epoch {state.epoch}")
 
 
+def _assert_two_self_critical_epochs_followed(whole: Path) -> tuple[dict[str, Any], Checkpoint]:
+    """An uninterrupted run: four epochs, the third at `scst_lr`, a self-critical last state
+    whose weights moved away from the shipped best likelihood epoch's. Returns that last state
+    and the shipped checkpoint."""
+    import csv
+    import json
+
+    from sat_model.train import run
+
+    with (whole / "curves.csv").open() as f:
+        curves = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in curves] == [1, 2, 3, 4]
+    assert [float(r["lr"]) for r in curves][2] == pytest.approx(0.001)  # scst_lr, cosine
+    state = run.load_training_state(whole / run.LAST_STATE_FILE)
+    assert state["phase"] == "self_critical" and state["epoch"] == 4
+    assert json.loads((whole / "train_metrics.json").read_text())["epochs"] == 4
+    # the self-critical epochs moved the weights away from the best likelihood epoch's (1)
+    best = load_checkpoint(whole, training=True)
+    assert best.training.epoch == 1
+    moved = [not torch.equal(best.model_state[k], v) for k, v in state["model_state"].items()]
+    assert sum(moved) > len(moved) // 2
+    return state, best
+
+
+def _assert_a_finished_likelihood_run_goes_on_into_them(
+    train: Callable[..., Path], tmp_path: Path, state: dict[str, Any]
+) -> None:
+    """A likelihood run that had finished, and the same folder in format 1 (model.pt, as the
+    code before safetensors wrote it), resume into the self-critical epochs and end as the
+    uninterrupted run's ``state``."""
+    from sat_model.train import run
+
+    likelihood = train("likelihood", 0, device="cpu")
+    assert run.load_training_state(likelihood / run.LAST_STATE_FILE)["phase"] == "likelihood"
+    # the same folder as the code before safetensors wrote it (format 1: model.pt) resumes alike
+    legacy = to_format_1(Path(shutil.copytree(likelihood, tmp_path / "legacy" / "soft")))
+    for folder, name in ((likelihood, "likelihood"), (legacy, "legacy")):
+        train(name, 2, device="cpu", resume_from=folder)
+        resumed = run.load_training_state(folder / run.LAST_STATE_FILE)
+        assert resumed["phase"] == "self_critical" and resumed["epoch"] == 4
+        for key, value in state["model_state"].items():
+            torch.testing.assert_close(resumed["model_state"][key], value, msg=key)
+
+
 def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_stopped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -547,9 +616,6 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
     epoch, at `scst_lr`; a run killed in them resumes in them and ends where the uninterrupted
     run ends; a likelihood run that had finished goes on into them; a self-critical state is
     refused by a run without them; `scst_bleu_weight` reaches the reward."""
-    import csv
-    import json
-
     from sat_model.config import load_params
     from sat_model.train import run
 
@@ -564,18 +630,7 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
         return tmp_path / name / "soft"
 
     whole = train("whole", 2, device="cpu")
-    with (whole / "curves.csv").open() as f:
-        curves = list(csv.DictReader(f))
-    assert [int(r["epoch"]) for r in curves] == [1, 2, 3, 4]
-    assert [float(r["lr"]) for r in curves][2] == pytest.approx(0.001)  # scst_lr, cosine
-    state = run.load_training_state(whole / run.LAST_STATE_FILE)
-    assert state["phase"] == "self_critical" and state["epoch"] == 4
-    assert json.loads((whole / "train_metrics.json").read_text())["epochs"] == 4
-    # the self-critical epochs moved the weights away from the best likelihood epoch's (1)
-    best = load_checkpoint(whole, training=True)
-    assert best.training.epoch == 1
-    moved = [not torch.equal(best.model_state[k], v) for k, v in state["model_state"].items()]
-    assert sum(moved) > len(moved) // 2
+    state, best = _assert_two_self_critical_epochs_followed(whole)
 
     # BLEU-4 in the reward changes the self-critical gradient, not the likelihood epochs
     mixed = train("mixed", 2, ("train.soft.scst_bleu_weight=1.0",), device="cpu")
@@ -594,16 +649,7 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
     for name, value in state["model_state"].items():
         torch.testing.assert_close(final[name], value, msg=name)
 
-    likelihood = train("likelihood", 0, device="cpu")
-    assert run.load_training_state(likelihood / run.LAST_STATE_FILE)["phase"] == "likelihood"
-    # the same folder as the code before safetensors wrote it (format 1: model.pt) resumes alike
-    legacy = to_format_1(Path(shutil.copytree(likelihood, tmp_path / "legacy" / "soft")))
-    for folder, name in ((likelihood, "likelihood"), (legacy, "legacy")):
-        train(name, 2, device="cpu", resume_from=folder)
-        resumed = run.load_training_state(folder / run.LAST_STATE_FILE)
-        assert resumed["phase"] == "self_critical" and resumed["epoch"] == 4
-        for key, value in state["model_state"].items():
-            torch.testing.assert_close(resumed["model_state"][key], value, msg=key)
+    _assert_a_finished_likelihood_run_goes_on_into_them(train, tmp_path, state)
 
     with pytest.raises(CheckpointError, match="self_critical phase"):
         train("whole", 0, device="cpu", resume_from=whole)
