@@ -45,7 +45,7 @@ _DEFAULT_ENV = {
 
 
 def loopback_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Return ``base`` (default ``os.environ``) plus the loopback/quiet Ray defaults it lacks."""
+    """Return ``base`` (default ``os.environ``) plus the Ray defaults above that it lacks."""
     env = dict(os.environ if base is None else base)
     for key, value in _DEFAULT_ENV.items():
         env.setdefault(key, value)
