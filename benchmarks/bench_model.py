@@ -354,7 +354,7 @@ def _reference_models(fields: dict[str, Any], device: str) -> dict[str, ShowAtte
     config = ModelConfig(**fields)
     models = {
         "ours": ShowAttendTell(config, backend="fast").to(device),
-        "without_native_kernels": ShowAttendTell(config, backend="fast").to(device),
+        "without_native_kernels": ShowAttendTell(config, backend="fused").to(device),
         "readable": ShowAttendTell(config, backend="readable").to(device),
         "reference": ShowAttendTell(config, backend="readable").to(device),
     }
@@ -370,18 +370,15 @@ def _reference_steps(
     captions: torch.Tensor,
     doubly_stochastic: float,
 ) -> dict[str, Callable[[], None]]:
-    """A training step of each of ``_reference_models``: the project's loss (the fast step
-    once with the compiled kernels off) and, for the reference, ``tutorial_loss``."""
+    """A training step of each of ``_reference_models``: the project's loss (with the fast and
+    the fused backend) and, for the reference, ``tutorial_loss``."""
     ours, eager = models["ours"], models["without_native_kernels"]
     readable, theirs = models["readable"], models["reference"]
-
-    def eager_loss() -> torch.Tensor:
-        with native.turned_off():  # the project's fused step with the compiled kernels off
-            return criterion(eager(annotations, captions), captions).loss
-
     return {
         "ours": _adam_step(ours, lambda: criterion(ours(annotations, captions), captions).loss),
-        "without_native_kernels": _adam_step(eager, eager_loss),
+        "without_native_kernels": _adam_step(
+            eager, lambda: criterion(eager(annotations, captions), captions).loss
+        ),
         "readable": _adam_step(
             readable, lambda: criterion(readable(annotations, captions), captions).loss
         ),
@@ -524,15 +521,18 @@ def bench_beam(
 def _beam_runs(
     model: ShowAttendTell, annotations: torch.Tensor, beam: int, max_length: int, device: str
 ) -> dict[str, Callable[[], object]]:
-    """Batched beam search, the same with the compiled kernels off (on the CPU only: they are
-    CPU code, elsewhere both runs are the same) and one image at a time."""
+    """Batched beam search, the same through the fused backend (without the compiled kernels;
+    on the CPU only: they are CPU code, elsewhere both runs are the same) and one image at a
+    time."""
+    fused = ShowAttendTell(model.config, backend="fused")
+    fused = fused.to(device=annotations.device, dtype=annotations.dtype).train(model.training)
+    fused.load_state_dict(model.state_dict())
 
     def batched() -> object:
         return beam_search(model, annotations, beam, max_length)
 
     def batched_eager() -> object:
-        with native.turned_off():
-            return beam_search(model, annotations, beam, max_length)
+        return beam_search(fused, annotations, beam, max_length)
 
     def one_at_a_time() -> object:
         return [beam_search(model, a.unsqueeze(0), beam, max_length) for a in annotations]

@@ -346,11 +346,12 @@ class ModelParams(_Section):
         True,
         description="standardise each annotation channel with the training features' statistics",
     )
-    backend: Literal["fast", "readable"] | None = Field(
+    backend: Literal["fast", "fused", "readable"] | None = Field(
         None,
         description="how the model is computed, not what: fast (fused and compiled kernels "
-        "where they apply) or readable (autograd through the decoder's equations only); null: "
-        "the environment variable SAT_MODEL_BACKEND decides, else fast",
+        "where they apply), fused (the same without the compiled C++ kernels) or readable "
+        "(autograd through the decoder's equations only); null: the environment variable "
+        "SAT_MODEL_BACKEND decides, else fast",
     )
 
 

@@ -14,10 +14,10 @@ attention takes the expectation), ``"expected"`` (ẑ = β Σ α a, the authors'
 location).
 
 The speed is a backend (``sat_model/model/kernels``), chosen once when the model is built
-(``backend``: ``"fast"`` or ``"readable"``; the environment variable ``SAT_MODEL_BACKEND``
-overrides the default). It computes the same functions as the code here, which
-``tests/sat_model/test_backend.py`` holds it to, and it steps aside by itself for a model whose
-modules are not exactly the stock ones: a replaced or subclassed attention or cell runs here.
+(``backend``: ``"fast"``, ``"fused"`` without its compiled kernels, or ``"readable"``; the
+environment variable ``SAT_MODEL_BACKEND`` overrides the default). It computes the same functions
+as the code here (``tests/sat_model/test_backend.py`` holds it to them), and steps aside by itself
+for a model whose modules are not the stock ones: a replaced attention or cell runs here.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 MODES = ("train", "expected", "sample", "argmax")
-BACKENDS = ("fast", "readable")
+BACKENDS = ("fast", "fused", "readable")
 BACKEND_ENV = "SAT_MODEL_BACKEND"
 
 
@@ -334,7 +334,7 @@ def _build_backend(name: str | None) -> FastBackend | None:
         return None
     from sat_model.model.kernels import FastBackend
 
-    return FastBackend()
+    return FastBackend(native=name == "fast")
 
 
 def _cell_coordinates(config: ModelConfig) -> Tensor:

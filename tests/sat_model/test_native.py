@@ -64,7 +64,6 @@ def _recording(function: Callable[..., Any], name: str, calls: set[str]) -> Call
 @pytest.fixture(autouse=True)
 def fresh_load(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test loads (or refuses) the kernels under its own environment."""
-    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
     native.load.cache_clear()
     yield
     native.load.cache_clear()
@@ -147,18 +146,19 @@ def test_a_training_step_with_the_kernels_matches_one_without(
     calls: set[str] = set()
     for name in KERNEL_ENTRIES:
         monkeypatch.setattr(native, name, _recording(getattr(native, name), name, calls))
+    # the same weights through the fused backend: the fast one's code without the kernels
+    without = tiny_model(attention, "fused", attention_dim=16, gate=gate).train()
+    without.load_state_dict(model.state_dict())
     results = []
-    for switch in ("1", "0"):
-        monkeypatch.setenv(native.ENV_SWITCH, switch)
-        native.load.cache_clear()
+    for each, want_calls in ((model, EXPECTED_CALLS[path]), (without, set())):
+        calls.clear()
         torch.manual_seed(2)  # the hard model's semi-sampling then picks s̃ for 2 images of 4
-        out = model(annotations, captions)
+        out = each(annotations, captions)
         if out.sampled is not None:  # some images follow s̃, some α (semi-sampling)
             assert 0 < int(out.sampled.sum()) < len(out.sampled)
         loss = build_criterion(attention, cfg)(out, captions).loss
-        results.append((loss, torch.autograd.grad(loss, list(model.parameters()))))
-        assert (native.load() is not None) == (switch == "1")
-    assert calls == EXPECTED_CALLS[path]
+        results.append((loss, torch.autograd.grad(loss, list(each.parameters()))))
+        assert calls == want_calls  # forward and backward
     (loss_on, grads_on), (loss_off, grads_off) = results
     torch.testing.assert_close(loss_on, loss_off, rtol=1e-5, atol=1e-6)
     for (name, _), got, want in zip(model.named_parameters(), grads_on, grads_off, strict=True):
@@ -189,14 +189,28 @@ def test_no_usable_compiler_leaves_one_warning_and_the_pytorch_code(
     torch.testing.assert_close(scores.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_switch_turns_the_kernels_off_silently(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("chosen_by", ["argument", "environment"])
+def test_the_fused_backend_runs_without_the_kernels_and_says_nothing(
+    chosen_by: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv(native.ENV_SWITCH, "0")
-    projected, query, weight, _ = _scores_inputs(2, 1, 4, 9)
+    """``fused`` (the one switch, as an argument or ``SAT_MODEL_BACKEND``): training and
+    decoding through the backend's PyTorch code, no build tried, no warning, even with no
+    compiler to be had."""
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    if chosen_by == "environment":
+        monkeypatch.setenv("SAT_MODEL_BACKEND", "fused")
+    model = tiny_model("soft", "fused" if chosen_by == "argument" else None)
+    assert model.backend is not None and not model.backend.native
+    annotations, captions = tiny_batch()
     with caplog.at_level(logging.WARNING, logger=native.__name__):
-        assert native.load() is None
-        assert native.scores_forward(projected, query, weight) is None
+        loss = model(annotations, captions).logits.sum()
+        loss.backward()
+        with torch.inference_mode():
+            model.eval()
+            state = model.init_state(annotations)
+            model.step(captions[:, 0], state)
+    assert model.backend.calls == 2  # the training pass and the decoding step: its own code
+    assert native.load.cache_info().currsize == 0  # never asked for the kernels
     assert not caplog.records
 
 
@@ -397,7 +411,6 @@ def test_processes_building_at_once_share_one_library(tmp_path: Path) -> None:
         "assert native.scores_forward(p, q, w) is not None\n"
     )
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
-    env.pop(native.ENV_SWITCH, None)
     procs = [
         subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE)
         for _ in range(3)

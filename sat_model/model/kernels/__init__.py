@@ -8,7 +8,9 @@
   PyTorch code of ``fused.py`` and ``backend.py`` instead.
 
 The backend is chosen once, when the model is built: ``params.model.backend``, else the
-environment variable ``SAT_MODEL_BACKEND`` (``fast``, the default, or ``readable``).
+environment variable ``SAT_MODEL_BACKEND``: ``fast`` (the default: all of the above), ``fused``
+(the same without the compiled kernels, as where they cannot be built, and nothing is built) or
+``readable`` (no backend: autograd through ``decoder.py``).
 """
 
 from sat_model.model.kernels.backend import FastBackend

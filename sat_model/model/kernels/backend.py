@@ -66,9 +66,11 @@ class FastState:
 
 
 class FastBackend:
-    """Chosen once when the model is built (``ShowAttendTell(config, backend="fast")``)."""
+    """Chosen once when the model is built (``ShowAttendTell(config, backend="fast")``);
+    ``native``: whether its passes may run the compiled kernels (False: the ``fused`` backend)."""
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
+        self.native = native
         self.calls = 0  # passes and steps this backend computed (tests spy on it)
         # decoding's gate table with copies of the weights it was computed from
         self._gate_table: tuple[tuple[Tensor, ...], Tensor] | None = None
@@ -101,6 +103,18 @@ class FastBackend:
     ) -> ForwardOutput | None:
         """``ShowAttendTell.forward`` through ``fused.recurrence``; None where it does not apply
         (autocast, whose casts are per op; decoding's sampled or argmax paths)."""
+        with native.enabled(self.native):  # the recurrence's backward keeps the choice
+            return self._forward(model, annotations, inputs, mode, locations, rows_per_image)
+
+    def _forward(
+        self,
+        model: ShowAttendTell,
+        annotations: Tensor,
+        inputs: Tensor,
+        mode: str,
+        locations: Tensor | None,
+        rows_per_image: int,
+    ) -> ForwardOutput | None:
         if torch.is_autocast_enabled(annotations.device.type):
             return None
         hard_model = model.config.attention == "hard"
@@ -159,7 +173,7 @@ class FastBackend:
             return state
         projected = 2.0 * state.projected.transpose(1, 2).contiguous()  # (B, A, L)
         exp_projected = None
-        if model.config.attention == "soft":
+        if model.config.attention == "soft" and self.native:
             exp_projected = native.exp_of_projected(projected)
         table = self._embedding_gate_table(model)
         return dataclasses.replace(state, fast=FastState(projected, exp_projected, table))
@@ -168,6 +182,12 @@ class FastBackend:
         self, model: ShowAttendTell, prev_tokens: Tensor, state: DecoderState, mode: str
     ) -> StepOutput | None:
         """``ShowAttendTell.step`` for decoding's "expected" mode without autograd."""
+        with native.enabled(self.native):
+            return self._step(model, prev_tokens, state, mode)
+
+    def _step(
+        self, model: ShowAttendTell, prev_tokens: Tensor, state: DecoderState, mode: str
+    ) -> StepOutput | None:
         fast = state.fast
         if mode != "expected" or not isinstance(fast, FastState) or torch.is_grad_enabled():
             return None

@@ -94,6 +94,7 @@ class FusedScores(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(projected, hidden, weight)
         ctx.sink = sink
+        ctx.native = native.is_enabled()  # the backend's choice, for the backward too
         with torch.autocast(projected.device.type, enabled=False):
             return fused_scores(projected, hidden, weight)
 
@@ -102,7 +103,7 @@ class FusedScores(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor, Tensor, None]:
         projected, hidden, weight = ctx.saved_tensors
         sink = ctx.sink if ctx.needs_input_grad[0] else None
-        with torch.autocast(projected.device.type, enabled=False):
+        with torch.autocast(projected.device.type, enabled=False), native.enabled(ctx.native):
             grads = fused_scores_backward(
                 grad.to(projected.dtype), projected, hidden, weight, ctx.needs_input_grad[0], sink
             )
@@ -368,6 +369,7 @@ class _Recurrence(torch.autograd.Function):
             for t in range(T):
                 _forward_step(t, seq, w, projected, annotations, input_gates[t], sample)
         ctx.save_for_backward(projected, annotations, *weights, *_tensors(seq))
+        ctx.native = native.is_enabled()  # the backend's choice, for the backward too
         outputs = (seq.hidden, seq.inputs[:, :, :D], seq.alphas, seq.betas)
         if seq.log_probs is None or seq.entropy is None:
             return outputs
@@ -376,29 +378,35 @@ class _Recurrence(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *d_outputs: Tensor) -> tuple[Tensor | None, ...]:
-        projected, annotations, *saved = ctx.saved_tensors
-        w, seq = _Weights.of(*saved[:5]), _Sequence(*saved[5:])
-        need = ctx.needs_input_grad
-        grads = _Gradients.zeros(seq, w, annotations if need[1] else None)
-        sink = ProjectedGradient() if need[0] else None
-        whole = None  # the T steps in one compiled call, where it runs
-        if sink is not None and grads.annotations is None:
-            whole = _compiled_backward(seq, w, projected, annotations, d_outputs, grads)
-        if whole is not None and sink is not None:
-            sink.grad, grads.score = whole
-        else:
-            for t in range(seq.gates.size(0) - 1, -1, -1):
-                _backward_step(t, seq, w, projected, annotations, d_outputs, grads, sink)
-        return (
-            sink.grad if sink is not None else None,
-            grads.annotations,
-            grads.h,
-            grads.c,
-            grads.gates,  # the embedding's share of the gates: ∂/∂ of each step's gates
-            *_weight_gradients(seq, w, grads),
-            None,  # use_expected
-            None,  # locations
-        )
+        with native.enabled(ctx.native):
+            return _recurrence_backward(ctx, d_outputs)
+
+
+def _recurrence_backward(ctx: Any, d_outputs: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
+    """``_Recurrence.backward``: through time by hand, in one compiled call where it runs."""
+    projected, annotations, *saved = ctx.saved_tensors
+    w, seq = _Weights.of(*saved[:5]), _Sequence(*saved[5:])
+    need = ctx.needs_input_grad
+    grads = _Gradients.zeros(seq, w, annotations if need[1] else None)
+    sink = ProjectedGradient() if need[0] else None
+    whole = None  # the T steps in one compiled call, where it runs
+    if sink is not None and grads.annotations is None:
+        whole = _compiled_backward(seq, w, projected, annotations, d_outputs, grads)
+    if whole is not None and sink is not None:
+        sink.grad, grads.score = whole
+    else:
+        for t in range(seq.gates.size(0) - 1, -1, -1):
+            _backward_step(t, seq, w, projected, annotations, d_outputs, grads, sink)
+    return (
+        sink.grad if sink is not None else None,
+        grads.annotations,
+        grads.h,
+        grads.c,
+        grads.gates,  # the embedding's share of the gates: ∂/∂ of each step's gates
+        *_weight_gradients(seq, w, grads),
+        None,  # use_expected
+        None,  # locations
+    )
 
 
 def _tensors(seq: _Sequence) -> list[Tensor | None]:

@@ -15,16 +15,18 @@ The matrix products stay with PyTorch (MKL, oneDNN). The first call compiles the
 ``torch.utils.cpp_extension`` with the machine's C++ compiler (``$CXX``, else ``c++``) for this
 CPU (``-march=native``) into ``$XDG_CACHE_HOME/sat/kernels`` (default ``~/.cache``), in a folder
 named by the CPU's features, so another machine builds its own; later processes load the built
-library (ninja rebuilds it when the source or the flags change). Where there is no compiler,
-the build fails or ``SAT_NATIVE_KERNELS=0`` is set, ``load`` returns None, a warning says why
-(once per process), every function here returns None or False, and the callers (``fused.py``,
-``backend.py``) run their PyTorch code instead: the same numbers up to float rounding. float32
-on CPU only; other dtypes and devices always take the PyTorch code.
+library (ninja rebuilds it when the source or the flags change). Where there is no compiler or
+the build fails, ``load`` returns None, a warning says why (once per process), every function
+here returns None or False, and the callers (``fused.py``, ``backend.py``) run their PyTorch code
+instead: the same numbers up to float rounding. float32 on CPU only; other dtypes and devices
+always take the PyTorch code. The ``fused`` backend (``model.backend``) runs its passes inside
+``enabled(False)``: the same PyTorch code, and no build is tried.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -41,7 +43,6 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "ENV_SWITCH",
     "PROJECTED_CLAMP",
     "QUERY_BOUND",
     "NativeKernels",
@@ -50,9 +51,11 @@ __all__ = [
     "available",
     "cache_dir",
     "cpu_vendor",
+    "enabled",
     "exp_of_projected",
     "hard_recurrence_backward",
     "hard_recurrence_forward",
+    "is_enabled",
     "load",
     "lstm_backward",
     "lstm_forward",
@@ -60,10 +63,8 @@ __all__ = [
     "scores_forward",
     "soft_recurrence_backward",
     "soft_recurrence_forward",
-    "turned_off",
 ]
 
-ENV_SWITCH = "SAT_NATIVE_KERNELS"  # "0" turns the kernels off
 # the source's kProjectedClamp and kQueryBound (for tests and docs): e^{-p} of p clamped to ±52,
 # for rows with |q| <= 34
 PROJECTED_CLAMP, QUERY_BOUND = 52.0, 34.0
@@ -137,14 +138,12 @@ def cache_dir() -> Path:
 @functools.cache
 def load() -> NativeKernels | None:
     """The kernels, built or taken from the cache; None (with one warning) where they cannot
-    be had, or when ``SAT_NATIVE_KERNELS=0``."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
+    be had."""
     if shutil.which(os.environ.get("CXX") or "c++") is None:
         _log.warning(
             "no C++ compiler (CXX or c++) on PATH: the attention and LSTM steps run in "
-            "PyTorch's eager ops, slower (set %s=0 to silence this)",
-            ENV_SWITCH,
+            "PyTorch's eager ops, slower (the fused backend, model.backend: fused or "
+            "SAT_MODEL_BACKEND=fused, runs them so without looking for one)"
         )
         return None
     try:
@@ -153,9 +152,9 @@ def load() -> NativeKernels | None:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         _log.warning(
             "the native attention and LSTM kernels could not be built (%s); running PyTorch's "
-            "eager ops instead (set %s=0 to silence this)",
+            "eager ops instead (the fused backend, model.backend: fused or "
+            "SAT_MODEL_BACKEND=fused, runs them so without building)",
             first_line,
-            ENV_SWITCH,
         )
         return None
 
@@ -213,23 +212,30 @@ def cpu_vendor() -> str | None:
     return None
 
 
-_off_depth = 0  # > 0 inside ``turned_off``
+# whether the kernels may run in this context: the fast backend sets it for each pass
+# (``enabled``); threads and autograd's backward start from True unless told otherwise
+_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("sat_native", default=True)
 
 
 @contextlib.contextmanager
-def turned_off() -> Iterator[None]:
-    """PyTorch's eager code for everything the kernels do inside the block, kernels or not: the
-    benchmark's side-by-side rows (``benchmarks/bench_model.py``)."""
-    global _off_depth
-    _off_depth += 1
+def enabled(flag: bool) -> Iterator[None]:
+    """Inside the block the kernels run where they can if ``flag``, and never otherwise (the
+    PyTorch code of ``fused.py`` and ``backend.py`` instead, and no build is tried)."""
+    token = _ENABLED.set(flag)
     try:
         yield
     finally:
-        _off_depth -= 1
+        _ENABLED.reset(token)
+
+
+def is_enabled() -> bool:
+    """What the innermost ``enabled`` said (True outside any): autograd functions keep it for
+    their backward, which runs outside the block."""
+    return _ENABLED.get()
 
 
 def _usable(*tensors: Tensor) -> bool:
-    return _off_depth == 0 and all(
+    return _ENABLED.get() and all(
         t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors
     )
 
