@@ -16,6 +16,7 @@ through the BLAS and through oneDNN, whichever is faster (``matmul_flops``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import platform
@@ -233,13 +234,16 @@ def bench_training(
 def load_tree(root: str | Path) -> dict[str, ModuleType]:
     """Another checkout's ``sat_model`` (e.g. today's main beside this branch), imported into
     this process under its own module objects so both are timed in the same rounds: its
-    decoder, decoding, losses and trainer modules. The current tree's ``sat_model`` stays the
-    one ``import`` finds."""
+    decoder, decoding, losses, trainer and (where it has one) backend modules. The current
+    tree's ``sat_model`` stays the one ``import`` finds, so its models need their backend from
+    :func:`baseline_model`."""
     ours = {k: sys.modules.pop(k) for k in list(sys.modules) if k.split(".")[0] == "sat_model"}
     sys.path.insert(0, str(Path(root).resolve()))
     try:
         names = ("decoder", "decoding", "losses")
         tree = {n: importlib.import_module(f"sat_model.model.{n}") for n in names}
+        with contextlib.suppress(ImportError):  # a tree from before the backend package
+            tree["kernels"] = importlib.import_module("sat_model.model.kernels")
         tree["trainer"] = importlib.import_module("sat_model.train.trainer")
         tree["config"] = importlib.import_module("sat_model.config")
     finally:
@@ -248,6 +252,16 @@ def load_tree(root: str | Path) -> dict[str, ModuleType]:
             del sys.modules[k]
         sys.modules.update(ours)
     return tree
+
+
+def baseline_model(tree: dict[str, ModuleType], fields: dict[str, Any]) -> Any:
+    """A model of ``tree`` (``load_tree``) with that tree's own fast backend: its decoder builds
+    the backend through an ``import`` at construction, which would find this tree's."""
+    model = tree["decoder"].ShowAttendTell(tree["decoder"].ModelConfig(**fields))
+    if "kernels" in tree:
+        model.backend = tree["kernels"].FastBackend()
+        assert model.fast is not None, "the baseline's backend declined its own model"
+    return model
 
 
 def tutorial_loss(
@@ -443,7 +457,7 @@ def _baseline_training_step(
     doubly_stochastic: float,
 ) -> Callable[[torch.Tensor, torch.Tensor], Callable[[], None]]:
     """The same training step through another tree's modules, with ``ours``'s weights."""
-    model = tree["decoder"].ShowAttendTell(tree["decoder"].ModelConfig(**fields)).to(device)
+    model = baseline_model(tree, fields).to(device)
     model.load_state_dict(ours.state_dict())
     cfg = tree["config"].SoftTrainConfig(doubly_stochastic=doubly_stochastic)
     criterion = tree["losses"].build_criterion("soft", cfg).to(device)
@@ -554,7 +568,7 @@ def _baseline_beam_run(
 ) -> Callable[[], object]:
     """Batched beam search through another tree's modules (``load_tree``), with ``model``'s
     weights on the annotations' device and dtype; warmed up."""
-    other = tree["decoder"].ShowAttendTell(tree["decoder"].ModelConfig(**fields))
+    other = baseline_model(tree, fields)
     other = other.to(device=annotations.device, dtype=annotations.dtype)
     other.load_state_dict(model.state_dict())
     other_search = tree["decoding"].beam_search

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +57,20 @@ class ImageCaption:
     words: tuple[str, ...]
     alphas: np.ndarray
     score: float
-    crop: Image.Image
+    image: Image.Image = field(repr=False)  # as captioned, before the encoder's cut
+    view: tuple[int, int, bool]  # that cut: resize, crop, keep_aspect (``encoder_view``)
     grid_h: int
     grid_w: int
 
     @property
     def text(self) -> str:
         return " ".join(self.words)
+
+    @functools.cached_property
+    def crop(self) -> Image.Image:
+        """The picture the encoder saw, that α is drawn over: cut when first asked, since
+        only attention figures need it (captioning a folder would pay a resize per image)."""
+        return encoder_view(self.image.convert("RGB"), *self.view)
 
 
 @dataclass(frozen=True)
@@ -282,12 +290,12 @@ class Captioner:
             length_penalty=self.length_penalty,
             mode=self.mode,
         )
+        view = (self.resize, d.input_size, self.keep_aspect)
         out = []
         for image, caption in zip(images, captions, strict=True):
             words, alphas = caption.words(self.vocab)
-            rgb = image.convert("RGB")
-            crop = encoder_view(rgb, self.resize, d.input_size, self.keep_aspect)
-            out.append(ImageCaption(words, alphas, float(caption.score), crop, d.grid_h, d.grid_w))
+            score = float(caption.score)
+            out.append(ImageCaption(words, alphas, score, image, view, d.grid_h, d.grid_w))
         return out
 
 
