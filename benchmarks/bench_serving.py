@@ -200,9 +200,9 @@ def _rate(
     captioner: Any, photos: list[Path], pixels: list[Any], images: list[Any], how: str
 ) -> float:
     """Images/s of ``sat caption``'s one-process path (``files``: decode, cut, encode, beam
-    search), of the same on the photos already decoded and cut (``decoded``: the encoder and
-    the beam search alone, what any captioning pipeline on this machine must run), or of the
-    encoder's forward pass alone (``encoder``); ``pixels`` and ``images`` in batches."""
+    search), of the same on the photos already decoded and cut (``decoded``: ``pixels`` uint8;
+    the encoder and the beam search alone, what any captioning pipeline on this machine must
+    run), or of the encoder's forward pass alone (``encoder``: ``pixels`` normalised)."""
     import torch
 
     start = time.perf_counter()
@@ -227,7 +227,11 @@ def _ray_data_seconds(root: Path, photos: list[Path], options: dict, name: str) 
         (folder / p.name).symlink_to(p)
     start = time.perf_counter()
     result = caption_with_ray_data(
-        str(folder), str(root / f"{name}-out"), root / "model", options, max_pixels=50_000_000
+        str(folder),
+        str(root / f"{name}-out"),
+        root / "model",
+        options,
+        max_pixels=50_000_000,
     )
     assert result.rows == len(photos) and result.errors == 0
     return time.perf_counter() - start
@@ -238,20 +242,22 @@ def bench_batch(root: Path, photos: list[Path], batch_size: int, rounds: int) ->
     import torch
 
     from sat_model.captioner import Captioner
-    from sat_model.features.images import load_image
+    from sat_model.features.images import load_image, normalize_pixels
 
     options = {"beam_size": 3, "max_length": 20, "batch_size": batch_size}
     captioner = Captioner.from_dir(root / "model", **options)
     list(captioner.caption_files(photos[:batch_size]))  # warm-up
     images = [load_image(p, min_side=captioner.resize) for p in photos]
-    tensors = torch.stack([captioner._preprocess(im) for im in images])  # (N, 3, S, S)
-    pixels = list(tensors.split(batch_size))
+    cut = torch.stack([captioner._cut(im) for im in images])  # (N, 3, S, S) uint8
+    pixels = list(normalize_pixels(cut, *captioner.encoder.spec.normalization()).split(batch_size))
+    cuts = list(cut.split(batch_size))
     batches = [images[i : i + batch_size] for i in range(0, len(images), batch_size)]
     ways = ["encoder", "decoded", "files"]
     rates: dict[str, list[float]] = {how: [] for how in ways}
     for r in range(rounds):  # interleaved, the order rotating: a drifting load slows all
         for how in ways[r % 3 :] + ways[: r % 3]:
-            rates[how].append(_rate(captioner, photos, pixels, batches, how))
+            given = cuts if how == "decoded" else pixels
+            rates[how].append(_rate(captioner, photos, given, batches, how))
     one_process, encoder = statistics.median(rates["files"]), statistics.median(rates["encoder"])
     decoded = statistics.median(rates["decoded"])
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")

@@ -30,7 +30,13 @@ from PIL import Image
 
 from sat_model.data.vocab import Vocab
 from sat_model.features.encoders import Encoder, EncoderError
-from sat_model.features.images import ImageError, encoder_view, load_image, preprocess
+from sat_model.features.images import (
+    ImageError,
+    encoder_view,
+    load_image,
+    normalize_pixels,
+    resize_crop,
+)
 from sat_model.features.spec import EncoderSpec
 from sat_model.model.checkpoint import (
     load_checkpoint,
@@ -241,7 +247,7 @@ class Captioner:
             image = load_image(path, max_pixels=max_pixels, min_side=self.resize)
         except ImageError as e:
             return e
-        return _Decoded(image, self._preprocess(image))
+        return _Decoded(image, self._cut(image))
 
     def _caption_decoded(
         self,
@@ -264,11 +270,11 @@ class Captioner:
             for p, d in zip(paths, decoded, strict=True)
         ]
 
-    def _preprocess(self, image: Image.Image) -> torch.Tensor:
-        mean, std = self.encoder.spec.normalization()
-        rgb = image.convert("RGB")
-        size = self.encoder.spec.input_size
-        return preprocess(rgb, self.resize, size, mean, std, self.keep_aspect)
+    def _cut(self, image: Image.Image) -> torch.Tensor:
+        """The encoder's view of ``image`` as uint8 pixels (3, S, S), normalised a batch at a
+        time (as the extract stage does it: the same floats)."""
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        return resize_crop(rgb, self.resize, self.encoder.spec.input_size, self.keep_aspect)
 
     def _caption_batch(
         self,
@@ -278,10 +284,9 @@ class Captioner:
     ) -> list[ImageCaption]:
         d = self.encoder.spec
         if pixels is None:
-            pixels = torch.stack([self._preprocess(im) for im in images])  # (B, 3, S, S)
-        pixels = pixels.to(self.device)
+            pixels = torch.stack([self._cut(im) for im in images])  # (B, 3, S, S) uint8
         with torch.inference_mode():
-            annotations = self.encoder(pixels)  # (B, L, D)
+            annotations = self.encoder(normalize_pixels(pixels.to(self.device), *d.normalization()))
         captions = beam_search(
             self.model,
             annotations,
@@ -301,7 +306,7 @@ class Captioner:
 
 @dataclass(frozen=True)
 class _Decoded:
-    """A decoded image and its encoder input (3, S, S)."""
+    """A decoded image and the encoder's view of it (3, S, S) uint8."""
 
     image: Image.Image
     pixels: torch.Tensor

@@ -13,6 +13,7 @@ by Ray Data, which writes each output block once.
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ from typing import Any
 __all__ = ["BatchCaptionResult", "caption_with_ray_data"]
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
+# a read task fetches bytes only: it reserves a quarter of a CPU, and an actor the rest of its
+# node, whose cores its threads keep busy (decoding, the encoder, the beam search)
+READ_CPUS = 0.25
 
 
 @dataclass(frozen=True)
@@ -34,8 +38,16 @@ class BatchCaptionResult:
 class _CaptionActor:
     """One copy of the model per actor; a batch of files in, a row per file out."""
 
-    def __init__(self, checkpoint: list[Any], options: Mapping[str, Any], max_pixels: int) -> None:
+    def __init__(
+        self, checkpoint: list[Any], options: Mapping[str, Any], max_pixels: int, threads: int
+    ) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         import ray
+        import torch
+
+        torch.set_num_threads(threads)
+        self.pool = ThreadPoolExecutor(max_workers=threads)  # decoding (Pillow frees the GIL)
 
         from sat_model.captioner import Captioner
         from sat_model.features.images import FILE_FORMATS
@@ -52,23 +64,35 @@ class _CaptionActor:
         from sat_model.features.request_images import decode_request_image
 
         paths = [str(p) for p in batch["path"]]
-        images, errors = {}, {}
-        for i, data in enumerate(batch["bytes"]):
+
+        def decode(data: Any) -> Any:
             try:
-                images[i] = decode_request_image(
+                return decode_request_image(
                     bytes(data),
                     self.limits,
                     side=self.captioner.resize,
                     keep_aspect=self.captioner.keep_aspect,
                 )
             except ImageError as e:
-                errors[i] = e.reason
+                return e
+
+        decoded = list(self.pool.map(decode, batch["bytes"]))
+        images = {i: d for i, d in enumerate(decoded) if not isinstance(d, ImageError)}
+        errors = {i: d.reason for i, d in enumerate(decoded) if isinstance(d, ImageError)}
         captions = dict(zip(images, self.captioner.caption(list(images.values())), strict=True))
         return {
             "path": paths,
             "caption": [captions[i].text if i in captions else None for i in range(len(paths))],
             "error": [errors.get(i) for i in range(len(paths))],
         }
+
+
+def _actor_cpus() -> float:
+    """The CPUs of the smallest live node but a read task's share: an actor fits on any node."""
+    import ray
+
+    cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
+    return max(min(c for c in cpus if c > 0) - READ_CPUS, READ_CPUS)
 
 
 def caption_with_ray_data(
@@ -80,12 +104,14 @@ def caption_with_ray_data(
     max_pixels: int,
     fmt: str = "jsonl",
     actors: int = 1,
-    cpus_per_actor: float = 1.0,
+    cpus_per_actor: float | None = None,
 ) -> BatchCaptionResult:
     """Caption every image file under ``source`` into ``out`` on the connected Ray cluster.
 
     ``options`` are :class:`~sat_model.captioner.Captioner` options (beam, batch size, decoding);
-    ``max_pixels`` the decompression-bomb limit of one image.
+    ``max_pixels`` the decompression-bomb limit of one image. ``cpus_per_actor`` (default: a
+    node's CPUs but a read task's share, of the smallest node) is what each actor reserves, and
+    as many threads decode its photos and run its model.
     """
     import logging
 
@@ -99,8 +125,12 @@ def caption_with_ray_data(
     checkpoint = {
         name: (checkpoint_dir / name).read_bytes() for name in model_files(checkpoint_dir)
     }
+    cpus = cpus_per_actor if cpus_per_actor is not None else _actor_cpus()
     files = ray.data.read_binary_files(
-        source, include_paths=True, file_extensions=list(IMAGE_SUFFIXES)
+        source,
+        include_paths=True,
+        file_extensions=list(IMAGE_SUFFIXES),
+        ray_remote_args={"num_cpus": READ_CPUS},
     )
     rows = files.map_batches(
         _CaptionActor,
@@ -110,10 +140,11 @@ def caption_with_ray_data(
             "checkpoint": [ray.put(checkpoint)],
             "options": dict(options),
             "max_pixels": max_pixels,
+            "threads": max(1, math.ceil(cpus)),
         },
         batch_size=int(options.get("batch_size", 16)),
         compute=ray.data.ActorPoolStrategy(size=actors),
-        num_cpus=cpus_per_actor,
+        num_cpus=cpus,
     ).materialize()
     if fmt == "parquet":
         rows.write_parquet(out)
