@@ -26,6 +26,7 @@ IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
 # a read task fetches bytes only: it reserves a quarter of a CPU, and an actor the rest of its
 # node, whose cores its threads keep busy (decoding, the encoder, the beam search)
 READ_CPUS = 0.25
+CALLS_PER_ACTOR = 2  # one decoding its batch while the other runs the model (_CaptionActor)
 
 
 @dataclass(frozen=True)
@@ -36,50 +37,59 @@ class BatchCaptionResult:
 
 
 class _CaptionActor:
-    """One copy of the model per actor; a batch of files in, a row per file out."""
+    """One copy of the model per actor; a batch of files in, a row per file out.
+
+    Ray Data makes two calls at once (``CALLS_PER_ACTOR``): one decodes its batch (Pillow frees
+    the GIL) while the other runs the model, which one call at a time holds (``self.model``), as
+    ``sat caption`` decodes the next batch while it captions this one.
+    """
 
     def __init__(
         self, checkpoint: list[Any], options: Mapping[str, Any], max_pixels: int, threads: int
     ) -> None:
+        import threading
         from concurrent.futures import ThreadPoolExecutor
 
         import ray
         import torch
 
-        torch.set_num_threads(threads)
-        self.pool = ThreadPoolExecutor(max_workers=threads)  # decoding (Pillow frees the GIL)
-
         from sat_model.captioner import Captioner
         from sat_model.features.images import FILE_FORMATS
         from sat_model.features.request_images import ImageLimits
 
+        torch.set_num_threads(threads)
+        self.pool = ThreadPoolExecutor(max_workers=threads)  # decoding
+        self.model = threading.Lock()
         with tempfile.TemporaryDirectory(prefix="sat-caption-") as tmp:
             for name, data in ray.get(checkpoint[0]).items():
                 (Path(tmp) / name).write_bytes(data)
             self.captioner = Captioner.from_dir(tmp, **options)
         self.limits = ImageLimits(max_pixels, FILE_FORMATS)
 
-    def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
+    def _decode(self, data: Any) -> Any:
+        """One file's bytes as the encoder's part of the image, or the ImageError why not."""
         from sat_model.features.images import ImageError
         from sat_model.features.request_images import decode_request_image
 
+        try:
+            return decode_request_image(
+                bytes(data),
+                self.limits,
+                side=self.captioner.resize,
+                keep_aspect=self.captioner.keep_aspect,
+            )
+        except ImageError as e:
+            return e
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
+        from sat_model.features.images import ImageError
+
         paths = [str(p) for p in batch["path"]]
-
-        def decode(data: Any) -> Any:
-            try:
-                return decode_request_image(
-                    bytes(data),
-                    self.limits,
-                    side=self.captioner.resize,
-                    keep_aspect=self.captioner.keep_aspect,
-                )
-            except ImageError as e:
-                return e
-
-        decoded = list(self.pool.map(decode, batch["bytes"]))
+        decoded = list(self.pool.map(self._decode, batch["bytes"]))
         images = {i: d for i, d in enumerate(decoded) if not isinstance(d, ImageError)}
         errors = {i: d.reason for i, d in enumerate(decoded) if isinstance(d, ImageError)}
-        captions = dict(zip(images, self.captioner.caption(list(images.values())), strict=True))
+        with self.model:
+            captions = dict(zip(images, self.captioner.caption(list(images.values())), strict=True))
         return {
             "path": paths,
             "caption": [captions[i].text if i in captions else None for i in range(len(paths))],
@@ -130,7 +140,7 @@ def caption_with_ray_data(
         source,
         include_paths=True,
         file_extensions=list(IMAGE_SUFFIXES),
-        ray_remote_args={"num_cpus": READ_CPUS},
+        num_cpus=READ_CPUS,
     )
     rows = files.map_batches(
         _CaptionActor,
@@ -143,7 +153,11 @@ def caption_with_ray_data(
             "threads": max(1, math.ceil(cpus)),
         },
         batch_size=int(options.get("batch_size", 16)),
-        compute=ray.data.ActorPoolStrategy(size=actors),
+        compute=ray.data.ActorPoolStrategy(
+            size=actors,
+            max_concurrent_calls_per_actor=CALLS_PER_ACTOR,
+            enable_true_multi_threading=True,
+        ),
         num_cpus=cpus,
     ).materialize()
     if fmt == "parquet":
