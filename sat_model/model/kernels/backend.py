@@ -23,7 +23,10 @@ never comes here. Machine-specific measurements behind the choices: docs/EXPERIM
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +54,8 @@ ONEDNN_LSTM_MIN_ROWS = 128
 # Decoding takes the embedding's share of the LSTM's gates from a (K, 4n) table when it has at
 # most this many elements (64 MB in float32; the Flickr8k profile's is ~6 M, the paper's 72 M).
 GATE_TABLE_MAX_ELEMENTS = 16_000_000
+P = ParamSpec("P")
+R = TypeVar("R")
 # the equation methods and module types the backend computes; anything else runs the readable code
 _EQUATIONS = ("prepare", "init_state", "advance", "deep_output", "semi_sampling_mask")
 _LINEARS = ("init_h", "init_c", "hidden_out", "context_out", "out")
@@ -63,6 +68,20 @@ class FastState:
     projected: Tensor  # (B, A, L), 2(W_a a_i + b): σ(2u) takes 2u, locations last
     exp_projected: Tensor | None  # e^{-projected} for the compiled soft step
     gate_table: Tensor | None  # (K, 4n), E W_ih[:, :m]^T + b_ih + b_hh
+
+
+def _kernels_as_built(
+    method: Callable[Concatenate[FastBackend, P], R],
+) -> Callable[Concatenate[FastBackend, P], R]:
+    """``method`` with the compiled kernels enabled as the backend was built (``native``); the
+    autograd functions it runs keep that for their backward."""
+
+    @functools.wraps(method)
+    def as_built(backend: FastBackend, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with native.enabled(backend.native):
+            return method(backend, *args, **kwargs)
+
+    return as_built
 
 
 class FastBackend:
@@ -92,6 +111,7 @@ class FastBackend:
         )
 
     # ------------------------------------------------------------------ training
+    @_kernels_as_built
     def forward(
         self,
         model: ShowAttendTell,
@@ -103,18 +123,6 @@ class FastBackend:
     ) -> ForwardOutput | None:
         """``ShowAttendTell.forward`` through ``fused.recurrence``; None where it does not apply
         (autocast, whose casts are per op; decoding's sampled or argmax paths)."""
-        with native.enabled(self.native):  # the recurrence's backward keeps the choice
-            return self._forward(model, annotations, inputs, mode, locations, rows_per_image)
-
-    def _forward(
-        self,
-        model: ShowAttendTell,
-        annotations: Tensor,
-        inputs: Tensor,
-        mode: str,
-        locations: Tensor | None,
-        rows_per_image: int,
-    ) -> ForwardOutput | None:
         if torch.is_autocast_enabled(annotations.device.type):
             return None
         hard_model = model.config.attention == "hard"
@@ -178,16 +186,11 @@ class FastBackend:
         table = self._embedding_gate_table(model)
         return dataclasses.replace(state, fast=FastState(projected, exp_projected, table))
 
+    @_kernels_as_built
     def step(
         self, model: ShowAttendTell, prev_tokens: Tensor, state: DecoderState, mode: str
     ) -> StepOutput | None:
         """``ShowAttendTell.step`` for decoding's "expected" mode without autograd."""
-        with native.enabled(self.native):
-            return self._step(model, prev_tokens, state, mode)
-
-    def _step(
-        self, model: ShowAttendTell, prev_tokens: Tensor, state: DecoderState, mode: str
-    ) -> StepOutput | None:
         fast = state.fast
         if mode != "expected" or not isinstance(fast, FastState) or torch.is_grad_enabled():
             return None
