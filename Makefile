@@ -42,10 +42,9 @@ test: $(VENV)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/mkdocs build --strict --quiet
-	# three workers, each a whole module at a time (its servers, its cluster, its pipeline run):
-	# most tests wait on processes they start one after another, and two workers left the two
-	# cores idle a sixth of the time (docs/EXPERIMENTS.md)
-	$(BIN)/pytest -n 3 --dist loadfile
+	# two workers, each a whole module at a time (its servers, its cluster, its pipeline run):
+	# most tests wait on processes they started, so two share the two cores well
+	$(BIN)/pytest -n 2 --dist loadfile
 
 # The documentation site (mkdocs.yml), rebuilt on every edit, on loopback only
 docs: $(VENV)/.installed
