@@ -97,12 +97,14 @@ class _CaptionActor:
         }
 
 
-def _actor_cpus() -> float:
-    """The CPUs of the smallest live node but a read task's share: an actor fits on any node."""
+def _actor_cpus(actors: int) -> float:
+    """What each actor reserves: the CPUs of the smallest live node but a read task's share,
+    split among the actors that node holds when they are spread evenly over the nodes."""
     import ray
 
-    cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
-    return max(min(c for c in cpus if c > 0) - READ_CPUS, READ_CPUS)
+    cpus = [c for n in ray.nodes() if n["Alive"] and (c := n["Resources"].get("CPU", 0.0)) > 0]
+    per_node = math.ceil(actors / len(cpus))
+    return max((min(cpus) - READ_CPUS) / per_node, READ_CPUS)
 
 
 def caption_with_ray_data(
@@ -120,8 +122,8 @@ def caption_with_ray_data(
 
     ``options`` are :class:`~sat_model.captioner.Captioner` options (beam, batch size, decoding);
     ``max_pixels`` the decompression-bomb limit of one image. ``cpus_per_actor`` (default: a
-    node's CPUs but a read task's share, of the smallest node) is what each actor reserves, and
-    as many threads decode its photos and run its model.
+    node's CPUs but a read task's share, shared by the actors a node holds) is what each actor
+    reserves, and as many threads decode its photos and run its model.
     """
     import logging
 
@@ -135,7 +137,7 @@ def caption_with_ray_data(
     checkpoint = {
         name: (checkpoint_dir / name).read_bytes() for name in model_files(checkpoint_dir)
     }
-    cpus = cpus_per_actor if cpus_per_actor is not None else _actor_cpus()
+    cpus = cpus_per_actor if cpus_per_actor is not None else _actor_cpus(actors)
     files = ray.data.read_binary_files(
         source,
         include_paths=True,

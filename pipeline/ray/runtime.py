@@ -2,8 +2,8 @@
 
 The address comes from, in order: an explicit argument (``sat tune --address``), ``RAY_ADDRESS``,
 ``ray.address`` in params; with none of them Ray starts locally with ``ray.num_cpus`` CPUs. The
-dashboard and usage statistics are off, logs are quiet, Ray Train starts no preemption watcher
-and checks its workers every half second unless the user asks otherwise.
+dashboard and usage statistics are off, logs are quiet and Ray Train starts no preemption watcher
+unless the user asks otherwise.
 
 A single-machine Ray must stay on loopback: Ray rewrites ``127.0.0.1`` to the machine's network
 address unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set, so :func:`loopback_env` sets it
@@ -41,9 +41,6 @@ _DEFAULT_ENV = {
     # an actor per fit that waits for spot-instance preemption notices: a process (about a
     # second of CPU) that clusters this project starts have no use for (docs/EXPERIMENTS.md)
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-    # how often Train's controller asks its workers how they are (Ray's default: 2 s): a run
-    # that has finished or failed is noticed within half a second, for one small call
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
 }
 
 

@@ -238,7 +238,9 @@ def _train_killing_node2_mid_run(
         deadline = time.monotonic() + 300
         while sum(e["epoch"] == KILL_EPOCH for e in _read_log(log)) < 2:  # both workers in it
             assert driver.poll() is None, driver_log.read_text()[-3000:]
-            assert time.monotonic() < deadline, f"epoch {KILL_EPOCH} never started"
+            assert time.monotonic() < deadline, (
+                f"epoch {KILL_EPOCH} never started:\n{driver_log.read_text()[-3000:]}"
+            )
             time.sleep(0.2)
         before = _read_log(log)
         cluster.nodes.kill_raylet("node2")  # while the epoch sleeps in its hook: mid-run
