@@ -107,6 +107,44 @@ def _actor_cpus(actors: int) -> float:
     return max((min(cpus) - READ_CPUS) / per_node, READ_CPUS)
 
 
+def _captioned(
+    files: Any,
+    checkpoint_dir: Path,
+    options: Mapping[str, Any],
+    max_pixels: int,
+    actors: int,
+    cpus: float,
+) -> Any:
+    """``files`` (Ray Data's path and bytes rows) through the pool of :class:`_CaptionActor`,
+    each reserving ``cpus``: a lazy dataset of path, caption and error rows."""
+    import ray
+    import ray.data
+
+    from sat_model.model.checkpoint import model_files
+
+    checkpoint = {
+        name: (checkpoint_dir / name).read_bytes() for name in model_files(checkpoint_dir)
+    }
+    return files.map_batches(
+        _CaptionActor,
+        fn_constructor_kwargs={
+            # in the object store once, fetched by each actor (and by a restarted one: the
+            # reference, held here, keeps it alive while the job runs)
+            "checkpoint": [ray.put(checkpoint)],
+            "options": dict(options),
+            "max_pixels": max_pixels,
+            "threads": max(1, math.ceil(cpus)),
+        },
+        batch_size=int(options.get("batch_size", 16)),
+        compute=ray.data.ActorPoolStrategy(
+            size=actors,
+            max_concurrent_calls_per_actor=CALLS_PER_ACTOR,
+            enable_true_multi_threading=True,
+        ),
+        num_cpus=cpus,
+    )
+
+
 def caption_with_ray_data(
     source: str,
     out: str,
@@ -127,41 +165,18 @@ def caption_with_ray_data(
     """
     import logging
 
-    import ray
     import ray.data
-
-    from sat_model.model.checkpoint import model_files
 
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # a plan and a report per dataset
 
-    checkpoint = {
-        name: (checkpoint_dir / name).read_bytes() for name in model_files(checkpoint_dir)
-    }
-    cpus = cpus_per_actor if cpus_per_actor is not None else _actor_cpus(actors)
     files = ray.data.read_binary_files(
         source,
         include_paths=True,
         file_extensions=list(IMAGE_SUFFIXES),
         num_cpus=READ_CPUS,
     )
-    rows = files.map_batches(
-        _CaptionActor,
-        fn_constructor_kwargs={
-            # in the object store once, fetched by each actor (and by a restarted one: the
-            # reference, held here, keeps it alive while the job runs)
-            "checkpoint": [ray.put(checkpoint)],
-            "options": dict(options),
-            "max_pixels": max_pixels,
-            "threads": max(1, math.ceil(cpus)),
-        },
-        batch_size=int(options.get("batch_size", 16)),
-        compute=ray.data.ActorPoolStrategy(
-            size=actors,
-            max_concurrent_calls_per_actor=CALLS_PER_ACTOR,
-            enable_true_multi_threading=True,
-        ),
-        num_cpus=cpus,
-    ).materialize()
+    cpus = cpus_per_actor if cpus_per_actor is not None else _actor_cpus(actors)
+    rows = _captioned(files, checkpoint_dir, options, max_pixels, actors, cpus).materialize()
     if fmt == "parquet":
         rows.write_parquet(out)
     else:

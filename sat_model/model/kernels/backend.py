@@ -174,6 +174,7 @@ class FastBackend:
         )
 
     # ------------------------------------------------------------------ decoding
+    @_kernels_as_built
     def init_state(self, model: ShowAttendTell, state: DecoderState) -> DecoderState:
         """The readable state, plus for decoding without autograd what the fast step keeps."""
         device = state.annotations.device
@@ -181,7 +182,7 @@ class FastBackend:
             return state
         projected = 2.0 * state.projected.transpose(1, 2).contiguous()  # (B, A, L)
         exp_projected = None
-        if model.config.attention == "soft" and self.native:
+        if model.config.attention == "soft":
             exp_projected = native.exp_of_projected(projected)
         table = self._embedding_gate_table(model)
         return dataclasses.replace(state, fast=FastState(projected, exp_projected, table))
