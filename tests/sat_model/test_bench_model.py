@@ -87,5 +87,11 @@ def test_a_tree_loaded_beside_is_timed_in_the_same_rounds() -> None:
     assert tree["decoder"].ShowAttendTell is not ShowAttendTell
     row = bench_model.bench_against_reference(TINY, batch=4, rounds=1, baseline=tree)
     assert row["over_baseline"] > 0 and row["speedup_over_reference"] > 0
+    # the reference's products skip the finished captions: fewer than every padded step's
+    assert 0 < row["necessary_matmul_flops"] < bench_model.train_step_flops(TINY, 4, 20)
+    bench_model._add_training_bound(row, peak=0.0)  # the rounds' own product is the peak
+    reference_s = 4 / row["reference_captions_per_s"]
+    at_peak_s = row["necessary_matmul_flops"] / row["interleaved_matmul_peak_flops_per_s"]
+    assert row["speedup_bound_at_float32_matmul_peak"] == pytest.approx(reference_s / at_peak_s)
     beam = bench_model.bench_beam(TINY, images=2, beam=2, max_length=4, rounds=1, baseline=tree)
     assert beam["batched_over_baseline"] > 0 and beam["same_captions"] is True
