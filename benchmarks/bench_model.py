@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
 import platform
@@ -232,6 +233,68 @@ def bench_training(
         "captions_per_s": batch / seconds,
         "matmul_flops_per_s": train_step_flops(d, batch, steps) / seconds,
     }
+
+
+BACKENDS = ("fast", "fused", "readable")
+
+
+def bench_backends(
+    d: Dims, attention: str, batch: int, steps: int, rounds: int, device: str
+) -> dict:
+    """Each backend (``model.backend``) on the same weights: the trainer's float32 step
+    (``bench_training``'s) and batched beam search (beam 3, 20 steps), interleaved rounds, best
+    of each; on a GPU the backend's fused passes launch other kernels than autograd does."""
+    gen = torch.Generator().manual_seed(0)
+    models = {
+        name: build_model(
+            ModelParams(embed_dim=d.m, hidden_dim=d.n, attention_dim=d.A, backend=name),
+            vocab_size=d.K,
+            annotation_dim=d.D,
+            num_locations=d.L,
+            attention=attention,
+        ).to(device)
+        for name in BACKENDS
+    }
+    with torch.no_grad():  # every caption runs to 20 words: equal decoding work each way
+        models["fast"].out.bias[END_ID] = -1e4
+    for model in models.values():
+        model.load_state_dict(models["fast"].state_dict())
+    cfg = SoftTrainConfig() if attention == "soft" else HardTrainConfig()
+    annotations = torch.randn(batch, d.L, d.D, generator=gen).to(device)
+    captions = _captions(batch, steps, d.K, gen).to(device)
+    runs: dict[str, Callable[[], object]] = {}
+    for name, model in models.items():
+        criterion = build_criterion(attention, cfg).to(device)
+        optimizer = build_optimizer(model.parameters(), "adam", lr=1e-4)
+        runs[f"train_{name}"] = functools.partial(
+            _train_once, model, criterion, optimizer, annotations, captions
+        )
+        runs[f"beam_{name}"] = functools.partial(beam_search, model, annotations, 3, 20)
+    for run in runs.values():
+        run()  # warm-up
+    best = _interleaved_best(runs, rounds, device)
+    row: dict = {"device": device, "dims": d.name, "attention": attention, "batch": batch}
+    for name in BACKENDS:
+        row[f"training_{name}_captions_per_s"] = batch / best[f"train_{name}"]
+        row[f"beam_{name}_captions_per_s"] = batch / best[f"beam_{name}"]
+    row["training_fast_over_readable"] = best["train_readable"] / best["train_fast"]
+    row["beam_fast_over_readable"] = best["beam_readable"] / best["beam_fast"]
+    return row
+
+
+def _train_once(
+    model: torch.nn.Module,
+    criterion: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    annotations: torch.Tensor,
+    captions: torch.Tensor,
+) -> None:
+    """One float32 step of the trainer: loss, backward, clipping, Adam."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    criterion(model(annotations, captions), captions).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+    optimizer.step()
 
 
 def load_tree(root: str | Path) -> dict[str, ModuleType]:
@@ -952,6 +1015,11 @@ def _main_cuda(default: Dims, beam_images: int) -> dict:
         "beam_search": [
             bench_beam(d, images=beam_images, beam=3, max_length=20, device="cuda", rounds=3)
             for d in (default, FLICKR8K, PAPER)
+        ],
+        "backends": [
+            bench_backends(d, attention, 64, 16, 5, "cuda")
+            for d in (default, FLICKR8K, TUTORIAL, PAPER)
+            for attention in ATTENTION_KINDS
         ],
     }
     _write_json(RESULTS.with_name("model_cuda.json"), result)

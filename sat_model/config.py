@@ -349,9 +349,9 @@ class ModelParams(_Section):
     backend: Literal["fast", "fused", "readable"] | None = Field(
         None,
         description="how the model is computed, not what: fast (fused and compiled kernels "
-        "where they apply), fused (the same without the compiled C++ kernels) or readable "
-        "(autograd through the decoder's equations only); null: the environment variable "
-        "SAT_MODEL_BACKEND decides, else fast",
+        "where they apply, on CPU; a GPU runs the readable code), fused (the same without the "
+        "compiled C++ kernels) or readable (autograd through the decoder's equations only); "
+        "null: the environment variable SAT_MODEL_BACKEND decides, else fast",
     )
 
 

@@ -27,3 +27,17 @@ def _isolated_mlflow_tracking_uri() -> Iterator[None]:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
         os.environ["MLFLOW_TRACKING_URI"] = before
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` skip, with the reason, where PyTorch sees no CUDA device."""
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to PyTorch here")
+    for item in gpu:
+        item.add_marker(skip)

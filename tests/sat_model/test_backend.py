@@ -28,7 +28,9 @@ from tests.factories import model_config
 B, L, D, K, A = 5, 9, 6, 15, 7
 
 
-def _pair(attention: str, dtype: torch.dtype = torch.float64) -> tuple[ShowAttendTell, ...]:
+def _pair(
+    attention: str, dtype: torch.dtype = torch.float64, device: str = "cpu"
+) -> tuple[ShowAttendTell, ...]:
     """The same weights behind the fast backend and the readable code."""
     torch.manual_seed(0)
     config = model_config(
@@ -46,10 +48,10 @@ def _pair(attention: str, dtype: torch.dtype = torch.float64) -> tuple[ShowAtten
     fast.set_feature_statistics(torch.rand(D) + 0.5, torch.rand(D) + 0.5)
     readable = ShowAttendTell(config, backend="readable").to(dtype)
     readable.load_state_dict(fast.state_dict())
-    return fast, readable
+    return fast.to(device), readable.to(device)
 
 
-def _batch(dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor, Tensor]:
+def _batch(dtype: torch.dtype = torch.float64, device: str = "cpu") -> tuple[Tensor, ...]:
     """Annotations (B, L, D), captions (B, T+1) of different lengths, locations (B, T)."""
     g = torch.Generator().manual_seed(1)
     annotations = (3 * torch.randn(B, L, D, generator=g)).to(dtype)
@@ -59,15 +61,17 @@ def _batch(dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor, Tensor]:
         captions[row, length] = END_ID
         captions[row, length + 1 :] = PAD_ID
     locations = torch.randint(0, L, (B, 7), generator=g)
-    return annotations, captions, locations
+    return tuple(t.to(device) for t in (annotations, captions, locations))
 
 
 def _loss_and_grads(model: ShowAttendTell, seed: int, **kwargs: Any) -> dict[str, Tensor]:
-    annotations, captions, _ = _batch()
+    device = next(model.parameters()).device
+    annotations, captions, _ = _batch(device=device.type)
     attention = model.config.attention
     cfg = SoftTrainConfig(doubly_stochastic=1.0) if attention == "soft" else HardTrainConfig()
+    criterion = build_criterion(attention, cfg).to(device)  # hard's baseline b is a buffer
     torch.manual_seed(seed)
-    loss = build_criterion(attention, cfg)(model(annotations, captions, **kwargs), captions).loss
+    loss = criterion(model(annotations, captions, **kwargs), captions).loss
     names, params = zip(*model.named_parameters(), strict=True)
     grads = torch.autograd.grad(loss, params)
     return {"loss": loss.detach(), **dict(zip(names, grads, strict=True))}
@@ -121,6 +125,37 @@ def test_the_backends_decoding_gives_the_readable_steps_and_captions(
     got_beams = beam_search(fast, annotations, beam_size=3, max_length=8)
     want_beams = beam_search(readable, annotations, beam_size=3, max_length=8)
     assert [c.tokens for c in got_beams] == [c.tokens for c in want_beams]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_on_a_gpu_the_stock_model_trains_and_decodes_through_the_readable_code(
+    attention: str,
+) -> None:
+    """The backend computes on CPU tensors only (autograd through the equations measured
+    faster on a GPU): there the stock model takes no fast pass and computes the readable
+    model's loss, gradients and captions."""
+    fast, readable = _pair(attention, device="cuda")
+    kwargs = {"mode": "expected"} if attention == "hard" else {}
+    want = _loss_and_grads(readable.train(), seed=2, **kwargs)
+    got = _loss_and_grads(fast.train(), seed=2, **kwargs)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12, msg=name)
+    annotations = _batch(device="cuda")[0]
+    got_beams, want_beams = (beam_search(m, annotations, 3, 8) for m in (fast, readable))
+    assert [c.tokens for c in got_beams] == [c.tokens for c in want_beams]
+    assert fast.backend is not None and fast.backend.calls == 0
+
+
+def test_off_the_cpu_the_backend_takes_no_pass() -> None:
+    """On any other device (here PyTorch's shape-only ``meta`` tensors, where this machine has
+    no GPU) the stock model's passes and steps are the readable code's."""
+    fast, _ = _pair("soft", device="meta")
+    annotations, captions, _ = _batch(device="meta")
+    assert fast(annotations, captions).logits.device.type == "meta"
+    state = fast.init_state(annotations)
+    assert state.fast is None
+    assert fast.backend is not None and fast.backend.calls == 0
 
 
 class DotProductAttention(SoftAttention):

@@ -95,3 +95,14 @@ def test_a_tree_loaded_beside_is_timed_in_the_same_rounds() -> None:
     assert row["speedup_bound_at_float32_matmul_peak"] == pytest.approx(reference_s / at_peak_s)
     beam = bench_model.bench_beam(TINY, images=2, beam=2, max_length=4, rounds=1, baseline=tree)
     assert beam["batched_over_baseline"] > 0 and beam["same_captions"] is True
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_each_backend_is_timed_on_the_same_weights(attention: str) -> None:
+    """``--device cuda``'s backend rows, here on the CPU: a training step and batched beam
+    search for each position of ``model.backend``."""
+    row = bench_model.bench_backends(TINY, attention, batch=4, steps=4, rounds=1, device="cpu")
+    for name in bench_model.BACKENDS:
+        assert row[f"training_{name}_captions_per_s"] > 0
+        assert row[f"beam_{name}_captions_per_s"] > 0
+    assert row["training_fast_over_readable"] > 0 and row["beam_fast_over_readable"] > 0

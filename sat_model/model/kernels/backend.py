@@ -2,7 +2,9 @@
 
 ``decoder.py`` is the paper; this module is where speed lives, so that no dispatch on device,
 autograd or CPU reaches the equations. It takes a pass only where it was written for it and
-returns None otherwise (then the readable code runs):
+returns None otherwise (then the readable code runs). It computes on CPU tensors only: on a GPU
+the step waits on kernel launches, and autograd through the readable equations trained and
+decoded faster there than these fused passes (docs/EXPERIMENTS.md, "The backend on a GPU").
 
 - training passes (and any teacher-forced pass without autocast in the "train" or "expected"
   modes, or with forced locations for hard attention): the T steps of Eq. 1-6 as one autograd
@@ -123,7 +125,7 @@ class FastBackend:
     ) -> ForwardOutput | None:
         """``ShowAttendTell.forward`` through ``fused.recurrence``; None where it does not apply
         (autocast, whose casts are per op; decoding's sampled or argmax paths)."""
-        if torch.is_autocast_enabled(annotations.device.type):
+        if annotations.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
             return None
         hard_model = model.config.attention == "hard"
         if not (mode in ("train", "expected") or (hard_model and locations is not None)):
@@ -177,8 +179,11 @@ class FastBackend:
     @_kernels_as_built
     def init_state(self, model: ShowAttendTell, state: DecoderState) -> DecoderState:
         """The readable state, plus for decoding without autograd what the fast step keeps."""
-        device = state.annotations.device
-        if torch.is_grad_enabled() or torch.is_autocast_enabled(device.type):
+        if (
+            state.annotations.device.type != "cpu"
+            or torch.is_grad_enabled()
+            or torch.is_autocast_enabled("cpu")
+        ):
             return state
         projected = 2.0 * state.projected.transpose(1, 2).contiguous()  # (B, A, L)
         exp_projected = None
@@ -237,16 +242,15 @@ class FastBackend:
         """Eq. 1-3 for decoding: from the table's rows where there is one, else through the
         BLAS and the compiled kernel, oneDNN, or ``nn.LSTMCell``; the same gates (i, f, g, o)."""
         lstm, m, h, c = model.lstm, model.config.embed_dim, state.h, state.c
-        rows, cpu = prev_tokens.size(0), prev_tokens.device.type == "cpu"
-        if table is not None and not (cpu and _onednn_rows(rows)):
+        rows = prev_tokens.size(0)
+        if table is not None and not _onednn_rows(rows):
             gates = table.index_select(0, prev_tokens)  # (rows, 4n)
             return _lstm_from_gates(gates, lstm.weight_ih[:, m:].t(), lstm.weight_hh.t(), z, h, c)
         x = torch.cat([embedded, z], dim=1)  # (rows, m + D)
-        if cpu:
-            if not _onednn_rows(rows) and native.available(x, h, c):
-                return _blas_lstm_step(lstm, x, h, c)
-            if rows >= ONEDNN_LSTM_MIN_ROWS:
-                return torch_lstm_step(lstm, x, h, c)
+        if not _onednn_rows(rows) and native.available(x, h, c):
+            return _blas_lstm_step(lstm, x, h, c)
+        if rows >= ONEDNN_LSTM_MIN_ROWS:
+            return torch_lstm_step(lstm, x, h, c)
         h, c = lstm(x, (h, c))
         return h, c
 
@@ -269,9 +273,8 @@ class FastBackend:
 
 def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     """``nn.Dropout``'s distribution (kept with probability 1 - p, scaled by 1 / (1 - p)), drawn
-    on CPU as a uniform compared with p, faster there than torch's ``bernoulli_``; other devices
-    keep torch's own kernel (docs/EXPERIMENTS.md)."""
-    if not training or p == 0.0 or x.device.type != "cpu":
+    as a uniform compared with p, faster than torch's ``bernoulli_`` (docs/EXPERIMENTS.md)."""
+    if not training or p == 0.0:
         return torch.nn.functional.dropout(x, p, training)
     keep = (torch.rand_like(x) >= p).to(x.dtype)
     return x * keep.mul_(1.0 / (1.0 - p))
