@@ -5,9 +5,9 @@ locations, ``D`` annotation size, ``n`` LSTM size, ``A`` attention-MLP size; ``k
 (beams).
 
 - ``FusedScores``: the attention scores 2 w_att^T σ(P + q), ``SoftAttention.scores`` (Eq. 4
-  with tanh(u) = 2σ(2u) - 1), a few images at a time on CPU (``score_chunks``; all at once on a
-  GPU), its backward recomputing σ rather than keeping the (B*k, A, L) tensor. Used by every
-  per-step pass (decoding, hard attention).
+  with tanh(u) = 2σ(2u) - 1), a few images at a time (``score_chunks``), its backward
+  recomputing σ rather than keeping the (B*k, A, L) tensor. Used by every per-step pass
+  (decoding, hard attention).
 - ``recurrence``: the whole teacher-forced recurrence of a training pass (Eq. 1-6 and the gate
   β, Sec. 4.2.1; soft attention's expected context, or hard attention's sampled one with
   semi-sampling, Sec. 4.1) over T steps as one autograd node. Its forward runs the steps without
@@ -120,7 +120,7 @@ def fused_scores(projected: Tensor, hidden: Tensor, weight: Tensor) -> Tensor:
     k = hidden.size(0) // B  # rows per image (beams)
     scores = projected.new_empty(B * k, L)
     weight2 = (2.0 * weight).view(1, 1, A)
-    for b0, b1 in score_chunks(B, k * A * L, projected.device):
+    for b0, b1 in score_chunks(B, k * A * L):
         sig = _sigmoid_of_sum(projected, hidden, b0, b1)  # (rows, A, L)
         rows = sig.size(0)
         torch.bmm(weight2.expand(rows, 1, A), sig, out=scores[b0 * k : b1 * k].unsqueeze(1))
@@ -162,7 +162,7 @@ def fused_scores_backward(
     grad_hidden = hidden.new_empty(B * k, A)
     grad_weight = weight.new_zeros(A)
     weight2 = (2.0 * weight).view(1, A, 1)
-    for b0, b1 in score_chunks(B, k * A * L, projected.device):
+    for b0, b1 in score_chunks(B, k * A * L):
         sig = _sigmoid_of_sum(projected, hidden, b0, b1)  # (rows, A, L)
         g = grad[b0 * k : b1 * k].unsqueeze(1)  # (rows, 1, L)
         # an elementwise product and a sum, not bmm(σ, g): MKL's batched matrix-vector
@@ -183,16 +183,9 @@ def fused_scores_backward(
     return out, grad_hidden, (2.0 * grad_weight).view(1, A)
 
 
-def score_chunks(
-    images: int, per_image: int, device: torch.device | str = "cpu"
-) -> list[tuple[int, int]]:
-    """[start, stop) ranges of images of about ``SCORE_CHUNK_ELEMENTS`` elements each on CPU,
-    where a chunk then stays in cache; one range elsewhere. On a GPU the step waits on its
-    kernels' launches, not on memory: at the tutorial's sizes (A 512, L 196) seven chunks a
-    step made the training step launch ~1.5x the kernels of a plain implementation
-    (docs/EXPERIMENTS.md, "On a GPU")."""
-    if torch.device(device).type != "cpu":
-        return [(0, images)]
+def score_chunks(images: int, per_image: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of images of about ``SCORE_CHUNK_ELEMENTS`` elements each, so that a
+    chunk's (rows, A, L) tensor stays in the CPU's cache through its passes."""
     step = max(1, SCORE_CHUNK_ELEMENTS // per_image)
     return [(b0, min(b0 + step, images)) for b0 in range(0, images, step)]
 
