@@ -210,16 +210,9 @@ def bench_training(
     optimizer = build_optimizer(model.parameters(), "adam", lr=1e-4)
     annotations = torch.randn(batch, d.L, d.D, generator=gen).to(device)
     captions = _captions(batch, steps, d.K, gen).to(device)
-    device_type = torch.device(device).type
-
-    def one_step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device_type, autocast or torch.bfloat16, autocast is not None):
-            loss = criterion(model(annotations, captions), captions).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
-        optimizer.step()
-
+    one_step = functools.partial(
+        _train_once, model, criterion, optimizer, annotations, captions, autocast
+    )
     one_step()  # warm-up
     seconds = _best_time(one_step, iters, device)
     return {
@@ -288,11 +281,14 @@ def _train_once(
     optimizer: torch.optim.Optimizer,
     annotations: torch.Tensor,
     captions: torch.Tensor,
+    autocast: torch.dtype | None = None,
 ) -> None:
-    """One float32 step of the trainer: loss, backward, clipping, Adam."""
-    model.train()
+    """One step of the trainer: the loss under ``autocast`` where given, backward, clipping,
+    the optimizer's step."""
     optimizer.zero_grad(set_to_none=True)
-    criterion(model(annotations, captions), captions).loss.backward()
+    with torch.autocast(annotations.device.type, autocast or torch.bfloat16, autocast is not None):
+        loss = criterion(model(annotations, captions), captions).loss
+    loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
     optimizer.step()
 

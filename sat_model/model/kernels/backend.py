@@ -124,8 +124,7 @@ class FastBackend:
         rows_per_image: int,
     ) -> ForwardOutput | None:
         """``ShowAttendTell.forward`` through ``fused.recurrence``; None where it does not apply
-        (tensors off the CPU; autocast, whose casts are per op; decoding's sampled or argmax
-        paths)."""
+        (off the CPU; autocast, whose casts are per op; decoding's sampled or argmax paths)."""
         if annotations.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
             return None
         hard_model = model.config.attention == "hard"
