@@ -91,20 +91,20 @@ def _try_it(reports: Path, attentions: list[str]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Print the summary; no evaluated model yet is a :class:`CommandError`."""
-    from sat_model.evaluation.evaluate import METRICS_FILE
+    from sat_model.evaluation.reports import METRICS_FILE, REGISTRY_FILE, read_metrics
 
     reports = Path(args.reports)
     rows = []
     for attention in ATTENTION_KINDS:
-        path = reports / attention / METRICS_FILE
-        if path.exists():
-            rows.append((attention, json.loads(path.read_text(encoding="utf-8"))))
+        metrics = read_metrics(reports / attention)
+        if metrics is not None:
+            rows.append((attention, metrics))
     if not rows:
         raise CommandError(
-            f"no metrics under {reports}/{{soft,hard}}/metrics.json yet: run `make run`"
+            f"no metrics under {reports}/{{soft,hard}}/{METRICS_FILE} yet: run `make run`"
         )
     lines = _table(rows)
-    registry = reports / "registry.json"
+    registry = reports / REGISTRY_FILE
     if registry.exists():
         lines.append(_champion_line(json.loads(registry.read_text(encoding="utf-8"))))
     print("\n".join([*lines, *_try_it(reports, [a for a, _ in rows])]))

@@ -7,14 +7,13 @@ python -m pipeline.docs.results --write   # rewrite docs/EXPERIMENTS.md between 
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from sat_model.atomic import write_text_atomic
 from sat_model.config import ATTENTION_KINDS
-from sat_model.evaluation.evaluate import METRICS_FILE
 from sat_model.evaluation.metrics import metric_keys
+from sat_model.evaluation.reports import read_metrics
 
 __all__ = ["PAPER_TABLE_1", "results_section"]
 
@@ -58,10 +57,9 @@ def results_section(reports: Path) -> str:
         "|---|---|" + "---|" * len(heads),
     ]
     for attention in ATTENTION_KINDS:
-        path = reports / attention / METRICS_FILE
-        if not path.exists():
+        m = read_metrics(reports / attention)
+        if m is None:
             continue
-        m = json.loads(path.read_text(encoding="utf-8"))
         cells = [_pct(m.get(k)) for k in keys] + [_pct(m.get("pointing_accuracy"))]
         lines.append(f"| generated scenes | {attention} | " + " | ".join(cells) + " |")
     for dataset, model, *scores in PAPER_TABLE_1:  # the paper gives BLEU-1..4 and METEOR

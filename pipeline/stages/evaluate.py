@@ -27,6 +27,7 @@ from pipeline.stages import StageContext, cli_context, finished, run_locked, sta
 from pipeline.stages.user_errors import user_errors_in_one_line
 from pipeline.tracking.model_uri import is_model_uri, resolve_model_dir
 from sat_model.config import ATTENTION_KINDS
+from sat_model.evaluation.reports import GALLERY_DIR, NAMED_MODELS_DIR
 
 if TYPE_CHECKING:
     from sat_model.data.tables import ImageRecord
@@ -63,18 +64,22 @@ def default_out_dir(reports_dir: str | Path, attention: str, model: str | None) 
     if model is None:
         return Path(reports_dir) / attention
     name = model.split(":/", 1)[-1] if is_model_uri(model) else Path(model).resolve().name
-    return Path(reports_dir) / "eval" / (re.sub(r"[^\w@.+-]+", "-", name).strip("-.") or "model")
+    return (
+        Path(reports_dir)
+        / NAMED_MODELS_DIR
+        / (re.sub(r"[^\w@.+-]+", "-", name).strip("-.") or "model")
+    )
 
 
 def _is_gallery(folder: Path) -> bool:
     """A gallery this stage wrote: ``index.html`` and figure PNGs (in ``images/``), nothing
     else."""
-    from sat_model.evaluation.evaluate import GALLERY_IMAGES_DIR
+    from sat_model.evaluation.visualize import FIGURES_DIR, INDEX_FILE
 
     def ours(path: Path) -> bool:
-        if path.is_dir() and path.name == GALLERY_IMAGES_DIR:
+        if path.is_dir() and path.name == FIGURES_DIR:
             return all(p.is_file() and p.suffix == ".png" for p in path.iterdir())
-        return path.is_file() and (path.name == "index.html" or path.suffix == ".png")
+        return path.is_file() and (path.name == INDEX_FILE or path.suffix == ".png")
 
     return all(ours(p) for p in folder.iterdir())
 
@@ -83,10 +88,9 @@ def _write_gallery(out_dir: Path, write: Callable[[Path], T]) -> T:
     """``write(folder)`` into a temporary folder, then swap it for ``out_dir/attention`` whole
     (stale PNGs never linger; temporary folders of killed runs are removed first)."""
     from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir
-    from sat_model.evaluation.evaluate import GALLERY_DIR
 
-    remove_dead_temps(out_dir, "attention")
-    staging = temp_dir(out_dir, "attention")
+    remove_dead_temps(out_dir, GALLERY_DIR)
+    staging = temp_dir(out_dir, GALLERY_DIR)
     try:
         written = write(staging)
         replace_dir(staging, out_dir / GALLERY_DIR, owned=_is_gallery)

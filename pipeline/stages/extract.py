@@ -30,14 +30,13 @@ from pipeline.stages.user_errors import user_errors_in_one_line
 from sat_model.atomic import write_text_atomic
 from sat_model.config import Params
 from sat_model.data.tables import IMAGES_FILE
+from sat_model.evaluation.reports import EXTRACT_TIMING_FILE
 from sat_model.features.encoders import build_encoder
 from sat_model.features.extract import ExtractReport, extract_features
+from sat_model.features.store import REPORT_FILE
 from sat_model.paths import absolute, image_root
 
 __all__ = ["main", "run", "run_extract", "summary", "write_report", "write_timing"]
-
-REPORT_NAME = "extract_report.json"
-TIMING_NAME = "extract_timing.json"
 
 
 def _ray_runner(params: Params, weights: str | None, num_cpus_hint: int):
@@ -87,14 +86,14 @@ def run_extract(params: Params, root: Path, progress: bool = True) -> ExtractRep
 
 def write_report(report: ExtractReport, out_dir: Path) -> Path:
     """Write ``extract_report.json`` atomically and durably (temp file, fsync, rename)."""
-    path = out_dir / REPORT_NAME
+    path = out_dir / REPORT_FILE
     write_text_atomic(path, json.dumps(report.to_dict(), indent=2) + "\n")
     return path
 
 
 def write_timing(report: ExtractReport, reports_dir: Path) -> Path:
     """Write ``extract_timing.json`` (engine, seconds, photos a second) atomically."""
-    path = reports_dir / TIMING_NAME
+    path = reports_dir / EXTRACT_TIMING_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(report.timing(), indent=2) + "\n")
     return path

@@ -43,6 +43,7 @@ def run(ctx: StageContext, *, out: str | Path | None = None) -> int:
 
     from pipeline.tracking.registration import register_models
     from sat_model.atomic import write_text_atomic
+    from sat_model.evaluation.reports import REGISTRY_FILE
 
     started = time.perf_counter()
     try:
@@ -51,7 +52,7 @@ def run(ctx: StageContext, *, out: str | Path | None = None) -> int:
         raise  # nothing to register: a local problem, its message is already clear
     except (MlflowException, OSError) as e:  # the tracking store, after with_retries gave up
         return _fail(e)
-    path = Path(out) if out else ctx.path(ctx.params.eval.reports_dir) / "registry.json"
+    path = Path(out) if out else ctx.path(ctx.params.eval.reports_dir) / REGISTRY_FILE
     write_text_atomic(path, json.dumps(report, indent=1) + "\n")
     finished("register", summary(report), path, ctx.root, started)
     return 0

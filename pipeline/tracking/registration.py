@@ -42,7 +42,7 @@ from pipeline.tracking.runs import (
     with_retries,
 )
 from sat_model.config import ATTENTION_KINDS, EvalConfig, Params
-from sat_model.evaluation.evaluate import CAPTIONS_FILE, GALLERY_DIR, METRICS_FILE
+from sat_model.evaluation.reports import CAPTIONS_FILE, GALLERY_DIR, METRICS_FILE
 from sat_model.model.checkpoint import (
     CONFIG_FILE,
     CURVES_FILE,
@@ -85,7 +85,7 @@ def register_models(params: Params, project_root: Path) -> dict[str, Any]:
     if not report["versions"]:
         raise FileNotFoundError(
             f"nothing to register: no model with metrics under {params.train.models_dir}/"
-            f"{{soft,hard}} and {params.eval.reports_dir}/{{soft,hard}}/metrics.json"
+            f"{{soft,hard}} and {params.eval.reports_dir}/{{soft,hard}}/{METRICS_FILE}"
         )
     champion = tracking.call(lambda c: current_champion(c, cfg.model_name), "champion")
     report["champion"] = str(champion.version) if champion else None

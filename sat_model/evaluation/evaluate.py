@@ -37,6 +37,7 @@ from sat_model.evaluation.grounding import (
     pointing_accuracy,
 )
 from sat_model.evaluation.metrics import score_captions
+from sat_model.evaluation.reports import CAPTIONS_FILE, METRICS_FILE
 from sat_model.evaluation.visualize import FIGURES_DIR, INDEX_FILE, AttentionFigures
 from sat_model.features.images import ImageError, encoder_view, load_image
 from sat_model.features.store import FeatureStore
@@ -45,10 +46,7 @@ from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.decoding import beam_search, decode_mode, length_penalty_for
 
 __all__ = [
-    "CAPTIONS_FILE",
-    "GALLERY_DIR",
     "GALLERY_IMAGES_DIR",
-    "METRICS_FILE",
     "DecodedCaption",
     "EvaluationError",
     "EvaluationResult",
@@ -59,9 +57,7 @@ __all__ = [
     "write_reports",
 ]
 
-# A report folder (reports/<attention>/): its file names, spelled here only
-METRICS_FILE, CAPTIONS_FILE = "metrics.json", "captions.json"
-GALLERY_DIR = "attention"  # the attention gallery: index.html and its figures
+# a report folder's layout is sat_model.evaluation.reports'
 GALLERY_IMAGES_DIR = FIGURES_DIR  # the gallery's figures, ``<NNN>.png`` under GALLERY_DIR
 
 

@@ -29,6 +29,7 @@ from sat_model.features.spec import EncoderSpec
 __all__ = [
     "FEATURES_FORMAT_VERSION",
     "MIRRORED_SUFFIX",
+    "REPORT_FILE",
     "FeatureStore",
     "FeatureStoreError",
     "FeatureWriter",
@@ -38,6 +39,7 @@ __all__ = [
 
 FEATURES_FORMAT_VERSION = 1
 MIRRORED_SUFFIX = "_mirrored"  # a split's photos mirrored left to right: train_mirrored.arrow
+REPORT_FILE = "extract_report.json"  # beside the stores: what the extract stage extracted
 
 
 def store_file(split: str, *, mirrored: bool = False) -> str:

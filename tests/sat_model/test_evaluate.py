@@ -24,6 +24,7 @@ from sat_model.evaluation.evaluate import (
     write_attention_gallery,
     write_reports,
 )
+from sat_model.evaluation.reports import read_metrics
 from sat_model.features.spec import EncoderSpec
 from sat_model.features.store import FeatureStore, FeatureWriter
 from tests.factories import write_references, write_tiny_model
@@ -189,6 +190,8 @@ def test_reports_are_json_with_flat_metrics(result, tmp_path):
     captions = json.loads((tmp_path / "captions.json").read_text())
     assert [c["image_id"] for c in captions["captions"]] == ["img0", "img1", "img2"]
     assert captions["skipped"][0]["reason"] == "no features"
+    assert read_metrics(tmp_path) == metrics  # the reader of the reports folder's owner
+    assert read_metrics(tmp_path / "never-evaluated") is None
 
 
 def test_gallery_has_one_figure_per_image_and_skips_missing_photos(data, result, tmp_path):
