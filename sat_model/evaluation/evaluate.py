@@ -38,7 +38,7 @@ from sat_model.evaluation.grounding import (
 )
 from sat_model.evaluation.metrics import score_captions
 from sat_model.evaluation.reports import CAPTIONS_FILE, METRICS_FILE
-from sat_model.evaluation.visualize import FIGURES_DIR, INDEX_FILE, AttentionFigures
+from sat_model.evaluation.visualize import INDEX_FILE, AttentionFigures
 from sat_model.features.images import ImageError, encoder_view, load_image
 from sat_model.features.store import FeatureStore
 from sat_model.model.checkpoint import load_model
@@ -46,7 +46,6 @@ from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.decoding import beam_search, decode_mode, length_penalty_for
 
 __all__ = [
-    "GALLERY_IMAGES_DIR",
     "DecodedCaption",
     "EvaluationError",
     "EvaluationResult",
@@ -56,9 +55,6 @@ __all__ = [
     "write_attention_gallery",
     "write_reports",
 ]
-
-# a report folder's layout is sat_model.evaluation.reports'
-GALLERY_IMAGES_DIR = FIGURES_DIR  # the gallery's figures, ``<NNN>.png`` under GALLERY_DIR
 
 
 class EvaluationError(RuntimeError):

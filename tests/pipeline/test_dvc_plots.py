@@ -19,8 +19,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from sat_model.evaluation.evaluate import GALLERY_IMAGES_DIR
-from sat_model.evaluation.visualize import AttentionFigures
+from sat_model.evaluation.visualize import FIGURES_DIR, AttentionFigures
 from sat_model.train.run import CURVE_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +46,7 @@ def _write_outputs(repo: Path) -> dict[str, list[str]]:
         alphas = np.array([[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]])
         with AttentionFigures(gallery, attention) as figures:  # index.html beside the figures
             figures.add("x", "000", photo, ["a", attention], alphas, grid_h=2, grid_w=2)
-        pngs[attention] = sorted(p.name for p in (gallery / GALLERY_IMAGES_DIR).glob("*.png"))
+        pngs[attention] = sorted(p.name for p in (gallery / FIGURES_DIR).glob("*.png"))
     return pngs
 
 
@@ -89,7 +88,7 @@ def test_plots_show_draws_each_quantity_for_both_models_and_the_galleries(tmp_pa
         assert drawn == written, quantity  # both models' curves, on the same axes
     images = re.findall(r'<img src="static/workspace_reports_([^"]+)">', page)
     assert sorted(images) == sorted(
-        f"{attention}_attention_{GALLERY_IMAGES_DIR}_{name}"
+        f"{attention}_attention_{FIGURES_DIR}_{name}"
         for attention, names in pngs.items()
         for name in names
     )

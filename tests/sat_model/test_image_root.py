@@ -13,11 +13,11 @@ from PIL import Image
 from sat_model.config import DataConfig, SyntheticConfig
 from sat_model.data.sources import read_source
 from sat_model.evaluation.evaluate import (
-    GALLERY_IMAGES_DIR,
     DecodedCaption,
     read_image_records,
     write_attention_gallery,
 )
+from sat_model.evaluation.visualize import FIGURES_DIR
 from sat_model.features.encoders import build_encoder
 from sat_model.features.extract import extract_features, read_image_table
 from sat_model.paths import image_root, shared_data
@@ -89,7 +89,7 @@ def test_gallery_opens_photos_only_under_the_root_given(tampered: Path, tmp_path
         title="t",
     )
     assert sorted(s["item"] for s in skipped) == ["passwd", "secret"]
-    assert len(list((tmp_path / "gallery" / GALLERY_IMAGES_DIR).glob("*.png"))) == 1  # one figure
+    assert len(list((tmp_path / "gallery" / FIGURES_DIR).glob("*.png"))) == 1  # one figure
 
 
 def test_without_a_root_no_photo_is_opened_but_sizes_are_kept(tampered: Path) -> None:
