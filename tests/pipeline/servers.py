@@ -184,7 +184,7 @@ def postgres_server(
     The cluster lives in a short folder of its own under the system temp dir (the ``postgres``
     user must reach it, and the socket path has a length limit), removed afterwards.
     """
-    for tool in ("initdb", "postgres"):
+    for tool in ("initdb", "postgres", "pg_isready"):
         if shutil.which(tool) is None:
             pytest.skip(f"PostgreSQL's {tool} is not on PATH")
     prefix, chown = _as_postgres_user()
@@ -206,6 +206,7 @@ def postgres_server(
         with _server(cmd, port, "postgres", tmp / "postgres.log"):
             server = PostgresServer(host="127.0.0.1", port=port, user=user, data_dir=data)
             try:
+                _wait_until_accepting(server)
                 _create_databases(server, databases)
                 yield server
             finally:  # a fast shutdown that waits until the postmaster (postmaster.pid) is gone
@@ -213,6 +214,17 @@ def postgres_server(
                 subprocess.run(stop, capture_output=True, timeout=60, check=False)
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+def _wait_until_accepting(server: PostgresServer, timeout_s: float = 60) -> None:
+    """Until ``pg_isready`` says the server accepts connections: its port opens while it is
+    still starting up, when a connection is refused ("the database system is starting up")."""
+    cmd = ["pg_isready", "-h", server.host, "-p", str(server.port), "-U", server.user]
+    deadline = time.monotonic() + timeout_s
+    while subprocess.run(cmd, capture_output=True, check=False).returncode != 0:
+        if time.monotonic() > deadline:
+            pytest.fail(f"PostgreSQL on {server.host}:{server.port} not ready in {timeout_s:.0f} s")
+        time.sleep(0.2)
 
 
 def _create_databases(server: PostgresServer, names: tuple[str, ...]) -> None:
