@@ -10,7 +10,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export NO_MKDOCS_2_WARNING := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: run test docs lint format bench clean
+.PHONY: run test test-fast typecheck fast-tests docs lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,20 @@ test: $(VENV)/.installed
 	$(BIN)/pytest -n 2 --dist loadfile
 
 # The documentation site (mkdocs.yml), rebuilt on every edit, on loopback only
+# The inner loop: lint, types and every test that is no real-path integration (tests/conftest.py:
+# `--fast` leaves out the marked ones and fails a test that takes over 5 s); mypy and the tests
+# run side by side
+test-fast: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(MAKE) --no-print-directory --output-sync=target -j2 typecheck fast-tests
+
+typecheck: $(VENV)/.installed
+	$(BIN)/mypy
+
+fast-tests: $(VENV)/.installed
+	$(BIN)/pytest -n 2 --fast -q
+
 docs: $(VENV)/.installed
 	$(BIN)/mkdocs serve -a 127.0.0.1:8000
 

@@ -1,12 +1,36 @@
-"""Fixtures for the whole suite."""
+"""Fixtures for the whole suite, and its fast tier.
+
+``pytest --fast`` (``make test-fast``) is the inner loop: it deselects every test marked as a
+real-path integration (``INTEGRATION``) and fails any test whose set-up or call costs more than
+``FAST_LIMIT_S`` CPU-seconds (its own and its finished subprocesses'), or waits more than
+``FAST_WAIT_S`` seconds, so an unmarked slow test cannot creep into the tier. CPU time, not wall
+time, so that a loaded machine does not fail a test that is fast on an idle one.
+"""
 
 from __future__ import annotations
 
 import os
+import resource
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
+
+# markers of real-path integrations (clusters, servers, pipelines, Java's METEOR and PTB):
+# the whole suite runs them, the fast tier does not
+INTEGRATION = ("slow", "ray", "mlflow", "cluster", "java")
+FAST_LIMIT_S = 5.0
+FAST_WAIT_S = 30.0
+_CPU_S = pytest.StashKey[float]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help=f"the fast tier: skip tests marked {', '.join(INTEGRATION)}; fail any other "
+        f"test whose set-up or call costs more than {FAST_LIMIT_S:.0f} CPU-seconds",
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +54,12 @@ def _isolated_mlflow_tracking_uri() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` skip, with the reason, where PyTorch sees no CUDA device."""
+    """``--fast`` deselects the integration tests; tests marked ``gpu`` skip, with the reason,
+    where PyTorch sees no CUDA device."""
+    if config.getoption("--fast"):
+        slow = {i for i in items if any(i.get_closest_marker(m) for m in INTEGRATION)}
+        config.hook.pytest_deselected(items=list(slow))
+        items[:] = [i for i in items if i not in slow]
     gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu:
         return
@@ -41,3 +70,49 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to PyTorch here")
     for item in gpu:
         item.add_marker(skip)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process's threads and of the subprocesses it has waited for."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    start = _cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        item.stash[_CPU_S] = _cpu_seconds() - start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    start = _cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        item.stash[_CPU_S] = _cpu_seconds() - start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Under ``--fast``, a set-up or call over the tier's limits fails with what to do."""
+    report: pytest.TestReport = yield
+    if not (item.config.getoption("--fast") and report.when in ("setup", "call") and report.passed):
+        return report
+    cpu = item.stash.get(_CPU_S, 0.0)
+    if cpu > FAST_LIMIT_S or report.duration > FAST_WAIT_S:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"its {report.when} cost {cpu:.1f} CPU-s in {report.duration:.1f} s, over the fast "
+            f"tier's {FAST_LIMIT_S:.0f} CPU-s or {FAST_WAIT_S:.0f} s: make it faster, or mark it "
+            "slow (pytest.mark.slow)"
+        )
+    return report

@@ -1,5 +1,6 @@
-"""Tiny artefacts the tests share: a model config, a saved model folder, a hand-made
-``captions.parquet`` and a real photo of the Flickr8k sample that is not square.
+"""Tiny artefacts the tests share: the repository's root, a model config, a decoder and a batch
+at toy sizes, a saved model folder, a hand-made ``captions.parquet``, a real photo of the
+Flickr8k sample that is not square, and image files that declare a huge size (bombs).
 
 Plain functions (``from tests.factories import ...``) rather than fixtures: module-scoped
 fixtures and helpers that build whole projects call them too.
@@ -7,9 +8,12 @@ fixtures and helpers that build whole projects call them too.
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+import struct
 import subprocess
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,18 +25,32 @@ import torch
 from PIL import Image
 
 from sat_model.config import ModelParams
-from sat_model.data.vocab import SPECIALS, Vocab
+from sat_model.data.vocab import END_ID, PAD_ID, SPECIALS, START_ID, Vocab
 from sat_model.features.encoders import build_encoder
 from sat_model.model.checkpoint import save_checkpoint
 from sat_model.model.config import ModelConfig
+from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.factory import build_model
 from sat_model.paths import shared_data
 
 __all__ = [
+    "ROOT",
+    "TINY_D",
+    "TINY_K",
+    "TINY_L",
+    "bmp_bomb",
     "copy_project",
+    "gif_bomb",
+    "jpeg_bomb",
     "model_config",
     "photo_of_another_shape",
+    "png_bomb",
+    "ppm_bomb",
+    "tiff_bomb",
+    "tiny_batch",
+    "tiny_model",
     "to_format_1",
+    "webp_bomb",
     "write_captions",
     "write_references",
     "write_tiny_model",
@@ -195,3 +213,94 @@ def write_references(
     """A ``captions.parquet`` of ``references`` (image id -> raw captions) in one split."""
     rows = [(i, split, k, r) for i, captions in references.items() for k, r in enumerate(captions)]
     return write_captions(path, rows)
+
+
+# a small file of each format that declares a huge image; each *_bomb below patches its header
+def _saved(fmt: str, **options: Any) -> bytearray:
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), (220, 40, 40)).save(buffer, format=fmt, **options)
+    return bytearray(buffer.getvalue())
+
+
+def png_bomb(w: int, h: int) -> bytes:
+    d = _saved("PNG")
+    struct.pack_into(">II", d, 16, w, h)  # IHDR width, height
+    struct.pack_into(">I", d, 29, zlib.crc32(bytes(d[12:29])))  # IHDR CRC
+    return bytes(d)
+
+
+def jpeg_bomb(w: int, h: int) -> bytes:
+    d = _saved("JPEG")
+    sof = d.index(b"\xff\xc0")  # SOF0: marker, length, precision, height, width
+    struct.pack_into(">HH", d, sof + 5, h, w)
+    return bytes(d)
+
+
+def webp_bomb(w: int, h: int) -> bytes:
+    d = _saved("WEBP", lossless=True)
+    at = d.index(b"VP8L") + 9  # after the chunk header and the 0x2f signature: 14+14 bits
+    bits = struct.unpack_from("<I", d, at)[0] & ~((1 << 28) - 1)
+    struct.pack_into("<I", d, at, bits | (w - 1) | ((h - 1) << 14))
+    return bytes(d)
+
+
+def bmp_bomb(w: int, h: int) -> bytes:
+    d = _saved("BMP")
+    struct.pack_into("<ii", d, 18, w, h)  # BITMAPINFOHEADER width, height
+    return bytes(d)
+
+
+def gif_bomb(w: int, h: int) -> bytes:
+    d = _saved("GIF")
+    struct.pack_into("<HH", d, 6, w, h)  # logical screen
+    return bytes(d)
+
+
+def tiff_bomb(w: int, h: int) -> bytes:
+    d = _saved("TIFF")
+    (ifd,) = struct.unpack_from("<I", d, 4)
+    (count,) = struct.unpack_from("<H", d, ifd)
+    for k in range(count):  # ImageWidth (256) and ImageLength (257) entries
+        tag, kind = struct.unpack_from("<HH", d, ifd + 2 + 12 * k)
+        if tag in (256, 257):
+            fmt = "<H" if kind == 3 else "<I"
+            struct.pack_into(fmt, d, ifd + 2 + 12 * k + 8, w if tag == 256 else h)
+    return bytes(d)
+
+
+def ppm_bomb(w: int, h: int) -> bytes:
+    return f"P6\n{w} {h}\n255\n".encode() + b"\0" * 12
+
+
+# the decoder at toy sizes: K words, D-dimensional annotations at L locations
+TINY_K, TINY_D, TINY_L = 12, 8, 6
+
+
+def tiny_model(
+    attention: str = "soft", backend: str | None = None, **overrides: object
+) -> ShowAttendTell:
+    fields: dict[str, Any] = dict(
+        vocab_size=TINY_K,
+        annotation_dim=TINY_D,
+        num_locations=TINY_L,
+        hidden_dim=16,
+        attention=attention,
+    )
+    fields.update(overrides)
+    config = model_config(**fields)
+    return ShowAttendTell(config, backend)  # type: ignore[arg-type]
+
+
+def tiny_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """4 images (B, L, D) and their captions (B, T+1) of different lengths, padded."""
+    g = torch.Generator().manual_seed(seed)
+    annotations = torch.randn(4, TINY_L, TINY_D, generator=g)
+    captions = torch.tensor(
+        [
+            [START_ID, 4, 5, 6, END_ID, PAD_ID, PAD_ID],
+            [START_ID, 7, 8, END_ID, PAD_ID, PAD_ID, PAD_ID],
+            [START_ID, 9, 10, 11, 4, 5, END_ID],
+            [START_ID, 6, END_ID, PAD_ID, PAD_ID, PAD_ID, PAD_ID],
+        ]
+    )
+    return annotations, captions

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.factories import ROOT
+
 # (params file, key, value): a key of each file, as a user sets it
 SETS = [
     ("params.yaml", "train.soft.max_epochs", "1"),

@@ -31,12 +31,9 @@ import pytest
 import yaml
 
 from sat_model.config import apply_overrides, read_yaml
-from tests.factories import copy_project
+from tests.factories import ROOT, copy_project
+from tests.pipeline.projects import METRIC_KEYS, TINY, check_recorded_sweep, stages_run
 from tests.pipeline.servers import _wait_for_port, free_port, stop_process_group
-from tests.pipeline.test_tune import check_recorded_sweep
-
-ROOT = Path(__file__).resolve().parents[2]
-METRIC_KEYS = {"bleu_1", "bleu_2", "bleu_3", "bleu_4", "meteor", "rouge_l", "cider"}
 
 pytestmark = [
     pytest.mark.slow,
@@ -44,31 +41,6 @@ pytestmark = [
     pytest.mark.mlflow,
     pytest.mark.java,
     pytest.mark.skipif(shutil.which("java") is None, reason="METEOR and PTB need Java"),
-]
-
-# applied to the project's own params.yaml, so every key a stage declares stays present
-TINY = [
-    "data.synthetic.train_images=24",
-    "data.synthetic.val_images=8",
-    "data.synthetic.test_images=8",
-    "data.vocab.min_count=1",
-    "encoder.name=random",
-    "encoder.batch_size=8",
-    "encoder.num_workers=0",
-    "encoder.torch_threads=1",
-    "model.embed_dim=16",
-    "model.hidden_dim=32",
-    "model.attention_dim=16",
-    "train.val_images=4",
-    "train.soft.max_epochs=1",
-    "train.soft.batch_size=16",
-    "train.hard.max_epochs=1",
-    "train.hard.batch_size=16",
-    "eval.beam_size=2",
-    "eval.gallery_images=2",
-    "ray.num_cpus=2",
-    "ray.num_workers=1",
-    "ray.cpus_per_worker=1",
 ]
 
 
@@ -93,10 +65,6 @@ def dvc(project: Path, *args: str) -> str:
     return out.stdout + out.stderr
 
 
-def stages_run(output: str) -> set[str]:
-    return set(re.findall(r"Running stage '([^']+)'", output))
-
-
 PAGE = ROOT / "docs" / "guide" / "quickstart.md"
 VENV = Path(sys.prefix)
 BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
@@ -105,7 +73,7 @@ BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
 NOT_RUN = {
     "make run PROFILE=flickr8k": "needs the Flickr8k photos and about two hours of training",
     ".venv/bin/sat profile new mine": (
-        "needs your ~/photos; tests/pipeline/test_own_data.py walks these commands on a "
+        "needs your ~/photos; tests/pipeline/stages/test_own_data.py walks these commands on a "
         "folder of sample photos"
     ),
 }

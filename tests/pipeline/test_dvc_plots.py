@@ -21,8 +21,8 @@ from PIL import Image
 
 from sat_model.evaluation.visualize import FIGURES_DIR, AttentionFigures
 from sat_model.train.run import CURVE_COLUMNS
+from tests.factories import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 QUANTITIES = [c for c in CURVE_COLUMNS if c != "epoch"]  # each column of curves.csv gets a plot
 # per attention, per epoch: values that tell the two files apart in the rendered data
 CURVES = {

@@ -85,6 +85,7 @@ _POLLER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_the_model_folder_never_stops_existing_while_it_is_replaced(tmp_path: Path) -> None:
     dst = _folder(tmp_path / "soft", {"model.pt": "0"})
     poller = subprocess.Popen(

@@ -3,8 +3,7 @@ from pathlib import Path
 import pytest
 
 from sat_model.config import Params, ParamsError, load_params
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.factories import ROOT
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import sat_model
 
 ORCHESTRATION = {"ray", "mlflow", "dvc"}
@@ -28,6 +30,7 @@ def test_sat_model_has_the_modules_it_promises() -> None:
     assert len(files) <= len(modules), "walk_packages missed module files"
 
 
+@pytest.mark.slow
 def test_importing_every_sat_model_module_loads_no_orchestration_package() -> None:
     modules = _all_modules()
     code = (

@@ -9,6 +9,7 @@ evaluation open a file outside the image root.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -23,21 +24,30 @@ from sat_model.evaluation.evaluate import (
     write_attention_gallery,
 )
 from sat_model.features.extract import read_image_table
+from tests.factories import ROOT
 
-REPO = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("sat_model", "pipeline", "benchmarks", "tests")
 
 
 def _python_files() -> list[Path]:
-    return sorted(p for d in SOURCE_DIRS if (REPO / d).is_dir() for p in (REPO / d).rglob("*.py"))
+    return sorted(p for d in SOURCE_DIRS if (ROOT / d).is_dir() for p in (ROOT / d).rglob("*.py"))
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
 
 
 def _calls(tree: ast.AST, dotted: str) -> list[ast.Call]:
     """Calls whose function is written ``dotted`` (e.g. ``torch.load``)."""
+    attr = dotted.rpartition(".")[2]
     return [
         node
         for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and ast.unparse(node.func) == dotted
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == attr  # cheap first: unparse only the candidates
+        and ast.unparse(node.func) == dotted
     ]
 
 
@@ -53,11 +63,10 @@ def test_every_torch_load_in_the_source_tree_passes_weights_only_true() -> None:
     assert len(files) > 20, "the scan found too few files to mean anything"
     found, unsafe = 0, []
     for path in files:
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        for call in _calls(tree, "torch.load"):
+        for call in _calls(_tree(path), "torch.load"):
             found += 1
             if not _weights_only_true(call):
-                unsafe.append(f"{path.relative_to(REPO)}:{call.lineno}")
+                unsafe.append(f"{path.relative_to(ROOT)}:{call.lineno}")
     assert found >= 3  # checkpoint and encoder loading at least: the scan does see them
     assert unsafe == []
 
@@ -85,13 +94,13 @@ UNPICKLERS = (
 def test_library_and_pipeline_never_unpickle() -> None:
     hits = []
     for path in _python_files():
-        if path.is_relative_to(REPO / "tests"):
+        if path.is_relative_to(ROOT / "tests"):
             continue  # tests build malicious pickles on purpose
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        tree = _tree(path)
         for name in UNPICKLERS:
-            hits += [f"{path.relative_to(REPO)}:{c.lineno} {name}" for c in _calls(tree, name)]
+            hits += [f"{path.relative_to(ROOT)}:{c.lineno} {name}" for c in _calls(tree, name)]
         hits += [
-            f"{path.relative_to(REPO)}:{node.value.lineno} allow_pickle"
+            f"{path.relative_to(ROOT)}:{node.value.lineno} allow_pickle"
             for node in ast.walk(tree)
             if isinstance(node, ast.keyword)
             and node.arg == "allow_pickle"

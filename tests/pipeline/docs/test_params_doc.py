@@ -1,0 +1,72 @@
+"""The generated reference pages: params from the config types, `sat` from its parser."""
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.docs.cli import cli_page
+from pipeline.docs.params import MissingDescriptionError, params_page, params_rows
+from sat_model.config import Params
+
+
+def _leaf_keys(model: type, prefix: str = "") -> set[str]:
+    keys = set()
+    for name, field in model.model_fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and hasattr(sub, "model_fields"):
+            keys |= _leaf_keys(sub, f"{prefix}{name}.")
+        else:
+            keys.add(f"{prefix}{name}")
+    return keys
+
+
+def test_params_page_has_a_row_with_a_meaning_for_every_leaf_key() -> None:
+    rows = {key: meaning for _, _, section in params_rows() for key, *_, meaning in section}
+    assert set(rows) == _leaf_keys(Params)
+    assert all(meaning.strip() for meaning in rows.values())
+    page = params_page()
+    assert "| `train.soft.doubly_stochastic` | number ≥ 0 | `0.0` | λ of the doubly" in page
+    assert '| `tune.attention` | `"soft"` \\| `"hard"` |' in page  # a Literal's choices
+    assert "| `data.max_bad_fraction` | number ≥ 0.0, ≤ 1.0 |" in page
+
+
+class _Leaf(BaseModel):
+    """A section with one undocumented field."""
+
+    model_config = ConfigDict(extra="forbid")
+    documented: int = Field(1, description="says what it is")
+    bare: int = 2
+
+
+class _Root(BaseModel):
+    """The top."""
+
+    leaf: _Leaf = _Leaf()
+
+
+def test_a_field_without_a_description_fails_the_build() -> None:
+    with pytest.raises(MissingDescriptionError, match=r"leaf\.bare"):
+        params_page(_Root)
+
+
+def test_cli_page_has_every_subcommand_help_from_the_parser() -> None:
+    page = cli_page()
+    for command in ("caption", "serve", "train", "tune", "models", "promote", "evaluate"):
+        assert f"## `sat {command}`" in page
+    assert "## `sat profile new`" in page
+    assert "--attention-out" in page
+
+
+def test_results_section_shows_our_scores_in_percent_beside_the_paper(tmp_path: Path) -> None:
+    import json
+
+    from pipeline.docs.results import results_section
+
+    (tmp_path / "soft").mkdir()
+    scores = {"bleu_1": 0.5, "bleu_4": 0.25, "meteor": 0.125, "pointing_accuracy": 0.875}
+    (tmp_path / "soft" / "metrics.json").write_text(json.dumps(scores))
+    section = results_section(tmp_path)
+    assert "| generated scenes | soft | 50.0 | – | – | 25.0 | 12.5 | – | – | 87.5 |" in section
+    assert "| Flickr8k (paper) | hard | 67 | 45.7 | 31.4 | 21.3 | 20.3 |" in section
+    assert "generated scenes | hard" not in section  # no report, no row

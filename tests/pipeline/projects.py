@@ -1,0 +1,126 @@
+"""What tests of whole projects share: the params that make a project tiny, the metric keys a
+report holds, which stages a ``dvc repro`` ran, and what a finished sweep records."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.tracking.runs import PARENT_TAG, connect
+from sat_model.config import Params, load_params
+
+METRIC_KEYS = {"bleu_1", "bleu_2", "bleu_3", "bleu_4", "meteor", "rouge_l", "cider"}
+
+
+# applied to the project's own params.yaml, so every key a stage declares stays present
+TINY = [
+    "data.synthetic.train_images=24",
+    "data.synthetic.val_images=8",
+    "data.synthetic.test_images=8",
+    "data.vocab.min_count=1",
+    "encoder.name=random",
+    "encoder.batch_size=8",
+    "encoder.num_workers=0",
+    "encoder.torch_threads=1",
+    "model.embed_dim=16",
+    "model.hidden_dim=32",
+    "model.attention_dim=16",
+    "train.val_images=4",
+    "train.soft.max_epochs=1",
+    "train.soft.batch_size=16",
+    "train.hard.max_epochs=1",
+    "train.hard.batch_size=16",
+    "eval.beam_size=2",
+    "eval.gallery_images=2",
+    "ray.num_cpus=2",
+    "ray.num_workers=1",
+    "ray.cpus_per_worker=1",
+]
+
+
+def stages_run(output: str) -> set[str]:
+    return set(re.findall(r"Running stage '([^']+)'", output))
+
+
+def check_recorded_sweep(project: Path, out: str, trials: int) -> None:
+    """What a finished sweep of ``trials`` soft-attention trials leaves in ``project``: the trial
+    table in its output ``out``, best_params.yaml, one MLflow parent run and a child per trial,
+    and a ``dvc exp run`` line that trains the winner. The sweep itself is run the way the README
+    gives it, in tests/pipeline/dvc/test_dvc_pipeline.py."""
+    best = yaml.safe_load((project / "reports" / "tune" / "best_params.yaml").read_text())
+    assert best["metric"] == "val_bleu_4" and best["attention"] == "soft"
+    assert set(best["params"]) == {"train.soft.lr", "train.soft.doubly_stochastic"}
+    assert f"{best['score']:.4f}" in out
+    _check_trial_table(out, trials)
+    params = load_params(project / "params.yaml")
+    trial_values = _check_parent_and_child_runs(params, project, best, trials)
+    # applying the printed `dvc exp run -S ...` line gives that trial's values exactly
+    printed = [line for line in out.splitlines() if "dvc exp run" in line]
+    assert printed and printed[-1].endswith(best["apply"])
+    command = shlex.split(best["apply"])
+    assert command[:3] == ["dvc", "exp", "run"]
+    flags, overrides = command[3::2], command[4::2]
+    assert set(flags) == {"-S"} and len(flags) == len(overrides) == 2
+    applied = load_params(project / "params.yaml", overrides)
+    assert applied.train.soft.lr == trial_values["train.soft.lr"]
+    assert applied.train.soft.doubly_stochastic == trial_values["train.soft.doubly_stochastic"]
+    assert applied.train.hard == params.train.hard and applied.model == params.model
+
+
+def _check_trial_table(out: str, trials: int) -> None:
+    """The trial table: a header, then rows of trial, status, epoch, searched values, BLEU-4."""
+    table = out.splitlines()
+    header = next(i for i, line in enumerate(table) if line.startswith("trial "))
+    assert table[header].split() == [
+        "trial",
+        "status",
+        "epoch",
+        "lr",
+        "doubly_stochastic",
+        "val_bleu_4",
+    ]
+    rows = [line.split() for line in table[header + 1 :] if len(line.split()) == 6]
+    assert sum(row[1] == "done" for row in rows) == trials  # every trial ended, none in error
+    assert {row[1] for row in rows} <= {"running", "done"}
+    assert all(row[2] in {"1", "2"} for row in rows if row[1] == "running")
+
+
+def _check_parent_and_child_runs(
+    params: Params, project: Path, best: dict, trials: int
+) -> dict[str, float]:
+    """One parent run, a finished child per trial with its values and curves, and the best
+    score one the winner logged; returns the winner's values."""
+    tracking = connect(params.mlflow, project)
+    client = tracking.client()
+    runs = client.search_runs([tracking.experiment_id], "tags.`sat.sweep` = '1'")
+    assert len(runs) == 1
+    parent = runs[0]
+    children = client.search_runs(
+        [tracking.experiment_id], f"tags.`{PARENT_TAG}` = '{parent.info.run_id}'"
+    )
+    assert len(children) == trials
+    scores = []
+    for child in children:
+        assert child.info.status == "FINISHED"  # also those Tune stopped (ASHA, max_t)
+        assert set(child.data.params) == {"train.soft.lr", "train.soft.doubly_stochastic"}
+        lam = float(child.data.params["train.soft.doubly_stochastic"])
+        assert 0.0 <= lam <= 2.0
+        steps = [m.step for m in client.get_metric_history(child.info.run_id, "val_bleu_4")]
+        assert steps and steps == sorted(set(steps)) and set(steps) <= {1, 2}  # ASHA may stop at 1
+        assert client.get_metric_history(child.info.run_id, "val_cider")
+        scores += [m.value for m in client.get_metric_history(child.info.run_id, "val_bleu_4")]
+    # the best is a score some trial really logged; not necessarily the max of the children's
+    # last MLflow values: a trial that ASHA stops can log one more epoch than Tune received
+    assert any(best["score"] == pytest.approx(s, rel=1e-9, abs=0.0) for s in scores)
+    assert parent.data.metrics["best_val_bleu_4"] == pytest.approx(best["score"])
+    # the best is the trial it names: that trial logged the score and the params recorded
+    (winner,) = [c for c in children if c.data.tags["sat.trial_id"] == best["trial_id"]]
+    history = client.get_metric_history(winner.info.run_id, "val_bleu_4")
+    assert best["score"] in [m.value for m in history]
+    trial_values = {k: float(v) for k, v in winner.data.params.items()}
+    assert best["params"] == trial_values
+    return trial_values

@@ -1,0 +1,195 @@
+"""``sat serve --engine ray``: the champion on Ray Serve on a local Ray, over real HTTP.
+
+One module-scoped server: a SQLite store with two registered versions of a tiny model,
+``sat serve --engine ray`` on a free 127.0.0.1 port (its own local Ray), stopped by its process
+group. Clients send real Flickr8k-sample JPEGs as base64 in JSON, as they do to ``sat serve``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pipeline.tracking.packaging import log_and_register
+from pipeline.tracking.registry import promote_if_better
+from sat_model.captioner import Captioner
+from sat_model.paths import shared_data
+from tests.factories import bmp_bomb, png_bomb, write_tiny_model
+from tests.pipeline.servers import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.mlflow]
+SAT = Path(sys.executable).with_name("sat")
+NAME = "sat-captioner"
+WORDS = ("a", "red", "circle", "dog", "runs")
+DECODING = {"beam_size": 2, "max_length": 5}
+PHOTOS = shared_data("flickr8k-sample") / "Flickr8k_Dataset"
+PARAMS = """\
+mlflow: {{tracking_uri: '{uri}'}}
+serve:
+  max_request_bytes: 2000000
+  ray: {{reload_interval_s: 1, max_batch_size: 8, batch_wait_timeout_s: 0.05}}
+"""
+
+
+@dataclass(frozen=True)
+class RayServed:
+    url: str
+    root: Path
+    models: dict[str, Path]  # version -> its checkpoint folder
+
+
+def _photos(n: int) -> list[Path]:
+    if not PHOTOS.is_dir():
+        pytest.skip(f"the Flickr8k sample is absent ({PHOTOS})")
+    found = [p for p in sorted(PHOTOS.glob("*.jpg")) if p.stat().st_size >= 20_000][:n]
+    assert len(found) == n
+    return found
+
+
+def _b64(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def _post(url: str, body: bytes, content_type: str = "application/json") -> tuple[int, bytes]:
+    request = urllib.request.Request(
+        f"{url}/invocations", data=body, headers={"Content-Type": content_type}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _rows(rows: list, params: dict | None = None) -> bytes:
+    doc: dict = {"dataframe_split": {"columns": ["image"], "data": [[r] for r in rows]}}
+    return json.dumps({**doc, "params": params} if params else doc).encode()
+
+
+def _version(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/version", timeout=30) as answer:
+        return str(json.loads(answer.read())["version"])
+
+
+@pytest.fixture(scope="module")
+def ray_served(tmp_path_factory: pytest.TempPathFactory):
+    from mlflow import MlflowClient
+
+    root = tmp_path_factory.mktemp("ray-serving")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("serving", artifact_location=str(root / "artifacts"))
+    models = {}
+    for seed in (0, 1):
+        model = write_tiny_model(root / f"model{seed}", words=WORDS, resize=72, seed=seed)
+        registered = log_and_register(
+            client,
+            model_dir=model,
+            model_name=NAME,
+            experiment_id=experiment,
+            metrics={"bleu_4": 0.1},
+            params={},
+            tags={"attention": "soft"},
+            decoding=DECODING,
+        )
+        models[registered.version] = model
+    promote_if_better(client, NAME, "1", "bleu_4")
+    (root / "params.yaml").write_text(PARAMS.format(uri=uri))
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    log = (root / "serve.log").open("wb")
+    process = subprocess.Popen(
+        [str(SAT), "serve", "--engine", "ray", "--port", str(port)],
+        cwd=root,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert process.poll() is None, (root / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, (root / "serve.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"{url}/ping", timeout=5).close()
+                break
+            except OSError:
+                time.sleep(1)
+        yield RayServed(url, root, models)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+
+
+def test_16_concurrent_clients_with_real_photos_are_all_captioned(ray_served: RayServed) -> None:
+    photos = _photos(16)
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda p: _post(ray_served.url, _rows([_b64(p)])), photos))
+    assert [status for status, _ in answers] == [200] * 16, answers[:2]
+    local = Captioner.from_dir(ray_served.models["1"], **DECODING)
+    expected = [c.caption.text for c in local.caption_files(photos) if c.caption]
+    assert [json.loads(body)["predictions"][0]["caption"] for _, body in answers] == expected
+
+
+def test_hostile_rows_are_answered_per_row_or_refused_whole(ray_served: RayServed) -> None:
+
+    (photo,) = _photos(1)
+    rows = [
+        _b64(photo),
+        str(ray_served.root / "params.yaml"),  # a file of the server: never opened
+        base64.b64encode(png_bomb(16383, 16383)).decode(),
+        base64.b64encode(bmp_bomb(300, 300)).decode(),
+    ]
+    status, body = _post(ray_served.url, _rows(rows))
+    assert status == 200, body[:500]
+    errors = [p["error"] for p in json.loads(body)["predictions"]]
+    assert errors[0] is None
+    assert errors[1] == "row 1: not an image: expected base64 or a data: URL"
+    assert errors[2].startswith("row 2: decompression bomb guard")
+    assert errors[3] == "row 3: BMP images are not accepted (accepted: JPEG, PNG, WEBP)"
+    refused = [
+        (_rows([_b64(photo)], {"beam_size": 0}), 400, "beam_size must be an integer in 1..10"),
+        (_rows(["x" * 3_000_000]), 413, "serve.max_request_bytes is 2000000"),
+        (b"a,b\n1,2\n", 415, "send application/json"),
+    ]
+    for data, code, reason in refused:
+        content_type = "text/csv" if code == 415 else "application/json"
+        status, body = _post(ray_served.url, data, content_type)
+        assert status == code and reason in json.loads(body)["message"], body[:300]
+        assert len(body) < 4096 and b"Traceback" not in body
+    assert _post(ray_served.url, _rows([_b64(photo)]))[0] == 200  # still serving
+
+
+def test_a_promoted_version_reaches_the_running_deployment(ray_served: RayServed) -> None:
+    (photo,) = _photos(1)
+    assert _version(ray_served.url) == "1"
+    subprocess.run(
+        [str(SAT), "promote", "--version", "2"], cwd=ray_served.root, check=True, timeout=120
+    )
+    deadline = time.monotonic() + 60
+    while _version(ray_served.url) != "2":
+        assert time.monotonic() < deadline, "the deployment did not follow @champion"
+        time.sleep(1)
+    status, body = _post(ray_served.url, _rows([_b64(photo)]))
+    (expected,) = Captioner.from_dir(ray_served.models["2"], **DECODING).caption_files([photo])
+    assert status == 200 and expected.caption is not None
+    assert json.loads(body)["predictions"][0]["caption"] == expected.caption.text

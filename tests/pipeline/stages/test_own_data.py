@@ -1,0 +1,184 @@
+"""Your own photos and captions, as the README's "Your own data" walks them: a folder of shared
+Flickr8k-sample photos and a CSV with every kind of bad row, `sat profile new`, `dvc repro` of
+the profile (tiny model, one epoch) to a registered champion, then `sat caption` with it.
+
+The project is a temporary git repository holding this working tree's files; the photos are
+copied from ../shared/data into the test's temporary folder, never into the repository."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sat_model.config import apply_overrides, read_yaml
+from sat_model.paths import shared_data
+from tests.factories import copy_project
+
+SAMPLE = shared_data("flickr8k-sample")
+BIN = Path(sys.executable).parent
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.ray,
+    pytest.mark.mlflow,
+    pytest.mark.java,
+    pytest.mark.skipif(shutil.which("java") is None, reason="METEOR and PTB need Java"),
+    pytest.mark.skipif(
+        not (SAMPLE / "Flickr8k_text" / "Flickr8k.token.txt").is_file(),
+        reason=f"shared Flickr8k sample not found at {SAMPLE} (set SAT_SHARED_DATA)",
+    ),
+]
+
+PHOTOS, CAPTIONS_PER_PHOTO = 300, 2
+# the smallest run that still trains, evaluates and registers both variants
+TINY = [
+    "data.folder.val_images=6",
+    "data.folder.test_images=6",
+    "encoder.name=random",
+    "encoder.layer=null",
+    "encoder.resize=64",
+    "encoder.crop=64",
+    "encoder.num_workers=0",
+    "encoder.torch_threads=1",
+    "model.embed_dim=16",
+    "model.hidden_dim=32",
+    "model.attention_dim=16",
+    "train.val_images=4",
+    "eval.beam_size=2",
+    "eval.gallery_images=1",
+    "ray.num_cpus=2",
+    "ray.num_workers=1",
+    "ray.cpus_per_worker=1",
+] + [
+    f"train.{variant}.{key}"
+    for variant in ("soft", "hard")
+    for key in ("max_epochs=1", "scst_epochs=0", "patience=1", "batch_size=64")
+]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RAY_ADDRESS"))}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    return env
+
+
+def _run(cwd: Path, *command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / command[0]), *command[1:]],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def _sample_captions() -> dict[str, list[str]]:
+    captions: dict[str, list[str]] = {}
+    token_file = SAMPLE / "Flickr8k_text" / "Flickr8k.token.txt"
+    for line in token_file.read_text(encoding="utf-8").splitlines():
+        name, _, caption = line.partition("\t")
+        if len(caption.split()) <= 18:  # within data.vocab.max_caption_length: none is skipped
+            captions.setdefault(name.rpartition("#")[0], []).append(caption)
+    return {name: c for name, c in captions.items() if len(c) >= CAPTIONS_PER_PHOTO}
+
+
+def _dataset(folder: Path) -> tuple[Path, dict[str, str]]:
+    """300 photos and a CSV of 600 good rows and 30 bad ones (5 % of the good), five
+    kinds, each kind's rows unique; returns the CSV and {file or line: expected reason}."""
+    photos = folder / "photos"
+    photos.mkdir(parents=True)
+    captions = _sample_captions()
+    names = sorted(captions)[:PHOTOS]
+    for name in names:
+        # copies: prepare refuses a symbolic link out of the photo folder
+        shutil.copyfile(SAMPLE / "Flickr8k_Dataset" / name, photos / name)
+    rows = [(n, c) for n in names for c in captions[n][:CAPTIONS_PER_PHOTO]]
+    bad: list[tuple[tuple[str, str], str, str]] = []  # (row, named by, reason)
+    for i in range(6):
+        bad.append(((f"missing_{i}.jpg", "a dog runs"), f"missing_{i}.jpg", "missing image file"))
+        if i < 3:
+            (photos / f"broken_{i}.jpg").write_bytes(b"\xff\xd8 this is not a JPEG")
+            bad.append(
+                ((f"broken_{i}.jpg", "a dog runs"), f"broken_{i}.jpg", "not a readable image")
+            )
+        bad.append(((names[i], "   "), "line", "empty caption"))
+        bad.append(((f"../outside_{i}.jpg", "a dog"), f"../outside_{i}.jpg", "leaves the dataset"))
+    for i in range(9):
+        bad.append(((names[10 + i], captions[names[10 + i]][0]), "line", "duplicate row"))
+    csv_path = folder / "captions.csv"
+    expected: dict[str, str] = {}
+    with csv_path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["file", "caption"])
+        writer.writerows(rows)
+        for k, (row, named_by, reason) in enumerate(bad):
+            writer.writerow(row)
+            line = f"captions.csv line {len(rows) + k + 2}"  # the header is line 1
+            expected[line if named_by == "line" else named_by] = reason
+    assert len(bad) == len(rows) // 20
+    return csv_path, expected
+
+
+def test_a_folder_of_photos_to_a_captioning_champion(tmp_path: Path) -> None:
+    project = copy_project(tmp_path / "sat")
+    csv_path, expected = _dataset(tmp_path / "mine")
+    made = _run(
+        project,
+        "sat",
+        "profile",
+        "new",
+        "mine",
+        "--images",
+        str(csv_path.parent / "photos"),
+        "--captions",
+        str(csv_path),
+    )
+    assert made.returncode == 0, made.stderr
+    assert "make run PROFILE=mine" in made.stdout
+    params = project / "profiles" / "mine" / "params.yaml"
+    raw = apply_overrides(read_yaml(params.read_text()), TINY)
+    params.write_text(yaml.safe_dump(raw, sort_keys=False))
+
+    repro = _run(project, "dvc", "repro", "profiles/mine/dvc.yaml")
+    assert repro.returncode == 0, repro.stdout[-3000:] + repro.stderr[-3000:]
+    assert "Traceback" not in repro.stdout + repro.stderr
+
+    report = json.loads((project / "profiles/mine/data/prepared/prepare_report.json").read_text())
+    reasons = {entry["item"]: entry["reason"] for entry in report["skipped"]}
+    for item, reason in expected.items():
+        assert item in reasons, f"{item} (expected: {reason}) is not in the prepare report"
+        assert reason in reasons[item], f"{item}: {reasons[item]!r}, expected {reason!r}"
+    assert report["images_ok"] == PHOTOS
+    # six each were drawn, among them perhaps a bad row's image
+    assert 1 <= report["images_val"] <= 6 and 1 <= report["images_test"] <= 6
+    assert report["captions_kept"] == PHOTOS * CAPTIONS_PER_PHOTO
+
+    registry = json.loads((project / "profiles/mine/reports/registry.json").read_text())
+    assert registry["model_name"] == "sat-captioner-mine" and registry["champion"] is not None
+
+    first = csv_path.read_text(encoding="utf-8").splitlines()[1].split(",")[0]
+    photo = csv_path.parent / "photos" / first
+    captioned = _run(
+        project,
+        "sat",
+        "caption",
+        "--params",
+        "profiles/mine/params.yaml",
+        "--format",
+        "jsonl",
+        str(photo),
+    )
+    assert captioned.returncode == 0, captioned.stderr
+    row = json.loads(captioned.stdout.strip().splitlines()[-1])
+    assert row["path"] == str(photo) and row["error"] is None
+    assert isinstance(row["caption"], str) and row["caption"].split()

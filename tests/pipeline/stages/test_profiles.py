@@ -1,0 +1,210 @@
+"""Dataset profiles (profiles/<name>/): a params file and a dvc.yaml that stay in step with the
+root pipeline, and the Flickr8k profile's prepare stage on the real train and dev photos."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.stages import load_context
+from pipeline.stages.prepare import run as prepare
+from pipeline.stages.profiles import main, profile_dvc, profile_dvc_text, profiles
+from sat_model.config import load_params
+from sat_model.paths import shared_data
+from tests.factories import ROOT
+
+PROFILES = profiles(ROOT)
+
+
+def _key_paths(tree: dict, prefix: str = "") -> set[str]:
+    paths = set()
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        paths |= _key_paths(value, f"{path}.") if isinstance(value, dict) else {path}
+    return paths
+
+
+def _yaml(path: Path) -> dict:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def test_the_flickr8k_profile_exists() -> None:
+    assert ROOT / "profiles" / "flickr8k" in PROFILES
+
+
+@pytest.mark.parametrize("folder", PROFILES, ids=[p.name for p in PROFILES])
+def test_profile_dvc_yaml_is_the_root_pipeline_as_written_now(folder: Path) -> None:
+    assert (folder / "dvc.yaml").read_text(encoding="utf-8") == profile_dvc_text(ROOT), (
+        f"{folder.name}/dvc.yaml is stale: run python -m pipeline.stages.profiles"
+    )
+    assert main(["--check", "--root", str(ROOT)]) == 0
+
+
+@pytest.mark.parametrize("folder", PROFILES, ids=[p.name for p in PROFILES])
+def test_profile_params_hold_every_root_key_and_validate(folder: Path) -> None:
+    root_keys = _key_paths(_yaml(ROOT / "params.yaml"))
+    profile_keys = _key_paths(_yaml(folder / "params.yaml"))
+    assert profile_keys == root_keys, (
+        f"only in {folder.name}: {sorted(profile_keys - root_keys)}; "
+        f"only in the root params.yaml: {sorted(root_keys - profile_keys)}"
+    )
+    load_params(folder / "params.yaml")  # raises ParamsError naming every bad value
+
+
+def test_library_deps_climb_to_the_repository_and_data_deps_stay_in_the_profile() -> None:
+    root_dvc = {
+        "stages": {
+            "train": {
+                "cmd": "python -m pipeline.stages.train --params params.yaml",
+                "deps": [
+                    "data/features",
+                    "pipeline/stages/train.py",
+                    "sat_model",
+                    "sat_model/x.py",
+                ],
+                "outs": ["models/soft"],
+            }
+        }
+    }
+    stage = profile_dvc(root_dvc)["stages"]["train"]
+    assert stage["deps"] == [
+        "data/features",
+        "../../pipeline/stages/train.py",
+        "../../sat_model",
+        "../../sat_model/x.py",
+    ]
+    assert stage["outs"] == ["models/soft"] and stage["cmd"] == root_dvc["stages"]["train"]["cmd"]
+    # DVC collects metrics and plots from every dvc.yaml: a profile never run would make a
+    # bare `dvc metrics show` warn about its missing files
+    root_dvc["metrics"] = ["reports/soft/metrics.json"]
+    assert set(profile_dvc(root_dvc)) == {"stages"}
+    assert root_dvc["stages"]["train"]["deps"][1] == "pipeline/stages/train.py"  # not mutated
+
+
+def test_every_library_dep_of_a_profile_exists() -> None:
+    for folder in PROFILES:
+        for name, stage in _yaml(folder / "dvc.yaml")["stages"].items():
+            for dep in stage.get("deps", []):
+                if dep.startswith("../"):
+                    assert (folder / dep).exists(), f"{folder.name}:{name}: {dep} does not exist"
+
+
+@pytest.mark.slow
+def test_the_flickr8k_profile_prepares_the_real_train_and_dev_splits(tmp_path: Path) -> None:
+    """The profile's own params, run from its folder: data.root must reach the shared photos."""
+    folder = ROOT / "profiles" / "flickr8k"
+    params = load_params(folder / "params.yaml")
+    expected = (folder / params.data.root).resolve()
+    if expected != shared_data("flickr8k-trainval").resolve() or not expected.is_dir():
+        pytest.skip(f"Flickr8k train+dev not at {expected} (the profile reads ../shared/data)")
+    ctx = load_context(folder / "params.yaml", [f"data.prepared_dir={tmp_path / 'prepared'}"])
+    assert prepare(ctx) == 0
+    report = json.loads((tmp_path / "prepared" / "prepare_report.json").read_text())
+    assert (report["images_train"], report["images_val"], report["images_test"]) == (6000, 1000, 0)
+    assert report["images_skipped"] == 0 and report["captions_total"] == 35_000
+
+
+def _own_project(tmp_path: Path) -> Path:
+    """A project root with the files `sat profile new` reads, and a folder of 20 photos."""
+    project = tmp_path / "sat"
+    (project / "profiles" / "flickr8k").mkdir(parents=True)
+    for rel in ("dvc.yaml", "params.yaml", "profiles/flickr8k/params.yaml"):
+        (project / rel).write_text((ROOT / rel).read_text(encoding="utf-8"), encoding="utf-8")
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    rows = "".join(f"p{i}.jpg,a photo {i}\n" for i in range(20))
+    (tmp_path / "captions.csv").write_text("file,caption\n" + rows)
+    return project
+
+
+def test_sat_profile_new_writes_a_profile_of_the_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipeline.cli.main import main as sat
+
+    project = _own_project(tmp_path)
+    monkeypatch.chdir(project)
+    images, captions = str(tmp_path / "photos"), str(tmp_path / "captions.csv")
+    assert sat(["profile", "new", "mine", "--images", images, "--captions", captions]) == 0
+    assert "make run PROFILE=mine" in capsys.readouterr().out
+    folder = project / "profiles" / "mine"
+    assert (folder / "dvc.yaml").read_text(encoding="utf-8") == profile_dvc_text(ROOT)
+    assert _key_paths(_yaml(folder / "params.yaml")) == _key_paths(_yaml(ROOT / "params.yaml"))
+    data = load_params(folder / "params.yaml").data
+    assert (data.source, data.folder.images_dir) == ("folder", ".")
+    assert (folder / data.root).resolve() == (tmp_path / "photos").resolve()  # type: ignore[operator]
+    captions_path = folder / data.root / data.folder.captions_file  # type: ignore[operator]
+    assert captions_path.resolve() == (tmp_path / "captions.csv").resolve()
+    assert (data.folder.val_images, data.folder.test_images) == (2, 2)  # a tenth of 20 each
+    assert data.root == "../../../photos"  # beside the project: moves with it
+    assert load_params(folder / "params.yaml").mlflow.model_name == "sat-captioner-mine"
+    # the comments of the lines it did not change are the template's
+    assert "# m (paper: 512)" in (folder / "params.yaml").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["new", "mine", "--images", "{tmp}/photos"], "required: --captions"),
+        (["new", "Mine!", "--images", "{tmp}/photos", "--captions", "{tmp}/captions.csv"], "name"),
+        (["new", "x", "--images", "{tmp}/nowhere", "--captions", "{tmp}/captions.csv"], "nowhere"),
+        (["new", "x", "--images", "{tmp}/photos", "--captions", "{tmp}/none.csv"], "none.csv"),
+        (
+            ["new", "flickr8k", "--images", "{tmp}/photos", "--captions", "{tmp}/captions.csv"],
+            "exists already",
+        ),
+        (["new", "x", "--images", "{tmp}/photos", "--captions", "{tmp}/photos"], "not a file"),
+        (["new", "x", "--images", "{tmp}/photos", "--captions", "{tmp}/bad.csv"], "no column"),
+    ],
+)
+def test_sat_profile_new_refuses_bad_arguments_in_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    message: str,
+) -> None:
+    from pipeline.cli.main import main as sat
+
+    project = _own_project(tmp_path)
+    (tmp_path / "bad.csv").write_text("name,text\na.jpg,x\n")
+    monkeypatch.chdir(project)
+    before = sorted(p.name for p in (project / "profiles").iterdir())
+    with pytest.raises(SystemExit) as exited:
+        raise SystemExit(sat(["profile", *(a.format(tmp=tmp_path) for a in args)]))
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sat profile: error: ") and err.count("\n") == 1, err
+    assert message in err and "Traceback" not in err
+    assert sorted(p.name for p in (project / "profiles").iterdir()) == before
+
+
+def test_set_values_keeps_the_other_lines_and_names_a_missing_key() -> None:
+    from pipeline.stages.profiles import ProfileError, set_values
+
+    text = "a:\n  b: 1   # why b\n  c:  # why c\n  - x\n  - y\n  e: 3\nd: 2\n"
+    out = set_values(text, {"a.c": ["z"], "a.e": None, "d": "three"}, "set")
+    # DVC's block form, as `dvc exp run -S` writes the file back: a list one item a line
+    assert out == "a:\n  b: 1   # why b\n  c:  # set\n  - z\n  e:  # set\nd: three  # set\n"
+    with pytest.raises(ProfileError, match=r"a\.f"):
+        set_values(text, {"a.f": 1}, "set")
+
+
+def test_photos_away_from_the_project_are_named_by_absolute_path(tmp_path: Path) -> None:
+    from pipeline.stages.profiles import new_profile
+
+    project = _own_project(tmp_path)
+    project.rename(tmp_path / "away")
+    moved = tmp_path / "away"
+    folder = new_profile(moved, "far", tmp_path / "photos", tmp_path / "captions.csv")
+    data = load_params(folder / "params.yaml").data
+    # the project's parent is tmp_path here, so the photos lie in it: relative
+    assert data.root == "../../../photos"
+    nested = tmp_path / "deep" / "er"
+    nested.mkdir(parents=True)
+    project = moved.rename(nested / "sat")
+    folder = new_profile(project, "far2", tmp_path / "photos", tmp_path / "captions.csv")
+    data = load_params(folder / "params.yaml").data
+    assert data.root == str((tmp_path / "photos").resolve())
+    assert data.folder.captions_file == "../captions.csv"  # beside the photos folder
