@@ -25,19 +25,23 @@ import safetensors.torch
 import torch
 from ray import cloudpickle
 
+from pipeline.ray.storage import resolve_storage
 from pipeline.ray.train import (
     ScalingSpec,
     WorkerHooks,
     WorkerRun,
+    _attempts,
+    _choose_run,
+    _write_record,
     copy_checkpoint,
     deterministic_run_name,
     fit_on_ray,
     train_with_ray,
 )
 from pipeline.tracking.runs import Tracking, connect
-from sat_model.config import MlflowConfig, load_params
+from sat_model.config import MlflowConfig, Params, load_params
 from sat_model.train.batching import LengthGroupedBatchSampler
-from sat_model.train.run import load_training_state
+from sat_model.train.run import TrainResult, load_training_state, train_model
 
 # Ray workers cannot import this test module by name: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -107,18 +111,20 @@ def linear_train_fn(run: WorkerRun) -> None:
         run.report(metrics, out)
 
 
-def _reference_after_one_epoch(world_size: int) -> dict[str, torch.Tensor]:
-    """One process stepping over global batch i = the concatenation of every rank's batch i."""
+def _reference(world_size: int, epochs: int) -> dict[str, torch.Tensor]:
+    """One process stepping, epoch after epoch, over global batch i = the concatenation of every
+    rank's batch i."""
     model = _fresh_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    shards = [
-        LengthGroupedBatchSampler([5] * N, BATCH, seed=3, num_replicas=world_size, rank=r).batches(
-            1
-        )
-        for r in range(world_size)
-    ]
-    for step in zip(*shards, strict=True):
-        _step(model, opt, [i for batch in step for i in batch])
+    for epoch in range(1, epochs + 1):
+        shards = [
+            LengthGroupedBatchSampler(
+                [5] * N, BATCH, seed=3, num_replicas=world_size, rank=r
+            ).batches(epoch)
+            for r in range(world_size)
+        ]
+        for step in zip(*shards, strict=True):
+            _step(model, opt, [i for batch in step for i in batch])
     return model.state_dict()
 
 
@@ -131,32 +137,6 @@ def _config(tmp_path: Path, **extra: object) -> dict[str, object]:
     }
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-def test_two_ddp_workers_match_one_process_on_the_global_batches(
-    ray_local: object, tmp_path: Path
-) -> None:
-    outcome = fit_on_ray(
-        linear_train_fn,
-        config=_config(tmp_path),
-        run_name="ddp-equivalence",
-        storage_path=tmp_path / "ray_results",
-        scaling=ScalingSpec(num_workers=2, cpus_per_worker=1, use_gpu=False),
-        max_failures=0,
-    )
-    assert outcome.checkpoint_dir is not None
-    got = torch.load(outcome.checkpoint_dir / "state.pt", weights_only=True)["model"]
-    want = _reference_after_one_epoch(world_size=2)
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
-    # and the comparison can fail: one process over one rank's shard alone ends elsewhere
-    alone = _fresh_model()
-    opt = torch.optim.SGD(alone.parameters(), lr=0.05)
-    for idx in LengthGroupedBatchSampler([5] * N, BATCH, seed=3, num_replicas=2).batches(1):
-        _step(alone, opt, idx)
-    assert not torch.allclose(alone.weight, want["weight"], atol=1e-4)
-
-
 @pytest.fixture
 def tracking(tmp_path: Path) -> Tracking:
     return connect(MlflowConfig(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"), tmp_path)
@@ -165,9 +145,12 @@ def tracking(tmp_path: Path) -> Tracking:
 @pytest.mark.ray
 @pytest.mark.mlflow
 @pytest.mark.slow
-def test_worker_killed_in_epoch_2_resumes_from_epoch_1_and_logs_each_epoch_once(
+def test_two_ddp_workers_killed_in_epoch_2_end_where_one_process_does_on_the_global_batches(
     ray_local: object, tmp_path: Path, tracking: Tracking
 ) -> None:
+    """One fit proves both: DDP over the shards equals one process over the global batches, and a
+    worker that dies in epoch 2 restarts the group from epoch 1's checkpoint, each epoch logged
+    once."""
     tracked = tracking.start_run("killed")
     config = _config(
         tmp_path,
@@ -190,6 +173,16 @@ def test_worker_killed_in_epoch_2_resumes_from_epoch_1_and_logs_each_epoch_once(
     assert outcome.metrics["epoch"] == 3
     final = torch.load(outcome.checkpoint_dir / "state.pt", weights_only=True)
     assert final["epoch"] == 3
+    want = _reference(world_size=2, epochs=3)
+    for key in want:
+        torch.testing.assert_close(final["model"][key], want[key], rtol=1e-5, atol=1e-6)
+    # and the comparison can fail: one process over one rank's shard alone ends elsewhere
+    alone = _fresh_model()
+    opt = torch.optim.SGD(alone.parameters(), lr=0.05)
+    for epoch in (1, 2, 3):
+        for idx in LengthGroupedBatchSampler([5] * N, BATCH, seed=3, num_replicas=2).batches(epoch):
+            _step(alone, opt, idx)
+    assert not torch.allclose(alone.weight, want["weight"], atol=1e-4)
     history = tracking.client().get_metric_history(tracked.run_id, "loss")
     assert sorted(m.step for m in history) == [1, 2, 3]
 
@@ -315,6 +308,22 @@ def _states(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {"best": best, "last": last["model_state"]}
 
 
+def _train_in_process(params: Params, project: Path, tmp_path: Path) -> TrainResult:
+    """The run one Ray worker of one CPU makes (one intra-op thread), made in this process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_model(
+            params,
+            "soft",
+            prepared_dir=project / params.data.prepared_dir,
+            features_dir=project / params.encoder.features_dir,
+            out_dir=tmp_path / "reference",
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.ray
 @pytest.mark.mlflow
 @pytest.mark.java
@@ -323,9 +332,9 @@ def _states(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
 def test_real_training_killed_after_its_best_epoch_continues_from_the_last_epoch(
     ray_local: object, tiny_project: Path, tmp_path: Path
 ) -> None:
-    reference_root = _project_copy(tiny_project, tmp_path / "reference")
-    params = load_params(reference_root / "params.yaml", KILL_OVERRIDES)
-    reference = train_with_ray(params, "soft", project_root=reference_root)
+    reference = _train_in_process(
+        load_params(tiny_project / "params.yaml", KILL_OVERRIDES), tiny_project, tmp_path
+    )
     assert reference.metrics["epochs"] == 4
     # the kill below comes after epoch 3 finished: it must be later than the best epoch
     assert reference.metrics["best_epoch"] < 3, reference.metrics
@@ -363,6 +372,31 @@ def _fail_in_epoch_2(starts_file: Path, fail: bool, run: WorkerRun, epoch: int) 
         raise RuntimeError("injected failure in epoch 2")
 
 
+def test_each_invocation_of_an_unfinished_identity_is_a_new_attempt_unless_resumed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """How the driver names runs from the records in Ray's storage (no Ray needed)."""
+    storage, base = resolve_storage(str(tmp_path / "ray_results"), tmp_path), "sat-soft-abc"
+
+    def choose(resume: bool = False) -> tuple[str, object]:
+        return _choose_run(_attempts(storage, base), base, "soft", resume)
+
+    assert choose() == (f"{base}-1", None)
+    _write_record(storage, f"{base}-1", {"status": "RUNNING"})  # it failed in epoch 2
+    assert choose() == (f"{base}-2", None)  # the next invocation starts over, at epoch 1
+    _write_record(storage, f"{base}-2", {"status": "RUNNING"})
+    assert choose(resume=True) == (f"{base}-2", None)  # --resume continues the latest
+    said = capsys.readouterr().err
+    assert "training from epoch 1 as run sat-soft-abc-1 (no earlier run of this identity)" in said
+    assert f"run {base}-1 of this identity did not finish; --resume continues it" in said
+    assert f"train@soft: resuming run {base}-2 from its last epoch" in said
+    checkpoint = storage.child(f"{base}-2", "checkpoint_000001")
+    checkpoint.child("model.safetensors").write_text("weights")
+    _write_record(storage, f"{base}-2", {"status": "FINISHED", "checkpoint": "checkpoint_000001"})
+    name, done = choose(resume=True)  # a finished attempt is reused, resume or not
+    assert name == f"{base}-2" and done is not None and done.checkpoint == checkpoint
+
+
 @pytest.mark.ray
 @pytest.mark.mlflow
 @pytest.mark.java
@@ -375,18 +409,14 @@ def test_an_unfinished_run_is_resumed_only_when_asked(
     params = load_params(root / "params.yaml", ["ray.max_failures=0"])  # no retry by Ray
     starts = tmp_path / "starts.txt"
     failing = WorkerHooks(on_epoch_start=functools.partial(_fail_in_epoch_2, starts, True))
-    for _ in range(2):  # two invocations fail in epoch 2; the second starts over, at epoch 1
-        with pytest.raises(Exception, match="injected failure"):
-            train_with_ray(params, "soft", project_root=root, hooks=failing)
-    said = capsys.readouterr().err
-    first, second = re.findall(r"training from epoch 1 as run (sat-soft-\w+-\d)", said)
-    assert (first[-2:], second[-2:]) == ("-1", "-2")
-    assert f"run {first} of this identity did not finish; --resume continues it" in said
+    with pytest.raises(Exception, match="injected failure"):
+        train_with_ray(params, "soft", project_root=root, hooks=failing)
+    (first,) = re.findall(r"training from epoch 1 as run (sat-soft-\w+-1)", capsys.readouterr().err)
     passing = WorkerHooks(on_epoch_start=functools.partial(_fail_in_epoch_2, starts, False))
     outcome = train_with_ray(params, "soft", project_root=root, resume=True, hooks=passing)
-    assert f"train@soft: resuming run {second} from its last epoch" in capsys.readouterr().err
-    assert outcome.run_name == second
-    assert (tmp_path / "starts.txt").read_text().split() == ["1", "2", "1", "2", "2"]
+    assert f"train@soft: resuming run {first} from its last epoch" in capsys.readouterr().err
+    assert outcome.run_name == first
+    assert starts.read_text().split() == ["1", "2", "2"]  # resumed at epoch 2, from epoch 1's
     assert outcome.metrics["epochs"] == 2
     client = connect(params.mlflow, root).client()
     steps = [m.step for m in client.get_metric_history(outcome.mlflow_run_id, "train_loss")]
