@@ -42,7 +42,7 @@ __all__ = ["RayHeadError", "main", "ray_head", "run_with_head"]
 
 _START_TIMEOUT_S = 120.0
 # SIGTERM first, SIGKILL what is left after this long: after a Ray Train run the raylet and GCS
-# linger on Train's leftover actors (docs/EXPERIMENTS.md), and the head's state is private to
+# linger on Train's leftover actors (decisions/010), and the head's state is private to
 # this command (its own temp dir, removed below), so nothing is lost by killing it.
 _TERM_GRACE_S = 2.0
 

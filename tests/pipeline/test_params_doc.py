@@ -60,15 +60,30 @@ def test_cli_page_has_every_subcommand_help_from_the_parser() -> None:
     assert "--attention-out" in page
 
 
-def test_results_section_shows_our_scores_in_percent_beside_the_paper(tmp_path: Path) -> None:
+def test_results_tables_show_our_scores_in_percent_from_the_reports(tmp_path: Path) -> None:
     import json
 
-    from pipeline.docs.results import results_section
+    from pipeline.docs.results import build_sections, update_page
 
-    (tmp_path / "soft").mkdir()
+    (tmp_path / "reports" / "soft").mkdir(parents=True)
     scores = {"bleu_1": 0.5, "bleu_4": 0.25, "meteor": 0.125, "pointing_accuracy": 0.875}
-    (tmp_path / "soft" / "metrics.json").write_text(json.dumps(scores))
-    section = results_section(tmp_path)
-    assert "| generated scenes | soft | 50.0 | – | – | 25.0 | 12.5 | – | – | 87.5 |" in section
-    assert "| Flickr8k (paper) | hard | 67 | 45.7 | 31.4 | 21.3 | 20.3 |" in section
-    assert "generated scenes | hard" not in section  # no report, no row
+    (tmp_path / "reports" / "soft" / "metrics.json").write_text(json.dumps(scores))
+    sections = build_sections(tmp_path)
+    assert set(sections) == {"scenes", "paper"}  # no benchmark, no profile: nothing else
+    row = "| **sat soft** | generated scenes, test | 50.0 | – | – | 25.0 | 12.5 | – | – | 87.5 |"
+    assert row in sections["scenes"]
+    assert "sat hard" not in sections["scenes"]  # no report, no row
+    assert "`make run` · " in sections["scenes"]  # the command and the report's date
+    assert "| Flickr8k | hard | 67 | 45.7 | 31.4 | 21.3 | 20.3 |" in sections["paper"]
+    page = "a\n<!-- results:scenes:start -->\nold\n<!-- results:scenes:end -->\n<!-- results:serving:start -->\nkept\n<!-- results:serving:end -->\n"
+    new = update_page(page, sections)
+    assert row in new and "old" not in new and "kept" in new  # a table without files stays
+
+
+def test_results_page_has_markers_for_every_table_the_generator_writes() -> None:
+    from pipeline.docs.results import update_page
+
+    page = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    names = ["scenes", "paper", "serving", "batch", "flickr8k"]
+    marked = update_page(page, {n: f"@{n}@" for n in names})
+    assert all(f"@{n}@" in marked for n in names)
