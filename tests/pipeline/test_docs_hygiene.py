@@ -56,13 +56,9 @@ def code_files() -> list[Path]:
 
 def python_prose(source: str) -> list[tuple[int, str]]:
     """(line, text) of every comment and string literal: docstrings, messages, headers."""
-    out = []
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type in (tokenize.COMMENT, tokenize.STRING):
-            out.append((tok.start[0], tok.string))
-        elif tok.type == getattr(tokenize, "FSTRING_MIDDLE", -1):
-            out.append((tok.start[0], tok.string))
-    return out
+    kinds = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1)}
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return [(tok.start[0], tok.string) for tok in tokens if tok.type in kinds]
 
 
 def cpp_prose(source: str) -> list[tuple[int, str]]:

@@ -75,7 +75,10 @@ def test_results_tables_show_our_scores_in_percent_from_the_reports(tmp_path: Pa
     assert "sat hard" not in sections["scenes"]  # no report, no row
     assert "`make run` · " in sections["scenes"]  # the command and the report's date
     assert "| Flickr8k | hard | 67 | 45.7 | 31.4 | 21.3 | 20.3 |" in sections["paper"]
-    page = "a\n<!-- results:scenes:start -->\nold\n<!-- results:scenes:end -->\n<!-- results:serving:start -->\nkept\n<!-- results:serving:end -->\n"
+    page = "\n".join(
+        f"<!-- results:{name}:start -->\n{body}\n<!-- results:{name}:end -->"
+        for name, body in (("scenes", "old"), ("serving", "kept"))
+    )
     new = update_page(page, sections)
     assert row in new and "old" not in new and "kept" in new  # a table without files stays
 
