@@ -28,7 +28,7 @@ from sat_model.evaluation.reports import read_metrics
 
 __all__ = ["PAPER_TABLE_1", "build_sections", "quality_table", "serving_table", "update_page"]
 
-# docs/METHOD.md, Table 1 (BLEU and METEOR in %): dataset, model, BLEU-1..4, METEOR
+# the paper's Table 1 (BLEU and METEOR in %): dataset, model, BLEU-1..4, METEOR
 PAPER_TABLE_1 = (
     ("Flickr8k", "soft", 67, 44.8, 29.9, 19.5, 18.93),
     ("Flickr8k", "hard", 67, 45.7, 31.4, 21.3, 20.30),
