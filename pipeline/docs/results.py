@@ -18,6 +18,7 @@ import os
 import platform
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,8 @@ def _provenance(command: str, files: Sequence[Path], machine: str) -> str:
 def quality_table(reports: Path, data: str, command: str) -> str | None:
     """Our scores (in %) per attention variant from ``reports/<variant>/metrics.json``; None
     where no variant has a report."""
-    found = {a: read_metrics(reports / a) for a in ATTENTION_KINDS}
-    found = {a: m for a, m in found.items() if m is not None}
+    read = {a: read_metrics(reports / a) for a in ATTENTION_KINDS}
+    found = {a: m for a, m in read.items() if m is not None}
     if not found:
         return None
     keys = metric_keys()
@@ -153,7 +154,7 @@ def build_sections(root: Path) -> dict[str, str]:
         "batch": lambda: batch_table(root / "benchmarks/results/serving.json"),
     }
     for params in sorted((root / "profiles").glob("*/params.yaml")):
-        builders[params.parent.name] = lambda folder=params.parent: _profile_table(folder)
+        builders[params.parent.name] = partial(_profile_table, params.parent)
     built = {name: build() for name, build in builders.items()}
     return {name: text for name, text in built.items() if text is not None}
 

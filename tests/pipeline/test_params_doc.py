@@ -90,3 +90,31 @@ def test_results_page_has_markers_for_every_table_the_generator_writes() -> None
     names = ["scenes", "paper", "serving", "batch", "flickr8k"]
     marked = update_page(page, {n: f"@{n}@" for n in names})
     assert all(f"@{n}@" in marked for n in names)
+
+
+def test_results_serving_tables_come_from_the_serving_benchmarks_json(tmp_path: Path) -> None:
+    import json
+
+    from pipeline.docs.results import build_sections
+
+    engine = {"images_per_s": 20.0, "latency_p50_s": 0.5, "latency_p95_s": 0.75}
+    batch = {
+        "encoder_only_images_per_s": 100.0,
+        "decoded_images_per_s": 90.0,
+        "one_process_images_per_s": 80.0,
+        "ray_data_images_per_s": 84.0,
+    }
+    result = {
+        "machine": {"cpu": "x86_64", "cores": 2},
+        "serving": {"mlflow": engine, "ray": {**engine, "images_per_s": 40.0}},
+        "batch_captioning": batch,
+    }
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "serving.json").write_text(json.dumps(result))
+    sections = build_sections(tmp_path)
+    assert "| MLflow's scoring server | 20.0 | 0.50 s | 0.75 s |" in sections["serving"]
+    assert "| `sat serve --engine ray` | 40.0 |" in sections["serving"]
+    assert "`sat serve` |" not in sections["serving"]  # the local engine was not measured
+    assert "2 CPUs (x86_64)" in sections["serving"]
+    assert "| `sat caption`, one process | 80.0 | 0.80 |" in sections["batch"]
+    assert "| `sat caption --engine ray` (Ray Data, streaming) | 84.0 | 0.84 |" in sections["batch"]
