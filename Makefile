@@ -21,7 +21,7 @@ $(BIN)/python:
 # repository is that directory): the filter keeps that notice off the user's terminal.
 # pip byte-compiles everything it installs: this environment sets PYTHONDONTWRITEBYTECODE, so a
 # module pip did not compile would be compiled again by every process that imports it
-# (--no-compile was tried: docs/EXPERIMENTS.md has what it saved and what it cost).
+# (--no-compile was tried: docs/decisions/012-test-suite-tiers.md has what it cost).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install --quiet -e '.[dev]'
 	touch $@

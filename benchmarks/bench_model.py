@@ -78,8 +78,8 @@ def matmul_flops(size: int = PEAK_SIZE, repeats: int = 5) -> dict[str, float]:
     """Best FLOP/s of a (size x size) @ (size x size) float32 product through each CPU backend:
     ``torch.mm`` (the BLAS, MKL in the pinned wheels) and, where PyTorch has it, oneDNN
     (``torch.utils.mkldnn``'s Linear, the kernel behind ``torch.lstm`` on CPU). MKL runs AMD
-    CPUs well below their hardware (~170 against oneDNN's ~365 GFLOP/s on the 2-core CI
-    machine), so the peak that fractions are taken of is the larger of the two."""
+    CPUs well below their hardware, so the peak that fractions are taken of is the larger of
+    the two."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     torch.mm(a, b)  # warm-up
     flops = {"blas": 2 * size**3 / _best_time(lambda: torch.mm(a, b), repeats)}
@@ -100,7 +100,7 @@ def matmul_flops(size: int = PEAK_SIZE, repeats: int = 5) -> dict[str, float]:
 
 def cpu_bf16_matmul_flops(size: int = 2048, repeats: int = 5) -> float:
     """Best FLOP/s of a (size x size) @ (size x size) bfloat16 product on the CPU (oneDNN;
-    Intel's AMX tiles where the CPU has them: 6.3x the float32 rate on the 2-core Xeon here)."""
+    Intel's AMX tiles where the CPU has them, several times the float32 rate)."""
     a = torch.randn(size, size, dtype=torch.bfloat16)
     b = torch.randn(size, size, dtype=torch.bfloat16)
     torch.mm(a, b)  # warm-up
@@ -859,7 +859,7 @@ def _main_cpu(dims: list[Dims], beam_images: int, quick: bool) -> dict:
         ],
         "beam_search": bench_beam(dims[0], images=beam_images, beam=3, max_length=20),
     }
-    if not quick:  # one-image decoding at the paper's sizes: ~25 s a round here
+    if not quick:  # one-image decoding at the paper's sizes: the slowest row
         result["beam_search_paper"] = bench_beam(
             dims[1], images=beam_images, beam=3, max_length=20, rounds=2
         )

@@ -1,23 +1,13 @@
 """One local Ray head for a whole command: ``python -m pipeline.ray.head [--params F] -- CMD ...``.
 
-``make run`` wraps ``dvc repro`` in this: both train stages then connect to one cluster
-(``RAY_ADDRESS=127.0.0.1:<port>``, read by :func:`pipeline.ray.runtime.resolve_address`) instead
-of each starting and stopping its own local Ray, which on 2 busy cores costs several seconds per
-stage (README, "Timings"). The head is ``ray start --head --block`` on loopback, with
-``ray.num_cpus`` CPUs, no dashboard and a private temp dir, in its own process group; it is
-stopped by that group's id when the command ends, fails or is interrupted (SIGINT, SIGTERM,
-SIGHUP), never with ``ray stop`` (which would stop every Ray on the machine). A watchdog
-(:mod:`pipeline.ray.reaper`) does the same if this process is killed with SIGKILL.
-
-The head runs with token authentication (``RAY_AUTH_MODE=token``, as do the command's drivers).
-``ray start`` turns it on only when a token exists already (``RAY_AUTH_TOKEN``,
-``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``); on a machine that has never run Ray there is
-none, the head would start without authentication and every stage's driver would be refused. So
-a missing token is created first, by ``ray get-auth-token --generate`` (readable by its owner
-only).
-
-When an address is already given (``RAY_ADDRESS`` or ``ray.address``) nothing is started: the
-command runs against that cluster as it would without this wrapper.
+``make run`` wraps ``dvc repro`` in this, so both train stages connect to one cluster
+(``RAY_ADDRESS=127.0.0.1:<port>``) instead of each starting and stopping its own
+(decisions/010). The head is ``ray start --head --block`` on loopback in its own process group,
+with token authentication (a missing token is created first: ``ray start`` would otherwise run
+without one and refuse the stages' drivers), stopped by that group's id when the command ends,
+fails or is interrupted, never with ``ray stop`` (which would stop every Ray on the machine); a
+watchdog (:mod:`pipeline.ray.reaper`) does the same if this process is killed. With an address
+already given (``RAY_ADDRESS`` or ``ray.address``) nothing is started.
 """
 
 from __future__ import annotations
@@ -42,7 +32,7 @@ __all__ = ["RayHeadError", "main", "ray_head", "run_with_head"]
 
 _START_TIMEOUT_S = 120.0
 # SIGTERM first, SIGKILL what is left after this long: after a Ray Train run the raylet and GCS
-# linger on Train's leftover actors (docs/EXPERIMENTS.md), and the head's state is private to
+# linger on Train's leftover actors (decisions/010), and the head's state is private to
 # this command (its own temp dir, removed below), so nothing is lost by killing it.
 _TERM_GRACE_S = 2.0
 

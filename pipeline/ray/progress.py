@@ -1,31 +1,17 @@
 """Progress on the driver: one line per Ray Train epoch, one table row per Tune trial result.
 
-Ray Train runs the training function on workers and its callbacks on a controller actor, whose
-output never reaches the driver's terminal (``log_to_driver`` is off: every worker's output would
-flood it). :func:`epoch_progress` therefore gives Ray Train a ``UserCallback`` that sends each
-epoch's reports, all ranks' at once, to a ``ray.util.queue.Queue``; a thread of the driver
-prints them, one line per epoch::
+Ray Train's callbacks run on a controller actor whose output never reaches the driver
+(``log_to_driver`` is off: every worker's output would flood it), so :func:`epoch_progress`
+gives Ray Train a ``UserCallback`` that puts each epoch's reports, all ranks' at once, on a
+``ray.util.queue.Queue``, and rank 0 puts its place within the epoch (:class:`BatchReport`) on
+the same queue. A driver thread prints them: a tqdm bar on a terminal, a line each quarter epoch
+in a log, and one line per epoch::
 
     train soft  epoch 3/10  loss 3.412  val BLEU-4 0.1234  CIDEr 0.4567  612 captions/s  ETA 2m10s
 
-Within an epoch, rank 0 sends where it is (:class:`BatchReport`: batches done, captions, seconds)
-through the same queue, at every twentieth of the epoch and at least every ``heartbeat_s``
-seconds; the driver shows it as a tqdm bar on a terminal, and in a log (DVC's output redirected,
-a CI job) as a plain line at each quarter of the epoch and at least once a minute::
-
-    train soft  epoch 3/10  batch 196/392  610 captions/s  epoch ETA 1m05s
-
-Both validation scores are shown, since ``train.monitor`` picks the shipped epoch by either.
-Throughput is the captions every rank trained on, summed, over the slowest rank's training
-seconds (validation excluded); the ETA is the epochs still allowed by ``max_epochs`` times the
-mean epoch time so far, each phase's own: a self-critical epoch (``scst_epochs``, after the
-likelihood ones) draws and scores captions and takes about twice a likelihood epoch, so until
-one has been timed the line counts them instead (``ETA 6m40s + 10 self-critical epochs``).
-Early stopping may end the run sooner. In a Ray Job the driver's
-output is the job's log, so the lines reach ``sat ... --address`` too.
-
-:func:`trial_table` is the Tune counterpart, a Tune callback on the driver: a header, then one
-row per trial result (trial, epoch, its searched values, val BLEU-4) and one when a trial ends.
+Throughput is the captions of every rank over the slowest rank's training seconds; the ETA
+counts each phase (likelihood, self-critical) by its own mean epoch time. :func:`trial_table` is
+the Tune counterpart: a row per trial result and one when a trial ends.
 """
 
 from __future__ import annotations

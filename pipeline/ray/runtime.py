@@ -39,7 +39,7 @@ _DEFAULT_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # Train's print patch spams the driver's terminal
     # an actor per fit that waits for spot-instance preemption notices: a process (about a
-    # second of CPU) that clusters this project starts have no use for (docs/EXPERIMENTS.md)
+    # second of CPU) that clusters this project starts have no use for (decisions/010)
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
 

@@ -1,25 +1,16 @@
 """Ray Train (V2 API of the pinned Ray) around the plain, single-process training function.
 
-The driver builds a ``TorchTrainer`` whose every worker runs a *train function*
-``train_fn(run: WorkerRun) -> None``. :class:`WorkerRun` is all the function sees of Ray: its
-rank and world size, the device Ray placed it on, the local copy of the checkpoint to resume from,
-a ``wrap_model`` hook (DDP via ``ray.train.torch.prepare_model``: gloo on CPU, NCCL on GPU) and
-``report`` (every rank calls it once per epoch; rank 0 attaches the checkpoint directory). Running
-a run again with the same name and storage path resumes from its last reported checkpoint (Ray
-Train V2 restores the run's checkpoint state from storage), as do Ray's own restarts after a
-worker failure.
+Every worker of the driver's ``TorchTrainer`` runs ``train_fn(run: WorkerRun)``; :class:`WorkerRun`
+is all the function sees of Ray: rank, world size, device, the checkpoint to resume from, a
+``wrap_model`` hook (DDP: gloo on CPU, NCCL on GPU) and ``report`` (once per epoch; rank 0
+attaches the checkpoint folder). A run started again with the same name and storage resumes from
+its last reported checkpoint, as do Ray's own restarts after a worker failure.
 
-:func:`train_with_ray` is the ``train`` stage's use of it: ``sat_model.train.run.train_model`` on
-every worker, rank 0 logging each epoch to MLflow once, the final checkpoint copied from Ray's
-storage into ``models/<attention>/`` on the driver. Its runs are named after the run's identity
-(``pipeline.tracking.run_identity``: declared params, DVC hashes of code and data, versions) and an
-attempt number, ``sat-<attention>-<12 hex>-<n>``. An invocation trains from epoch 1 in a new
-attempt unless a run of that identity finished (then it trains nothing and hands back that run's
-model) or ``resume=True`` names an unfinished one (then it continues from its last epoch); it says
-which in one line on stderr, then progress within each epoch (a bar on a terminal, lines in a
-log) and one line per epoch (``pipeline.ray.progress``: loss, val BLEU-4, captions/s summed over
-ranks, ETA). Each epoch's checkpoint carries the best model and the last
-training state (``last_state.pt``), so a restart continues from the last finished epoch.
+:func:`train_with_ray` is the ``train`` stage's use of it: ``train_model`` on every worker, rank
+0 logging each epoch to MLflow, the final checkpoint copied into ``models/<attention>/``. Runs are
+named after the run's identity (``pipeline.tracking.run_identity``) and an attempt number; an
+invocation trains from epoch 1 unless a run of that identity finished (it hands back that
+model) or ``resume=True`` names an unfinished one (it continues from its last epoch).
 """
 
 from __future__ import annotations

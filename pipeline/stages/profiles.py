@@ -149,7 +149,7 @@ def _folder_size(images: Path, captions: Path) -> int:
 
 
 def _minutes(n_images: int) -> int:
-    # the Flickr8k profile's `make run`: 105.3 min for 7,000 photos on 2 cores (docs/REALDATA.md)
+    # the Flickr8k profile's whole `make run` on a 2-core CPU, scaled by photos (docs/results.md)
     return max(1, round(n_images * 105.3 / 7000))
 
 
@@ -199,9 +199,9 @@ def new_profile(project_root: Path, name: str, images: Path, captions: Path) -> 
         f"# Profile {name!r}, written by `sat profile new`: your photos in {images}, captions\n"
         f"# from {captions} ({n_images} images). Run: make run PROFILE={name}; then\n"
         f"# sat caption --params profiles/{name}/params.yaml photo.jpg. The other values are the\n"
-        "# Flickr8k profile's (real photographs, chosen on its dev split; docs/REALDATA.md).\n"
-        "# Expected time of `make run` on 2 CPU cores, an estimate scaled from that profile's 105\n"
-        f"# minutes for 7,000 photos (docs/REALDATA.md): ~{_minutes(n_images)} minutes.\n\n"
+        "# Flickr8k profile's (real photographs, chosen on its dev split; docs/decisions/).\n"
+        "# Expected time of `make run` on 2 CPU cores, scaled from that profile's measured run\n"
+        f"# (docs/results.md): ~{_minutes(n_images)} minutes.\n\n"
     )
     text = header + set_values(body, values, f"sat profile new ({n_images} images)")
     folder.mkdir(parents=True)

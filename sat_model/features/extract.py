@@ -13,7 +13,7 @@ fails only when no image at all could be extracted.
 A split named in ``mirrored_splits`` is extracted a second time from its photos mirrored left to
 right, into ``{split}_mirrored.arrow`` (same rows, same order): training augmentation
 (``train.mirror``). The encoder sees the mirrored photo itself; the mirrored grid of the
-original's features is no stand-in for it (docs/REALDATA.md).
+original's features is no stand-in for it (docs/METHOD.md, "Training").
 """
 
 from __future__ import annotations

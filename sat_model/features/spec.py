@@ -3,7 +3,7 @@
 Dimensions: ``S`` input size (square crop), ``grid_h × grid_w`` feature grid, ``L = grid_h ·
 grid_w`` locations, ``D`` channels.
 
-The encoder is three types (issue #47): ``sat_model.config.EncoderConfig`` (the params),
+The encoder is three types: ``sat_model.config.EncoderConfig`` (the params),
 :class:`EncoderSpec` (this module) and ``sat_model.features.encoders.Encoder`` (the module,
 carrying its spec). A spec is what a built encoder says about itself, what a feature store's
 metadata records (``sat_model.features.store``), what a model folder's ``config.json``
@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = ["EncoderError", "EncoderSpec"]
 
-# the names a feature store or a model's config.json used before issue #18 gave the encoder's
-# fields one name everywhere: still read, so older stores and checkpoints stay usable
+# the names an older feature store or model config.json gave the encoder's fields: still read,
+# so older stores and checkpoints stay usable
 _LEGACY_KEYS = {"encoder": "name", "L": "num_locations", "D": "annotation_dim"}
 # the recorded fields, in the order stores and config.json write them (a store's bytes, and so
 # DVC's hash of the features, depend on it)
@@ -106,7 +106,7 @@ class EncoderSpec:
 
     @classmethod
     def from_fields(cls, raw: Mapping[str, object]) -> EncoderSpec:
-        """From recorded fields (numbers as text too, other keys ignored, pre-#18 names read).
+        """From recorded fields (numbers as text too, other keys ignored, older names read).
 
         Raises:
             KeyError: a field is missing (the key names it).

@@ -3,23 +3,14 @@
 Dimensions (docs/METHOD.md): ``B`` batch, ``T`` caption steps (``T+1`` tokens with ``<start>``),
 ``L`` annotation locations, ``D`` annotation size.
 
-The paper trains on homogeneous minibatches: "we build a dictionary mapping the length of a
-sentence to the corresponding subset of captions ... and randomly sample a length and retrieve
-a minibatch of size 64 of that length" (Sec. 4.3), so no compute is spent on padding. Here every
-epoch is a full pass: captions are shuffled within each length, cut into batches of one length,
-and the batch list is shuffled, all from ``(seed, epoch)`` so every rank computes the same
-global list without talking. Rank ``r`` of ``R`` takes every ``R``-th batch; when the batch
-count is not a multiple of ``R`` the largest batches are halved until it is, so shards stay
-disjoint, complete and equal in count (DDP needs the same number of steps on every rank).
-
-Annotations are read from the memory-mapped store one batch at a time; nothing copies the
-whole store into RAM.
-
-Mirroring (``train.mirror``, beyond the paper): a dataset built with the store of its photos
-mirrored left to right (the extract stage's ``train_mirrored.arrow``) can pair any caption with
-its photo's mirror image, the caption's "left" and "right" swapped. Which captions are mirrored
-in an epoch is drawn from ``(seed, epoch)`` (:func:`mirror_draws`), so every rank and a resumed
-run draw the same.
+The paper trains on minibatches of one caption length (Sec. 4.3), so no compute is spent on
+padding. Every epoch is a full pass: captions shuffled within each length, cut into batches of
+one length, the list shuffled, all from ``(seed, epoch)`` so every rank computes the same list
+without talking. Rank ``r`` of ``R`` takes every ``R``-th batch, the largest halved until the
+count divides, so shards are disjoint, complete and equal in count (DDP needs the same steps).
+Annotations are read from the memory-mapped store one batch at a time. Mirroring
+(``train.mirror``, beyond the paper) pairs a share of the captions, drawn from ``(seed,
+epoch)``, with their photo's mirrored features, "left" and "right" swapped.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """The training loop: teacher forcing, clipping, a per-epoch LR schedule, early stopping.
 
-Nothing here is specific to the captioning model or to Ray (minGPT's trainer rule): the model,
-criterion, optimiser, scheduler, the batches of each epoch (already sharded for this rank) and a
-validation function come in as arguments; everything else (progress bars, checkpoint files, Ray
-reports, MLflow) comes in through :class:`Callback`. Early stopping watches a validation score
-(BLEU-4 from free-running greedy decoding, Sec. 5 "early stopping on BLEU"), never teacher-forced
-argmax accuracy (docs/METHOD.md, "Known pitfalls").
+Nothing here is specific to the captioning model or to Ray (minGPT's trainer rule): model,
+criterion, optimiser, scheduler, each epoch's batches (already sharded for this rank) and a
+validation function come in as arguments; progress, checkpoint files, Ray reports and MLflow
+come in through :class:`Callback`. Early stopping watches a validation score from free-running
+greedy decoding (Sec. 5), never teacher-forced accuracy (docs/METHOD.md, "Known pitfalls").
 
-Per-step work never waits on the device: losses are summed on the device and read back only
-every ``log_every`` steps and at the end of the epoch, which is also when a non-finite loss is
-noticed (:class:`NonFiniteLossError`, raised before any callback sees the bad epoch, so the last
-checkpoint a callback wrote stays the last good one).
-
-With ``ema_decay`` > 0 the loop also keeps an exponential moving average of the weights
-(``torch.optim.swa_utils``, updated after every optimiser step); that average is what is
-validated, kept as the best state and saved as ``model_state``, while the weights the optimiser
-updates travel beside it as ``train_state`` so a resumed run continues both.
-
-Epochs are counted from 1 in everything reported (``EpochState.epoch`` = epochs completed);
-``batches(epoch)`` receives the 0-based index. With ``seed`` given, the torch RNG is re-seeded at
-the start of every epoch, so a run resumed at epoch k repeats the uninterrupted run exactly.
+Per-step work never waits on the device: losses are read back every ``log_every`` steps and at
+the epoch's end, where a non-finite loss raises :class:`NonFiniteLossError` before any callback
+sees the epoch. With ``ema_decay`` > 0 a moving average of the weights is what is validated and
+saved, the optimiser's weights travelling beside it as ``train_state``. Epochs count from 1 in
+everything reported; with ``seed`` the RNG is re-seeded every epoch, so a resumed run repeats
+the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -125,8 +117,8 @@ def build_optimizer(
     """Adam (Flickr30k, COCO) or RMSProp (Flickr8k), as in Sec. 5."""
     params = [p for p in parameters if p.requires_grad]
     if name == "adam":
-        # one fused kernel for all parameters rather than a loop over them (docs/EXPERIMENTS.md
-        # has the figures): the same update up to float rounding
+        # one fused kernel for all parameters rather than a loop over them, faster on CPU and
+        # GPU alike: the same update up to float rounding
         fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
     if name == "rmsprop":

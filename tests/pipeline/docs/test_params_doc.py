@@ -58,15 +58,61 @@ def test_cli_page_has_every_subcommand_help_from_the_parser() -> None:
     assert "--attention-out" in page
 
 
-def test_results_section_shows_our_scores_in_percent_beside_the_paper(tmp_path: Path) -> None:
+def test_results_tables_show_our_scores_in_percent_from_the_reports(tmp_path: Path) -> None:
     import json
 
-    from pipeline.docs.results import results_section
+    from pipeline.docs.results import build_sections, update_page
 
-    (tmp_path / "soft").mkdir()
+    (tmp_path / "reports" / "soft").mkdir(parents=True)
     scores = {"bleu_1": 0.5, "bleu_4": 0.25, "meteor": 0.125, "pointing_accuracy": 0.875}
-    (tmp_path / "soft" / "metrics.json").write_text(json.dumps(scores))
-    section = results_section(tmp_path)
-    assert "| generated scenes | soft | 50.0 | – | – | 25.0 | 12.5 | – | – | 87.5 |" in section
-    assert "| Flickr8k (paper) | hard | 67 | 45.7 | 31.4 | 21.3 | 20.3 |" in section
-    assert "generated scenes | hard" not in section  # no report, no row
+    (tmp_path / "reports" / "soft" / "metrics.json").write_text(json.dumps(scores))
+    sections = build_sections(tmp_path)
+    assert set(sections) == {"scenes", "paper"}  # no benchmark, no profile: nothing else
+    row = "| **sat soft** | generated scenes, test | 50.0 | – | – | 25.0 | 12.5 | – | – | 87.5 |"
+    assert row in sections["scenes"]
+    assert "sat hard" not in sections["scenes"]  # no report, no row
+    assert "`make run` · " in sections["scenes"]  # the command and the report's date
+    assert "| Flickr8k | hard | 67 | 45.7 | 31.4 | 21.3 | 20.3 |" in sections["paper"]
+    page = "\n".join(
+        f"<!-- results:{name}:start -->\n{body}\n<!-- results:{name}:end -->"
+        for name, body in (("scenes", "old"), ("serving", "kept"))
+    )
+    new = update_page(page, sections)
+    assert row in new and "old" not in new and "kept" in new  # a table without files stays
+
+
+def test_results_page_has_markers_for_every_table_the_generator_writes() -> None:
+    from pipeline.docs.results import update_page
+
+    page = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    names = ["scenes", "paper", "serving", "batch", "flickr8k"]
+    marked = update_page(page, {n: f"@{n}@" for n in names})
+    assert all(f"@{n}@" in marked for n in names)
+
+
+def test_results_serving_tables_come_from_the_serving_benchmarks_json(tmp_path: Path) -> None:
+    import json
+
+    from pipeline.docs.results import build_sections
+
+    engine = {"images_per_s": 20.0, "latency_p50_s": 0.5, "latency_p95_s": 0.75}
+    batch = {
+        "encoder_only_images_per_s": 100.0,
+        "decoded_images_per_s": 90.0,
+        "one_process_images_per_s": 80.0,
+        "ray_data_images_per_s": 84.0,
+    }
+    result = {
+        "machine": {"cpu": "x86_64", "cores": 2},
+        "serving": {"mlflow": engine, "ray": {**engine, "images_per_s": 40.0}},
+        "batch_captioning": batch,
+    }
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "serving.json").write_text(json.dumps(result))
+    sections = build_sections(tmp_path)
+    assert "| MLflow's scoring server | 20.0 | 0.50 s | 0.75 s |" in sections["serving"]
+    assert "| `sat serve --engine ray` | 40.0 |" in sections["serving"]
+    assert "`sat serve` |" not in sections["serving"]  # the local engine was not measured
+    assert "2 CPUs (x86_64)" in sections["serving"]
+    assert "| `sat caption`, one process | 80.0 | 0.80 |" in sections["batch"]
+    assert "| `sat caption --engine ray` (Ray Data, streaming) | 84.0 | 0.84 |" in sections["batch"]
