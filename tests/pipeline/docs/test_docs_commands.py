@@ -18,7 +18,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.factories import ROOT
+
 OURS = ("sat_model", "pipeline", "benchmarks")
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 INLINE = re.compile(r"`([^`\n]+)`")

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.factories import ROOT
+
 CODE_DIRS = ("sat_model", "pipeline", "benchmarks")
 DOCS = ROOT / "docs"
 DOCS_MAX_WORDS = 20_000

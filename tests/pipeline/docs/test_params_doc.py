@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline.docs.cli import cli_page
 from pipeline.docs.params import MissingDescriptionError, params_page, params_rows
 from sat_model.config import Params
+from tests.factories import ROOT
 
 
 def _leaf_keys(model: type, prefix: str = "") -> set[str]:
