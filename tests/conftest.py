@@ -60,6 +60,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         slow = {i for i in items if any(i.get_closest_marker(m) for m in INTEGRATION)}
         config.hook.pytest_deselected(items=list(slow))
         items[:] = [i for i in items if i not in slow]
+    _heaviest_modules_first(items)
     gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu:
         return
@@ -70,6 +71,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to PyTorch here")
     for item in gpu:
         item.add_marker(skip)
+
+
+# a module's weight: its heaviest marker (clusters, then other integrations, then the rest),
+# then how many of its tests are integrations
+WEIGHTS = {"cluster": 0, "slow": 1, "ray": 1, "mlflow": 1, "java": 2}
+
+
+def _heaviest_modules_first(items: list[pytest.Item]) -> None:
+    """Order whole modules by weight, keeping each module's tests in their order: xdist's
+    ``--dist loadfile`` hands modules out in this order, so the long ones start first and the
+    short ones fill the gaps at the end instead of leaving one worker waiting on a cluster."""
+    weight: dict[str, tuple[int, int]] = {}
+    for item in items:
+        marks = [WEIGHTS[m.name] for m in item.iter_markers() if m.name in WEIGHTS]
+        module = item.nodeid.partition("::")[0]
+        lightest, integrations = weight.get(module, (3, 0))
+        weight[module] = (min(lightest, *marks, 3), integrations - (min(marks, default=3) < 2))
+    items.sort(key=lambda item: weight[item.nodeid.partition("::")[0]])
 
 
 def _cpu_seconds() -> float:
