@@ -1,10 +1,16 @@
 """What tests of whole projects share: the params that make a project tiny, the metric keys a
-report holds, which stages a ``dvc repro`` ran, and what a finished sweep records."""
+report holds, which stages a ``dvc repro`` ran (and that one ran none), and what a finished
+sweep records."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import shlex
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,7 +49,45 @@ TINY = [
 
 
 def stages_run(output: str) -> set[str]:
+    """The stages a ``dvc repro`` says it ran, read from its ``output``."""
     return set(re.findall(r"Running stage '([^']+)'", output))
+
+
+def recorded_outputs(project: Path, pipeline: str = "dvc.yaml") -> dict[str, tuple[int, str]]:
+    """Every file of every output the pipeline's lock records: its mtime (ns) and md5."""
+    lock = project / Path(pipeline).with_suffix(".lock")
+    found = {}
+    for stage in yaml.safe_load(lock.read_text())["stages"].values():
+        base = lock.parent / stage.get("wdir", ".")
+        for out in stage.get("outs", []):
+            path = base / out["path"]
+            files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+            for file in files:
+                digest = hashlib.md5(file.read_bytes()).hexdigest()
+                found[str(file.relative_to(project))] = (file.stat().st_mtime_ns, digest)
+    return found
+
+
+def assert_nothing_reran(
+    project: Path, repro: Callable[[], str], pipeline: str = "dvc.yaml"
+) -> None:
+    """``repro()`` (a ``dvc repro`` of ``pipeline`` in ``project``, returning its output) ran
+    nothing, seen three ways: its output names no stage, every file of every output the lock
+    records kept its bytes and its mtime (a stage that ran rewrites its outputs), and ``dvc
+    status --json`` finds nothing changed."""
+    before = recorded_outputs(project, pipeline)
+    output = repro()
+    assert stages_run(output) == set(), output
+    assert before and recorded_outputs(project, pipeline) == before, "an output was rewritten"
+    status = subprocess.run(
+        [str(Path(sys.executable).parent / "dvc"), "status", "--json", pipeline],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout) == {}, status.stdout
 
 
 def check_recorded_sweep(project: Path, out: str, trials: int) -> None:
