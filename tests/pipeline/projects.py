@@ -53,32 +53,40 @@ def stages_run(output: str) -> set[str]:
     return set(re.findall(r"Running stage '([^']+)'", output))
 
 
-def recorded_outputs(project: Path, pipeline: str = "dvc.yaml") -> dict[str, tuple[int, str]]:
-    """Every file of every output the pipeline's lock records: its mtime (ns) and md5."""
+def recorded_outputs(project: Path, pipeline: str = "dvc.yaml") -> dict[str, dict[str, object]]:
+    """Per stage in the pipeline's lock, every file of the outputs it records: (mtime ns, md5)."""
     lock = project / Path(pipeline).with_suffix(".lock")
-    found = {}
-    for stage in yaml.safe_load(lock.read_text())["stages"].values():
+    found: dict[str, dict[str, object]] = {}
+    for name, stage in yaml.safe_load(lock.read_text())["stages"].items():
         base = lock.parent / stage.get("wdir", ".")
+        found[name] = {}
         for out in stage.get("outs", []):
             path = base / out["path"]
             files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
             for file in files:
                 digest = hashlib.md5(file.read_bytes()).hexdigest()
-                found[str(file.relative_to(project))] = (file.stat().st_mtime_ns, digest)
+                found[name][str(file.relative_to(project))] = (file.stat().st_mtime_ns, digest)
     return found
 
 
-def assert_nothing_reran(
-    project: Path, repro: Callable[[], str], pipeline: str = "dvc.yaml"
-) -> None:
-    """``repro()`` (a ``dvc repro`` of ``pipeline`` in ``project``, returning its output) ran
-    nothing, seen three ways: its output names no stage, every file of every output the lock
-    records kept its bytes and its mtime (a stage that ran rewrites its outputs), and ``dvc
-    status --json`` finds nothing changed."""
+def assert_repro_ran(
+    project: Path, repro: Callable[[], str], ran: set[str], pipeline: str = "dvc.yaml"
+) -> str:
+    """``repro()`` (a ``dvc repro`` or ``dvc exp run`` of ``pipeline`` in ``project``) ran the
+    stages ``ran`` and no other, seen three ways: the stages its output names; the files of
+    the outputs the lock records, which every stage that ran rewrote and every other kept
+    (bytes and mtime); and ``dvc status --json``, which finds the pipeline up to date. Returns
+    the output."""
     before = recorded_outputs(project, pipeline)
     output = repro()
-    assert stages_run(output) == set(), output
-    assert before and recorded_outputs(project, pipeline) == before, "an output was rewritten"
+    assert stages_run(output) == ran, output
+    after = recorded_outputs(project, pipeline)
+    assert before.keys() <= after.keys() and any(before.values()), (before.keys(), after.keys())
+    for stage, files in before.items():
+        if stage in ran:
+            assert all(after[stage].get(f) != v for f, v in files.items()), f"{stage} kept a file"
+        else:
+            assert after[stage] == files, f"{stage} did not run, yet its outputs changed"
     status = subprocess.run(
         [str(Path(sys.executable).parent / "dvc"), "status", "--json", pipeline],
         cwd=project,
@@ -88,6 +96,7 @@ def assert_nothing_reran(
     )
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout) == {}, status.stdout
+    return output
 
 
 def check_recorded_sweep(project: Path, out: str, trials: int) -> None:

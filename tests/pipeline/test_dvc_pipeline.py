@@ -12,8 +12,9 @@ environment running the tests (``make run`` would otherwise install one; the cop
 request. The Flickr8k profile (two hours on the real photos) and the own-data blocks (a user's
 ``~/photos``) are not run here: each says why, ``make -n`` shows that their ``make run
 PROFILE=...`` is the recipe walked here on the profile's files, and test_own_data.py walks the
-own-data commands on a folder of sample photos. A soft-model param edit as a `dvc exp run`, and `dvc metrics`, are
-walked against a team's MLflow server (test_team_mlflow.py). Real DVC, Ray and MLflow (SQLite).
+own-data commands on a folder of sample photos. A soft-model param edit as a `dvc exp run`, and
+`dvc metrics`, are walked against a team's MLflow server (test_team_mlflow.py). Real DVC, Ray
+and MLflow (SQLite).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from tests.factories import ROOT, copy_project
 from tests.pipeline.projects import (
     METRIC_KEYS,
     TINY,
-    assert_nothing_reran,
+    assert_repro_ran,
     check_recorded_sweep,
     stages_run,
 )
@@ -341,7 +342,7 @@ def test_repro_registers_both_models_and_a_champion(project: Path) -> None:
 
 
 def test_second_repro_runs_nothing(project: Path) -> None:
-    assert_nothing_reran(project, lambda: dvc(project, "repro"))
+    assert_repro_ran(project, lambda: dvc(project, "repro"), ran=set())
 
 
 def test_an_edit_upstream_in_another_checkout_reruns_only_the_edited_stages(
@@ -357,7 +358,7 @@ def test_an_edit_upstream_in_another_checkout_reruns_only_the_edited_stages(
     for stage in ("prepare", "extract"):  # one edit, one repro: each stops where it began
         code = copy / "pipeline" / "stages" / f"{stage}.py"
         code.write_text(code.read_text() + "\n# a teammate's edit\n")
-        assert stages_run(dvc(copy, "repro")) == {stage}
+        assert_repro_ran(copy, lambda: dvc(copy, "repro"), ran={stage})
     assert (copy / "data/features/extract_report.json").read_bytes() == features
     timing = json.loads((copy / "reports/extract_timing.json").read_text())
     assert timing["engine"] == "local" and timing["images_per_s"] > 0
@@ -378,7 +379,8 @@ def test_the_sweep_runs_as_the_readme_gives_it(project: Path, tmp_path: Path) ->
     best = yaml.safe_load((copy / "reports/tune/best_params.yaml").read_text())
     assert best["attention"] == "soft" and best["apply"].startswith("dvc exp run -S train.soft.")
     # recorded in its lock
-    assert_nothing_reran(copy, lambda: dvc(copy, "repro", "sweeps/dvc.yaml"), "sweeps/dvc.yaml")
+    sweep = "sweeps/dvc.yaml"
+    assert_repro_ran(copy, lambda: dvc(copy, "repro", sweep), ran=set(), pipeline=sweep)
 
 
 def test_pointing_the_pipeline_at_a_cluster_and_a_server_reruns_nothing(project: Path) -> None:
@@ -456,7 +458,7 @@ def test_push_then_a_fresh_clone_pulls_and_finds_nothing_to_run(
         assert (fresh / rel).read_bytes() == (project / rel).read_bytes(), rel
     # the pipeline (dvc.yaml); the on-demand sweep (sweeps/dvc.yaml) never ran in this project
     assert "Data and pipelines are up to date" in dvc(fresh, "status", "dvc.yaml")
-    assert_nothing_reran(fresh, lambda: dvc(fresh, "repro"))
+    assert_repro_ran(fresh, lambda: dvc(fresh, "repro"), ran=set())
 
 
 # ------------------------------------------------------ what a user sees after `make run`
