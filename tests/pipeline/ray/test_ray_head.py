@@ -21,7 +21,7 @@ _WRAPPER = (sys.executable, "-m", "pipeline.ray.head")
 _FAILING_STAGE = """
 import os, sys, ray
 ray.init()  # RAY_ADDRESS and RAY_AUTH_MODE=token from the wrapper: connects, starts nothing
-assert ray.cluster_resources()["CPU"] == 2
+assert ray.cluster_resources()["CPU"] == 1  # the params' num_cpus
 print("answer", ray.get(ray.remote(lambda: 41 + 1).remote()))
 open(sys.argv[1], "w").write(os.environ["RAY_ADDRESS"])
 sys.exit(3)
@@ -41,7 +41,7 @@ def failed_stage(tmp_path_factory: pytest.TempPathFactory) -> FailedStage:
     Ray (an empty HOME: no ~/.ray/auth_token) around a stage that connects and then fails."""
     tmp = tmp_path_factory.mktemp("head")
     params, seen, home = tmp / "params.yaml", tmp / "address", tmp / "home"
-    params.write_text("ray:\n  num_cpus: 2\n")
+    params.write_text("ray:\n  num_cpus: 1\n")
     home.mkdir()
     env = {**loopback_env(), "HOME": str(home)}
     for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
