@@ -1,10 +1,16 @@
 """What tests of whole projects share: the params that make a project tiny, the metric keys a
-report holds, which stages a ``dvc repro`` ran, and what a finished sweep records."""
+report holds, which stages a ``dvc repro`` ran (and that one ran none), and what a finished
+sweep records."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import shlex
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,7 +49,55 @@ TINY = [
 
 
 def stages_run(output: str) -> set[str]:
+    """The stages a ``dvc repro`` says it ran, read from its ``output``."""
     return set(re.findall(r"Running stage '([^']+)'", output))
+
+
+def recorded_outputs(project: Path, pipeline: str = "dvc.yaml") -> dict[str, dict[str, object]]:
+    """Per stage in the pipeline's lock, every file of the outputs it records: (mtime ns, md5)."""
+    lock = project / Path(pipeline).with_suffix(".lock")
+    spec = yaml.safe_load((project / pipeline).read_text())["stages"]
+    found: dict[str, dict[str, object]] = {}
+    for name, stage in yaml.safe_load(lock.read_text())["stages"].items():
+        base = lock.parent / spec[name.split("@")[0]].get("wdir", ".")  # paths are from wdir
+        found[name] = {}
+        for out in stage.get("outs", []):
+            path = base / out["path"]
+            files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+            for file in files:
+                digest = hashlib.md5(file.read_bytes()).hexdigest()
+                found[name][str(file.relative_to(project))] = (file.stat().st_mtime_ns, digest)
+    return found
+
+
+def assert_repro_ran(
+    project: Path, repro: Callable[[], str], ran: set[str], pipeline: str = "dvc.yaml"
+) -> str:
+    """``repro()`` (a ``dvc repro`` or ``dvc exp run`` of ``pipeline`` in ``project``) ran the
+    stages ``ran`` and no other, seen three ways: the stages its output names; the files of
+    the outputs the lock records, which every stage that ran rewrote (a new mtime at least)
+    and every other kept (bytes and mtime); and ``dvc status --json``, which finds the
+    pipeline up to date. Returns the output."""
+    before = recorded_outputs(project, pipeline)
+    output = repro()
+    assert stages_run(output) == ran, output
+    after = recorded_outputs(project, pipeline)
+    assert before.keys() <= after.keys() and any(before.values()), (before.keys(), after.keys())
+    for stage, files in before.items():
+        if stage in ran:
+            assert after[stage] != files, f"{stage} ran, yet its outputs are as they were"
+        else:
+            assert after[stage] == files, f"{stage} did not run, yet its outputs changed"
+    status = subprocess.run(
+        [str(Path(sys.executable).parent / "dvc"), "status", "--json", pipeline],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout) == {}, status.stdout
+    return output
 
 
 def check_recorded_sweep(project: Path, out: str, trials: int) -> None:

@@ -10,9 +10,11 @@ environment running the tests (``make run`` would otherwise install one; the cop
 ``pyproject.toml`` is dated before that environment's install so make sees it current), and
 ``serve.port`` is a free port, written into the project's params and put in place of 8080 in the
 request. The Flickr8k profile (two hours on the real photos) and the own-data blocks (a user's
-``~/photos``) are not run here: each says why, and test_own_data.py walks the own-data commands
-on a folder of sample photos. A soft-model param edit as a `dvc exp run`, and `dvc metrics`, are
-walked against a team's MLflow server (test_team_mlflow.py). Real DVC, Ray and MLflow (SQLite).
+``~/photos``) are not run here: each says why, ``make -n`` shows that their ``make run
+PROFILE=...`` is the recipe walked here on the profile's files, and test_own_data.py walks the
+own-data commands on a folder of sample photos. A soft-model param edit as a `dvc exp run`, and
+`dvc metrics`, are walked against a team's MLflow server (test_team_mlflow.py). Real DVC, Ray
+and MLflow (SQLite).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -32,7 +35,13 @@ import yaml
 
 from sat_model.config import apply_overrides, read_yaml
 from tests.factories import ROOT, copy_project
-from tests.pipeline.projects import METRIC_KEYS, TINY, check_recorded_sweep, stages_run
+from tests.pipeline.projects import (
+    METRIC_KEYS,
+    TINY,
+    assert_repro_ran,
+    check_recorded_sweep,
+    stages_run,
+)
 from tests.pipeline.servers import _wait_for_port, free_port, stop_process_group
 
 pytestmark = [
@@ -172,9 +181,38 @@ def test_every_readme_command_is_a_quickstart_command() -> None:
     assert not missing, f"README commands the quickstart does not walk: {missing}"
 
 
-@pytest.mark.parametrize("first_line", sorted(NOT_RUN))
-def test_quickstart_blocks_not_run_here(first_line: str) -> None:
-    pytest.skip(f"`{first_line}`: {NOT_RUN[first_line]}")
+def _make_run_dry(*args: str) -> list[list[str]]:
+    """The commands ``make run`` would run (``make -n``, the install taken as done), as words."""
+    out = subprocess.run(
+        ["make", "-n", "-o", ".venv/.installed", "run", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return [shlex.split(line) for line in out.stdout.replace("\\\n", " ").splitlines()]
+
+
+def test_a_profiles_make_run_not_run_here_is_the_walked_recipe_on_its_files() -> None:
+    """``make run PROFILE=...`` (the blocks NOT_RUN names) runs the commands of the walked
+    ``make run``, the same head, repro and summary, on the profile's params, pipeline and
+    reports: test_own_data.py walks that repro of a profile, test_profiles.py the Flickr8k
+    profile's files."""
+    blocks = [
+        b for b in BLOCK.findall(PAGE.read_text(encoding="utf-8")) if b not in quickstart_blocks()
+    ]
+    lines = [
+        line for b in blocks for line in b.splitlines() if line.startswith("make run PROFILE=")
+    ]
+    walked = _make_run_dry()
+    assert len(walked) == 2 and "pipeline.ray.head" in walked[0]  # the head, then the summary
+    assert [line.split("PROFILE=")[1] for line in lines] == ["flickr8k", "mine"]
+    for line in lines:
+        folder = f"profiles/{line.split('PROFILE=')[1]}"
+        expected = [[w.replace("./", f"{folder}/") for w in command] for command in walked]
+        expected[0].append(f"{folder}/dvc.yaml")  # `dvc repro` ends the head's command
+        assert _make_run_dry(line.split()[-1]) == expected, line
 
 
 def test_repro_runs_every_stage_and_writes_every_output(project: Path) -> None:
@@ -304,7 +342,7 @@ def test_repro_registers_both_models_and_a_champion(project: Path) -> None:
 
 
 def test_second_repro_runs_nothing(project: Path) -> None:
-    assert stages_run(dvc(project, "repro")) == set()
+    assert_repro_ran(project, lambda: dvc(project, "repro"), ran=set())
 
 
 def test_an_edit_upstream_in_another_checkout_reruns_only_the_edited_stages(
@@ -320,7 +358,7 @@ def test_an_edit_upstream_in_another_checkout_reruns_only_the_edited_stages(
     for stage in ("prepare", "extract"):  # one edit, one repro: each stops where it began
         code = copy / "pipeline" / "stages" / f"{stage}.py"
         code.write_text(code.read_text() + "\n# a teammate's edit\n")
-        assert stages_run(dvc(copy, "repro")) == {stage}
+        assert_repro_ran(copy, lambda: dvc(copy, "repro"), ran={stage})
     assert (copy / "data/features/extract_report.json").read_bytes() == features
     timing = json.loads((copy / "reports/extract_timing.json").read_text())
     assert timing["engine"] == "local" and timing["images_per_s"] > 0
@@ -340,7 +378,9 @@ def test_the_sweep_runs_as_the_readme_gives_it(project: Path, tmp_path: Path) ->
     check_recorded_sweep(copy, out, trials=3)
     best = yaml.safe_load((copy / "reports/tune/best_params.yaml").read_text())
     assert best["attention"] == "soft" and best["apply"].startswith("dvc exp run -S train.soft.")
-    assert stages_run(dvc(copy, "repro", "sweeps/dvc.yaml")) == set()  # recorded in its lock
+    # recorded in its lock
+    sweep = "sweeps/dvc.yaml"
+    assert_repro_ran(copy, lambda: dvc(copy, "repro", sweep), ran=set(), pipeline=sweep)
 
 
 def test_pointing_the_pipeline_at_a_cluster_and_a_server_reruns_nothing(project: Path) -> None:
@@ -418,7 +458,7 @@ def test_push_then_a_fresh_clone_pulls_and_finds_nothing_to_run(
         assert (fresh / rel).read_bytes() == (project / rel).read_bytes(), rel
     # the pipeline (dvc.yaml); the on-demand sweep (sweeps/dvc.yaml) never ran in this project
     assert "Data and pipelines are up to date" in dvc(fresh, "status", "dvc.yaml")
-    assert stages_run(dvc(fresh, "repro")) == set()
+    assert_repro_ran(fresh, lambda: dvc(fresh, "repro"), ran=set())
 
 
 # ------------------------------------------------------ what a user sees after `make run`

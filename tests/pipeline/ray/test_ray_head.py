@@ -1,23 +1,60 @@
-"""``python -m pipeline.ray.head -- CMD``: one loopback Ray head per command, stopped by PID."""
+"""``python -m pipeline.ray.head -- CMD``: one loopback Ray head per command, stopped by PID.
+
+Two heads: one command that connects and fails, which the tests of a whole command share, and
+one whose wrapper is killed.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from pipeline.ray.runtime import loopback_env
 
-# The command records the address it was given and the head's GCS pid group, then fails.
+_WRAPPER = (sys.executable, "-m", "pipeline.ray.head")
+
+# The command connects, runs a task, records the address it was given, then fails.
 _FAILING_STAGE = """
 import os, sys, ray
-ray.init()  # RAY_ADDRESS from the wrapper: connects, starts nothing
-assert ray.cluster_resources()["CPU"] == 2
+ray.init()  # RAY_ADDRESS and RAY_AUTH_MODE=token from the wrapper: connects, starts nothing
+assert ray.cluster_resources()["CPU"] == 1  # the params' num_cpus
+print("answer", ray.get(ray.remote(lambda: 41 + 1).remote()))
 open(sys.argv[1], "w").write(os.environ["RAY_ADDRESS"])
 sys.exit(3)
 """
+
+
+@dataclass(frozen=True)
+class FailedStage:
+    out: subprocess.CompletedProcess[str]  # the wrapper's
+    address: str  # the one the stage was given
+    home: Path
+
+
+@pytest.fixture(scope="module")
+def failed_stage(tmp_path_factory: pytest.TempPathFactory) -> FailedStage:
+    """One head for the tests of a whole command: the wrapper run on a machine that never ran
+    Ray (an empty HOME: no ~/.ray/auth_token) around a stage that connects and then fails."""
+    tmp = tmp_path_factory.mktemp("head")
+    params, seen, home = tmp / "params.yaml", tmp / "address", tmp / "home"
+    params.write_text("ray:\n  num_cpus: 1\n")
+    home.mkdir()
+    env = {**loopback_env(), "HOME": str(home)}
+    for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(key, None)
+    command = [*_WRAPPER, "--params", str(params), "--"]
+    out = subprocess.run(
+        [*command, sys.executable, "-c", _FAILING_STAGE, str(seen)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return FailedStage(out, seen.read_text() if seen.is_file() else "", home)
 
 
 def _listening(port: int) -> bool:
@@ -28,68 +65,28 @@ def _listening(port: int) -> bool:
 
 
 @pytest.mark.ray
-def test_head_is_stopped_when_the_command_fails(tmp_path: Path) -> None:
-    params = tmp_path / "params.yaml"
-    params.write_text("ray:\n  num_cpus: 2\n")
-    seen = tmp_path / "address"
-    env = loopback_env()
-    env.pop("RAY_ADDRESS", None)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.ray.head",
-            "--params",
-            str(params),
-            "--",
-            sys.executable,
-            "-c",
-            _FAILING_STAGE,
-            str(seen),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+@pytest.mark.slow
+def test_head_is_stopped_when_the_command_fails(failed_stage: FailedStage) -> None:
+    out = failed_stage.out
     assert out.returncode == 3, out.stderr[-2000:]  # the command's own exit code
-    host, port = seen.read_text().split(":")
+    host, port = failed_stage.address.split(":")
     assert host == "127.0.0.1"
     assert not _listening(int(port))  # the head is gone
     assert not Path(f"/tmp/sat-ray-{port}").exists()  # and its private temp dir
     assert "Ray head stopped" in out.stdout
 
 
-_CONNECTING_STAGE = """
-import ray
-ray.init()  # RAY_ADDRESS and RAY_AUTH_MODE=token from the wrapper
-print("answer", ray.get(ray.remote(lambda: 41 + 1).remote()))
-"""
-
-
 @pytest.mark.ray
-def test_a_machine_that_never_ran_ray_gets_a_token_and_the_stages_connect(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_a_machine_that_never_ran_ray_gets_a_token_and_the_stages_connect(
+    failed_stage: FailedStage,
+) -> None:
     # a fresh machine: no ~/.ray/auth_token. `ray start` would then start the head without
     # authentication and a driver with RAY_AUTH_MODE=token would be refused (a fresh clone's
     # first `make run` failed at its first train stage so)
-    params = tmp_path / "params.yaml"
-    params.write_text("ray:\n  num_cpus: 1\n")
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {**loopback_env(), "HOME": str(home)}
-    for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        env.pop(key, None)
-    command = [sys.executable, "-m", "pipeline.ray.head", "--params", str(params), "--"]
-    out = subprocess.run(
-        [*command, sys.executable, "-c", _CONNECTING_STAGE],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "answer 42" in out.stdout
-    token = home / ".ray" / "auth_token"
+    out = failed_stage.out
+    assert "answer 42" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    token = failed_stage.home / ".ray" / "auth_token"
     assert token.stat().st_mode & 0o777 == 0o600
     assert token.read_text().strip() not in out.stdout + out.stderr  # never printed
 
@@ -101,17 +98,7 @@ def test_a_given_address_starts_no_head(tmp_path: Path) -> None:
     code = "import os, sys; sys.exit(0 if 'RAY_AUTH_MODE' not in os.environ else 5)"
     env.pop("RAY_AUTH_MODE", None)
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.ray.head",
-            "--params",
-            str(params),
-            "--",
-            sys.executable,
-            "-c",
-            code,
-        ],
+        [*_WRAPPER, "--params", str(params), "--", sys.executable, "-c", code],
         env=env,
         capture_output=True,
         text=True,
@@ -121,10 +108,8 @@ def test_a_given_address_starts_no_head(tmp_path: Path) -> None:
     assert "Ray head" not in out.stdout
 
 
-_WRAPPER = (sys.executable, "-m", "pipeline.ray.head")
-
-
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_sigkilled_wrapper_leaves_no_head_and_no_temp_dir(tmp_path: Path) -> None:
     # `make run`'s wrapper killed with SIGKILL runs no finally: its watchdog stops the head
     import os

@@ -1,9 +1,9 @@
 """Faults while stages run: a killed ``extract``, a tracking server that is down during
 ``register``, a METEOR process that never answers, and what listens on the network.
 
-Each test reproduces the fault for real (SIGKILL to a stage subprocess, a real ``mlflow server``
-stopped and restarted on the same port and backend, a real Java METEOR with a timeout it cannot
-meet, a real local Ray cluster) and checks the promise in docs/RELIABILITY.md.
+Each test reproduces the fault for real (SIGKILL to a stage subprocess, a tracking URI whose
+port nobody listens on, then a real ``mlflow server`` started there, a real Java METEOR with a
+timeout it cannot meet, a real local Ray cluster) and checks the promise in docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -172,14 +172,12 @@ def test_register_with_the_server_down_fails_clearly_then_succeeds_once_it_is_ba
     project.mkdir()
     server_root.mkdir()
     _register_project(project)
-    port = free_port()
+    port = free_port()  # nobody listens on it until the server starts there below
     uri = f"http://sat-user:s3cret-token@127.0.0.1:{port}"  # credentials must never be shown
     backend, artifacts = (
         f"sqlite:///{server_root / 'server.db'}",
         str(server_root / "server-artifacts"),
     )
-    with mlflow_server(server_root, backend, artifacts, port=port):
-        pass  # the server existed, then went down (same port and backend reused below)
     before = _tree_digest(project / "models") | _tree_digest(project / "reports")
 
     code, output, seconds = _register(project, uri)

@@ -28,7 +28,7 @@ import yaml
 from sat_model.config import apply_overrides, read_yaml
 from sat_model.data.vocab import load_vocab
 from tests.factories import ROOT
-from tests.pipeline.projects import METRIC_KEYS, TINY, stages_run
+from tests.pipeline.projects import METRIC_KEYS, TINY, assert_repro_ran
 from tests.pipeline.servers import S3Server, mlflow_server, postgres_server, s3_server
 
 NAME = "sat-captioner"
@@ -244,9 +244,12 @@ def test_exp_run_registers_without_moving_the_champion(team: Team) -> None:
     # no champion at all: a `dvc repro` register would now promote any version it registers
     client.delete_registered_model_alias(NAME, "champion")
     dvc = str(Path(sys.executable).parent / "dvc")
-    out = run(team, dvc, "exp", "run", "-n", "lr-try", "-S", "train.soft.lr=0.02")
     # a soft-model param: only the soft branch and register run again
-    assert stages_run(out) == {"train@soft", "evaluate@soft", "register"}
+    out = assert_repro_ran(
+        team.project,
+        lambda: run(team, dvc, "exp", "run", "-n", "lr-try", "-S", "train.soft.lr=0.02"),
+        ran={"train@soft", "evaluate@soft", "register"},
+    )
     assert "experiment" in out.lower()
     shown = json.loads(run(team, dvc, "metrics", "show", "--json"))
     workspace = next(iter(shown.values()))["data"]
