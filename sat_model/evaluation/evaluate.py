@@ -39,7 +39,7 @@ from sat_model.evaluation.grounding import (
 from sat_model.evaluation.metrics import score_captions
 from sat_model.evaluation.reports import CAPTIONS_FILE, METRICS_FILE
 from sat_model.evaluation.visualize import INDEX_FILE, AttentionFigures
-from sat_model.features.images import ImageError, encoder_view, load_image
+from sat_model.features.images import ImageError, Preprocessing, to_picture
 from sat_model.features.store import FeatureStore
 from sat_model.model.checkpoint import load_model
 from sat_model.model.decoder import ShowAttendTell
@@ -295,6 +295,7 @@ def _gallery_photo(
     if record.refused:
         return record.refused
     try:
-        return encoder_view(load_image(record.path), resize, crop, keep_aspect)
+        pixels = Preprocessing(resize, crop, keep_aspect=keep_aspect).pixels(record.path)
+        return to_picture(pixels)  # as the extract stage cut it
     except ImageError as e:
         return e.reason
