@@ -56,6 +56,7 @@ class ImageCaption:
     pixels: torch.Tensor = field(repr=False)  # (3, S, S) uint8: what the encoder saw
     grid_h: int
     grid_w: int
+    locations: np.ndarray | None = None  # (len,) the cells hard attention read, when it read one
 
     @property
     def text(self) -> str:
@@ -248,8 +249,9 @@ class Captioner:
         out = []
         for image, caption in zip(pixels, captions, strict=True):
             words, alphas = caption.words(self.vocab)
+            cells = caption.word_locations(self.vocab)
             score = float(caption.score)
-            out.append(ImageCaption(words, alphas, score, image, d.grid_h, d.grid_w))
+            out.append(ImageCaption(words, alphas, score, image, d.grid_h, d.grid_w, cells))
         return out
 
 

@@ -207,10 +207,10 @@ def sample_photos(count: int) -> list[Path]:
 
 
 def _first_captions(photos: Sequence[Path]) -> list[list[str]]:
-    """Each photo's first Flickr8k caption, tokenised."""
+    """Each photo's first Flickr8k caption (by file name), tokenised."""
     from sat_model.data.text import tokenize
 
-    token_file = photos[0].parents[1] / "Flickr8k_text" / "Flickr8k.token.txt"
+    token_file = shared_data("flickr8k-sample") / "Flickr8k_text" / "Flickr8k.token.txt"
     first: dict[str, str] = {}
     for line in token_file.read_text(encoding="utf-8").splitlines():
         key, _, text = line.partition("\t")
@@ -227,10 +227,10 @@ def write_trained_tiny_model(
     steps: int = 150,
     encoder: str = "random",
 ) -> Path:
-    """A tiny soft model over ``encoder`` (the seeded ``random`` one by default), trained (teacher forcing, Adam) on
-    ``photos`` with their first Flickr8k captions, from features cut as the extract stage cuts
-    them. Its captions differ from photo to photo, so a change in pixels can change them (an
-    untrained model says the same words of every photo)."""
+    """A tiny soft model over ``encoder`` (the seeded ``random`` one by default), trained
+    (teacher forcing, Adam) on ``photos`` with their first Flickr8k captions, from features cut
+    as the extract stage cuts them. Its captions differ from photo to photo, so a change in
+    pixels can change them (an untrained model says the same words of every photo)."""
     from sat_model.data.vocab import build_vocab
     from sat_model.features.images import Preprocessing
     from sat_model.model.losses import SoftAttentionLoss
