@@ -139,7 +139,7 @@ def score_images(
     from pycocoevalcap.cider.cider import Cider
     from pycocoevalcap.rouge.rouge import Rouge
 
-    _check_inputs(hypotheses, references, [])
+    _check_inputs(hypotheses, references, ["bleu", "rouge", "cider"])
     gts, res = _ptb_tokenize(hypotheses, references)
     ids = list(gts)  # the order every scorer walks
     columns = {

@@ -119,11 +119,12 @@ def attended_cells(
     """The cell s̃_t the decoder read for each word (T,): the argmax with ``mode="argmax"``,
     the drawn ``locations`` with ``sample``; None for ``expected`` (every cell, weighted by α)
     and for a draw the caption does not carry."""
+    cells: np.ndarray | None = None
     if mode == "argmax":
-        return np.asarray(alphas).argmax(-1)
-    if mode == "sample" and locations is not None:
-        return np.asarray(locations)
-    return None
+        cells = np.asarray(alphas).argmax(-1)
+    elif mode == "sample" and locations is not None:
+        cells = np.asarray(locations)
+    return cells
 
 
 def draw_attention_figure(

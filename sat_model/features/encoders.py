@@ -181,7 +181,7 @@ class Encoder(nn.Module):
         (float16): normalised with this network's mean and std, a batch at a time. Training and
         evaluation read the store, so a photo captioned live meets the decoder as they did."""
         with torch.inference_mode():
-            annotations = self(normalize_pixels(pixels, *self.spec.normalization()))  # float32
+            annotations: torch.Tensor = self(normalize_pixels(pixels, *self.spec.normalization()))
         return annotations.to(torch.float16)  # (B, L, D)
 
 
