@@ -82,10 +82,9 @@ def _batched(captioner, files: list[Path], workers: int) -> tuple[float, list[st
 
 
 def _one_at_a_time(captioner, files: list[Path]) -> tuple[float, list[str]]:  # type: ignore[no-untyped-def]
-    from sat_model.features.images import load_image
-
+    prep = captioner.preprocessing
     start = time.perf_counter()
-    texts = [captioner.caption([load_image(f)])[0].text for f in files]
+    texts = [captioner.caption_pixels(prep.pixels(f)[None])[0].text for f in files]
     return time.perf_counter() - start, texts
 
 

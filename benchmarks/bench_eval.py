@@ -90,15 +90,17 @@ def _lite0_model_dir(directory: Path) -> None:
 
 
 def bench_captioning(files: list[Path], beam_size: int, max_length: int) -> dict[str, float]:
-    from sat_model.captioner import Captioner, decode_image_input
+    import torch
+
+    from sat_model.captioner import Captioner
 
     with tempfile.TemporaryDirectory() as tmp:
         _lite0_model_dir(Path(tmp))
         captioner = Captioner.from_dir(tmp, beam_size=beam_size, max_length=max_length)
-    captioner.caption([decode_image_input(files[0])])  # warm-up
+    prep = captioner.preprocessing
+    captioner.caption_pixels(prep.pixels(files[0])[None])  # warm-up
     start = time.perf_counter()
-    images = [decode_image_input(f) for f in files]
-    captioner.caption(images)
+    captioner.caption_pixels(torch.stack([prep.pixels(f) for f in files]))
     seconds = time.perf_counter() - start
     return {
         "caption_images": len(files),

@@ -196,9 +196,7 @@ def bench_serving(
     return figures
 
 
-def _rate(
-    captioner: Any, photos: list[Path], pixels: list[Any], images: list[Any], how: str
-) -> float:
+def _rate(captioner: Any, photos: list[Path], pixels: list[Any], how: str) -> float:
     """Images/s of ``sat caption``'s one-process path (``files``: decode, cut, encode, beam
     search), of the same on the photos already decoded and cut (``decoded``: ``pixels`` uint8;
     the encoder and the beam search alone), or of the encoder's forward pass alone
@@ -211,8 +209,8 @@ def _rate(
             for batch in pixels:
                 captioner.encoder(batch)
     elif how == "decoded":
-        for batch, originals in zip(pixels, images, strict=True):
-            captioner._caption_batch(originals, None, batch)
+        for batch in pixels:
+            captioner.caption_pixels(batch)
     else:
         list(captioner.caption_files(photos))
     return len(photos) / (time.perf_counter() - start)
@@ -242,16 +240,14 @@ def bench_batch(root: Path, photos: list[Path], batch_size: int, rounds: int) ->
     import torch
 
     from sat_model.captioner import Captioner
-    from sat_model.features.images import load_image, normalize_pixels
+    from sat_model.features.images import normalize_pixels
 
     options = {"beam_size": 3, "max_length": 20, "batch_size": batch_size}
     captioner = Captioner.from_dir(root / "model", **options)
     list(captioner.caption_files(photos[:batch_size]))  # warm-up
-    images = [load_image(p, min_side=captioner.resize) for p in photos]
-    cut = torch.stack([captioner._cut(im) for im in images])  # (N, 3, S, S) uint8
+    cut = torch.stack([captioner.preprocessing.pixels(p) for p in photos])  # (N, 3, S, S) uint8
     pixels = list(normalize_pixels(cut, *captioner.encoder.spec.normalization()).split(batch_size))
     cuts = list(cut.split(batch_size))
-    batches = [images[i : i + batch_size] for i in range(0, len(images), batch_size)]
     ways = ["encoder", "decoded", "files", "ray_data"]
     rates: dict[str, list[float]] = {how: [] for how in ways}
     part, wholes = photos[: len(photos) // 4], []
@@ -267,7 +263,7 @@ def bench_batch(root: Path, photos: list[Path], batch_size: int, rounds: int) ->
                     rates[how].append((len(photos) - len(part)) / (wholes[-1] - small))
                     continue
                 given = cuts if how == "decoded" else pixels
-                rates[how].append(_rate(captioner, photos, given, batches, how))
+                rates[how].append(_rate(captioner, photos, given, how))
     finally:
         ray.shutdown()
     encoder, decoded = statistics.median(rates["encoder"]), statistics.median(rates["decoded"])

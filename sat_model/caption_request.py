@@ -2,9 +2,10 @@
 
 One owner for what a served model does with a request, whatever carries it (``sat serve``'s
 HTTP front door, the MLflow pyfunc model, Ray Serve): the rows, their sizes and the beam are
-checked before any image is decoded; each image is cut to the square the encoder sees as soon
-as it is decoded, so a request holds at most ``max_rows`` small squares, and they are encoded and
-captioned ``batch_size`` at a time. Several requests may share those batches
+checked before any image is decoded; each image becomes the encoder's pixels as soon as it is
+decoded (:meth:`~sat_model.features.images.Preprocessing.pixels`, the path ``sat caption`` and
+the extract stage take), so a request holds at most ``max_rows`` crops of 3 x S x S bytes, and
+they are encoded and captioned ``batch_size`` at a time. Several requests may share those batches
 (:meth:`CaptionService.caption_prepared`). A row that is not a usable image gets its reason; a
 request with no usable row is refused whole with the reasons. Every message is safe to send to
 a client: it names no file of the server and quotes no request content.
@@ -14,16 +15,16 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
+import torch
 
 from sat_model.captioner import Captioner, ImageCaption
 from sat_model.config import ServeConfig
 from sat_model.features.images import ImageError
-from sat_model.features.request_images import ImageLimits, decode_request_image, value_size
+from sat_model.features.request_images import request_pixels, value_size
 
 __all__ = ["CaptionService", "PreparedRequest", "RequestError", "check_rows", "parse_beam_size"]
 
@@ -72,11 +73,11 @@ def _attention(result: ImageCaption) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A request checked and decoded: its images (row -> the square the encoder sees), the
-    reasons of its unusable rows, and how to caption it."""
+    """A request checked and decoded: its images (row -> the encoder's pixels (3, S, S)
+    uint8), the reasons of its unusable rows, and how to caption it."""
 
     rows: int
-    images: dict[int, Image.Image]
+    images: dict[int, torch.Tensor]
     errors: dict[int, str]
     beam_size: int | None
     return_attention: bool
@@ -88,7 +89,12 @@ class CaptionService:
     def __init__(self, captioner: Captioner, serve: ServeConfig) -> None:
         self.captioner = captioner
         self.serve = serve
-        self.image_limits = ImageLimits(serve.max_image_pixels, serve.formats)
+        self.preprocessing = replace(
+            captioner.preprocessing,
+            max_pixels=serve.max_image_pixels,
+            formats=serve.formats,
+            setting="serve.max_image_pixels",
+        )
 
     @classmethod
     def from_dir(
@@ -118,16 +124,11 @@ class CaptionService:
         """Check a request and decode its rows; :class:`RequestError` if it is refused whole."""
         check_rows(values, self.serve)
         beam = parse_beam_size(beam_size, self.serve.max_beam_size)
-        images: dict[int, Image.Image] = {}
+        images: dict[int, torch.Tensor] = {}
         errors: dict[int, str] = {}
         for i, value in enumerate(values):
             try:
-                images[i] = decode_request_image(
-                    value,
-                    self.image_limits,
-                    side=self.captioner.resize,
-                    keep_aspect=self.captioner.keep_aspect,
-                )
+                images[i] = request_pixels(value, self.preprocessing)
             except ImageError as e:
                 errors[i] = f"row {i}: {e.reason}"
         return PreparedRequest(len(values), images, errors, beam, return_attention)
@@ -141,8 +142,10 @@ class CaptionService:
         captions: dict[tuple[int, int], ImageCaption] = {}
         for beam in dict.fromkeys(r.beam_size for r in requests):
             keys = [(k, i) for k, r in enumerate(requests) if r.beam_size == beam for i in r.images]
-            images = [requests[k].images[i] for k, i in keys]
-            captions.update(zip(keys, self.captioner.caption(images, beam), strict=True))
+            if not keys:
+                continue
+            pixels = torch.stack([requests[k].images[i] for k, i in keys])  # (B, 3, S, S)
+            captions.update(zip(keys, self.captioner.caption_pixels(pixels, beam), strict=True))
         return [_answer(k, r, captions) for k, r in enumerate(requests)]
 
 

@@ -13,14 +13,11 @@ checksum must match the one recorded: the decoder never reads features of anothe
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
-import io
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +27,7 @@ from PIL import Image
 
 from sat_model.data.vocab import Vocab
 from sat_model.features.encoders import Encoder, EncoderError
-from sat_model.features.images import (
-    ImageError,
-    encoder_view,
-    load_image,
-    normalize_pixels,
-    resize_crop,
-)
+from sat_model.features.images import ImageError, Preprocessing, to_picture
 from sat_model.features.spec import EncoderSpec
 from sat_model.model.checkpoint import (
     load_checkpoint,
@@ -51,22 +42,21 @@ __all__ = [
     "Captioner",
     "FileCaption",
     "ImageCaption",
-    "decode_image_input",
     "find_image_files",
 ]
 
 
 @dataclass(frozen=True)
 class ImageCaption:
-    """One captioned image: the words, α per word (len, L), and the crop α refers to."""
+    """One captioned image: the words, α per word (len, L), and the pixels α refers to."""
 
     words: tuple[str, ...]
     alphas: np.ndarray
     score: float
-    image: Image.Image = field(repr=False)  # as captioned, before the encoder's cut
-    view: tuple[int, int, bool]  # that cut: resize, crop, keep_aspect (``encoder_view``)
+    pixels: torch.Tensor = field(repr=False)  # (3, S, S) uint8: what the encoder saw
     grid_h: int
     grid_w: int
+    locations: np.ndarray | None = None  # (len,) the cells hard attention read, when it read one
 
     @property
     def text(self) -> str:
@@ -74,9 +64,8 @@ class ImageCaption:
 
     @functools.cached_property
     def crop(self) -> Image.Image:
-        """The picture the encoder saw, that α is drawn over: cut when first asked, since
-        only attention figures need it (captioning a folder would pay a resize per image)."""
-        return encoder_view(self.image.convert("RGB"), *self.view)
+        """The picture the encoder saw, that α is drawn over."""
+        return to_picture(self.pixels)
 
 
 @dataclass(frozen=True)
@@ -111,29 +100,6 @@ def find_image_files(inputs: Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def decode_image_input(value: str | bytes | Path, max_pixels: int = 50_000_000) -> Image.Image:
-    """An image given as a file path, raw bytes, or base64 text (as JSON requests carry it).
-
-    Raises :class:`ImageError` naming the input when it is not a decodable image.
-    """
-    if isinstance(value, bytes | bytearray):
-        return load_image(io.BytesIO(bytes(value)), max_pixels=max_pixels)
-    if isinstance(value, Path) or Path(str(value)).is_file():
-        return load_image(value, max_pixels=max_pixels)
-    text = str(value).strip()
-    if text.startswith("data:") and "," in text:  # a data URL: data:image/png;base64,....
-        text = text.split(",", 1)[1]
-    try:
-        data = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        label = text if len(text) <= 80 else text[:77] + "..."
-        raise ImageError(label, "neither an existing file nor base64 image data") from None
-    try:
-        return load_image(io.BytesIO(data), max_pixels=max_pixels)
-    except ImageError as e:
-        raise ImageError("<base64 image>", e.reason) from None
-
-
 class Captioner:
     """A trained decoder with its encoder: ``caption(images) -> list[ImageCaption]``."""
 
@@ -156,8 +122,9 @@ class Captioner:
         self.model = model.to(device).eval()
         self.vocab = vocab
         self.encoder = encoder.to(device).eval()
-        self.resize = resize
-        self.keep_aspect = keep_aspect
+        # the one path from a photo to the encoder's pixels, as the extract stage cut the
+        # photos this model was trained on
+        self.preprocessing = Preprocessing(resize, encoder.spec.input_size, keep_aspect=keep_aspect)
         self.beam_size = beam_size
         self.max_length = max_length
         self.length_penalty = length_penalty
@@ -208,10 +175,20 @@ class Captioner:
     def caption(
         self, images: Sequence[Image.Image], beam_size: int | None = None
     ) -> list[ImageCaption]:
-        """Caption each RGB image (any size); batches of ``batch_size`` share one beam search."""
+        """Caption RGB images already in memory (any size), cut as files are."""
+        if not images:
+            return []
+        pixels = torch.stack([self.preprocessing.cut(im) for im in images])  # (B, 3, S, S)
+        return self.caption_pixels(pixels, beam_size)
+
+    def caption_pixels(
+        self, pixels: torch.Tensor, beam_size: int | None = None
+    ) -> list[ImageCaption]:
+        """Caption uint8 pixels (B, 3, S, S) from :meth:`Preprocessing.pixels`; batches of
+        ``batch_size`` share one beam search."""
         out: list[ImageCaption] = []
-        for start in range(0, len(images), self.batch_size):
-            out += self._caption_batch(images[start : start + self.batch_size], beam_size)
+        for start in range(0, len(pixels), self.batch_size):
+            out += self._caption_batch(pixels[start : start + self.batch_size], beam_size)
         return out
 
     def caption_files(
@@ -225,16 +202,17 @@ class Captioner:
         """Caption image files in order, ``batch_size`` per beam search; a file that cannot be
         read gets its ``error`` and the others go on.
 
-        ``workers`` threads decode and preprocess the next batch while this one is captioned
-        (Pillow and torch release the GIL), so at most two batches of images are in memory.
+        ``workers`` threads decode and cut the next batch while this one is captioned (Pillow
+        and torch release the GIL), so at most two batches of pixels are in memory.
         """
+        prep = replace(self.preprocessing, max_pixels=max_pixels)
         batches = [paths[i : i + self.batch_size] for i in range(0, len(paths), self.batch_size)]
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
 
-            def submit(k: int) -> list[Future[_Decoded | ImageError]]:
+            def submit(k: int) -> list[Future[torch.Tensor | ImageError]]:
                 if k >= len(batches):
                     return []
-                return [pool.submit(self._read, p, max_pixels) for p in batches[k]]
+                return [pool.submit(_read, prep, p) for p in batches[k]]
 
             pending = submit(0)
             for k, batch in enumerate(batches):
@@ -242,27 +220,14 @@ class Captioner:
                 pending = submit(k + 1)
                 yield from self._caption_decoded(batch, decoded, beam_size)
 
-    def _read(self, path: str | Path, max_pixels: int) -> _Decoded | ImageError:
-        try:
-            image = load_image(path, max_pixels=max_pixels, min_side=self.resize)
-        except ImageError as e:
-            return e
-        return _Decoded(image, self._cut(image))
-
     def _caption_decoded(
         self,
         paths: Sequence[str | Path],
-        decoded: Sequence[_Decoded | ImageError],
+        decoded: Sequence[torch.Tensor | ImageError],
         beam_size: int | None,
     ) -> list[FileCaption]:
-        good = [d for d in decoded if isinstance(d, _Decoded)]
-        captions = iter(
-            self._caption_batch(
-                [d.image for d in good], beam_size, torch.stack([d.pixels for d in good])
-            )
-            if good
-            else []
-        )
+        good = [d for d in decoded if not isinstance(d, ImageError)]
+        captions = iter(self.caption_pixels(torch.stack(good), beam_size) if good else [])
         return [
             FileCaption(str(p), error=d.reason)
             if isinstance(d, ImageError)
@@ -270,23 +235,9 @@ class Captioner:
             for p, d in zip(paths, decoded, strict=True)
         ]
 
-    def _cut(self, image: Image.Image) -> torch.Tensor:
-        """The encoder's view of ``image`` as uint8 pixels (3, S, S), normalised a batch at a
-        time (as the extract stage does it: the same floats)."""
-        rgb = image if image.mode == "RGB" else image.convert("RGB")
-        return resize_crop(rgb, self.resize, self.encoder.spec.input_size, self.keep_aspect)
-
-    def _caption_batch(
-        self,
-        images: Sequence[Image.Image],
-        beam_size: int | None,
-        pixels: torch.Tensor | None = None,
-    ) -> list[ImageCaption]:
+    def _caption_batch(self, pixels: torch.Tensor, beam_size: int | None) -> list[ImageCaption]:
         d = self.encoder.spec
-        if pixels is None:
-            pixels = torch.stack([self._cut(im) for im in images])  # (B, 3, S, S) uint8
-        with torch.inference_mode():
-            annotations = self.encoder(normalize_pixels(pixels.to(self.device), *d.normalization()))
+        annotations = self.encoder.annotate(pixels.to(self.device)).float()  # (B, L, D)
         captions = beam_search(
             self.model,
             annotations,
@@ -295,18 +246,18 @@ class Captioner:
             length_penalty=self.length_penalty,
             mode=self.mode,
         )
-        view = (self.resize, d.input_size, self.keep_aspect)
         out = []
-        for image, caption in zip(images, captions, strict=True):
+        for image, caption in zip(pixels, captions, strict=True):
             words, alphas = caption.words(self.vocab)
+            cells = caption.word_locations(self.vocab)
             score = float(caption.score)
-            out.append(ImageCaption(words, alphas, score, image, view, d.grid_h, d.grid_w))
+            out.append(ImageCaption(words, alphas, score, image, d.grid_h, d.grid_w, cells))
         return out
 
 
-@dataclass(frozen=True)
-class _Decoded:
-    """A decoded image and the encoder's view of it (3, S, S) uint8."""
-
-    image: Image.Image
-    pixels: torch.Tensor
+def _read(prep: Preprocessing, path: str | Path) -> torch.Tensor | ImageError:
+    """A file's pixels (3, S, S) uint8, or why it has none."""
+    try:
+        return prep.pixels(path)
+    except ImageError as e:
+        return e

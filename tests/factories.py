@@ -46,6 +46,7 @@ __all__ = [
     "photo_of_another_shape",
     "png_bomb",
     "ppm_bomb",
+    "sample_photos",
     "tiff_bomb",
     "tiny_batch",
     "tiny_model",
@@ -54,6 +55,7 @@ __all__ = [
     "write_captions",
     "write_references",
     "write_tiny_model",
+    "write_trained_tiny_model",
 ]
 
 
@@ -304,3 +306,74 @@ def tiny_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         ]
     )
     return annotations, captions
+
+
+def sample_photos(count: int) -> list[Path]:
+    """The first ``count`` photos (by name) of the Flickr8k sample (skips when it is absent)."""
+    root = shared_data("flickr8k-sample") / "Flickr8k_Dataset"
+    photos = sorted(root.glob("*.jpg"))[:count]
+    if len(photos) < count:
+        pytest.skip(f"the Flickr8k sample is absent or short ({root})")
+    return photos
+
+
+def _first_captions(photos: Sequence[Path]) -> list[list[str]]:
+    """Each photo's first Flickr8k caption (by file name), tokenised."""
+    from sat_model.data.text import tokenize
+
+    token_file = shared_data("flickr8k-sample") / "Flickr8k_text" / "Flickr8k.token.txt"
+    first: dict[str, str] = {}
+    for line in token_file.read_text(encoding="utf-8").splitlines():
+        key, _, text = line.partition("\t")
+        first.setdefault(key.split("#")[0], text)
+    return [tokenize(first[p.name]) for p in photos]
+
+
+def write_trained_tiny_model(
+    directory: Path,
+    photos: Sequence[Path],
+    *,
+    crop: int = 64,
+    resize: int = 72,
+    steps: int = 150,
+    encoder: str = "random",
+) -> Path:
+    """A tiny soft model over ``encoder`` (the seeded ``random`` one by default), trained
+    (teacher forcing, Adam) on ``photos`` with their first Flickr8k captions, from features cut
+    as the extract stage cuts them. Its captions differ from photo to photo, so a change in
+    pixels can change them (an untrained model says the same words of every photo)."""
+    from sat_model.data.vocab import build_vocab
+    from sat_model.features.images import Preprocessing
+    from sat_model.model.losses import SoftAttentionLoss
+
+    torch.manual_seed(0)
+    trunk = build_encoder(encoder, input_size=crop)
+    prep = Preprocessing(resize, crop)
+    annotations = trunk.annotate(torch.stack([prep.pixels(p) for p in photos])).float()
+    tokens = _first_captions(photos)
+    vocab = build_vocab(tokens, 1, 1000, 20)
+    encoded = [vocab.encode_caption(t) for t in tokens]
+    width = max(map(len, encoded))
+    captions = torch.tensor([c + [0] * (width - len(c)) for c in encoded])  # (B, T+1), <pad> = 0
+    model = build_model(
+        ModelParams(embed_dim=32, hidden_dim=64, attention_dim=32, dropout=0.0),
+        vocab_size=len(vocab),
+        annotation_dim=trunk.spec.annotation_dim,
+        num_locations=trunk.spec.num_locations,
+        attention="soft",
+    )
+    criterion, optimizer = SoftAttentionLoss(1.0), torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        criterion(model(annotations, captions), captions).loss.backward()
+        optimizer.step()
+    section = {**trunk.spec.to_fields(), "resize": resize}
+    save_checkpoint(
+        directory,
+        model_config=model.config,
+        vocab=vocab,
+        model_state=model.state_dict(),
+        extra_config={"attention": "soft", "encoder": section},
+    )
+    return Path(directory)

@@ -40,22 +40,33 @@ def figure_panels(path: Path) -> list[list[tuple[int, int, int, int]]]:
 
 
 class IndexPage(HTMLParser):
-    """``index.html`` of a folder of figures: per section its heading, caption and image."""
+    """``index.html`` of a folder of figures: per section its heading, caption, image, the
+    caption's scores line ("" when none) and the image's reference captions."""
 
     def __init__(self) -> None:
         super().__init__()
         self.headings: list[str] = []
         self.captions: list[str] = []
         self.images: list[str] = []
+        self.scores: list[str] = []
+        self.references: list[list[str]] = []
         self._into: list[str] | None = None
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag == "img":
+        if tag == "section":
+            self.scores.append("")
+            self.references.append([])
+        elif tag == "img":
             self.images.append(dict(attrs)["src"] or "")
         elif tag == "h2":
             self._into = self.headings
         elif tag == "p" and ("class", "caption") in attrs:
             self._into = self.captions
+        elif tag == "p" and ("class", "scores") in attrs:
+            self.scores.pop()
+            self._into = self.scores
+        elif tag == "li":
+            self._into = self.references[-1]
 
     def handle_data(self, data: str) -> None:
         if self._into is not None:

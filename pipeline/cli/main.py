@@ -161,6 +161,7 @@ def _print_caption(found, fmt: str, figures) -> None:
             result.alphas,
             grid_h=result.grid_h,
             grid_w=result.grid_w,
+            locations=result.locations,
         )
 
 

@@ -5,8 +5,9 @@ Ray Data reads the image files of SOURCE (a folder, or an object-store prefix su
 variables) as bytes, streams them to a pool of actors that each hold the model once, and writes
 one row per file to DEST as JSON lines or Parquet: ``path``, ``caption`` and ``error`` (null
 unless that file is not a usable image). The model's checkpoint travels through Ray's object
-store, so no node needs the driver's files. Each image is decoded and cut as ``sat caption``
-does it in one process, so both give the same captions with the same model and beam. A bad
+store, so no node needs the driver's files. Each image's bytes become the encoder's pixels
+through :meth:`sat_model.features.images.Preprocessing.pixels`, the path ``sat caption`` takes in
+one process, so both give the same captions with the same model and beam. A bad
 image is a row with its reason, never a failed job; a worker that dies has its blocks run again
 by Ray Data, which writes each output block once.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,6 @@ class _CaptionActor:
         import torch
 
         from sat_model.captioner import Captioner
-        from sat_model.features.images import FILE_FORMATS
-        from sat_model.features.request_images import ImageLimits
 
         torch.set_num_threads(threads)
         self.pool = ThreadPoolExecutor(max_workers=threads)  # decoding
@@ -64,24 +63,21 @@ class _CaptionActor:
             for name, data in ray.get(checkpoint[0]).items():
                 (Path(tmp) / name).write_bytes(data)
             self.captioner = Captioner.from_dir(tmp, **options)
-        self.limits = ImageLimits(max_pixels, FILE_FORMATS)
+        self.preprocessing = replace(self.captioner.preprocessing, max_pixels=max_pixels)
 
     def _decode(self, data: Any) -> Any:
-        """One file's bytes as the encoder's part of the image, or the ImageError why not."""
+        """One file's bytes as the encoder's pixels (the path every photo takes), or the
+        ImageError why not."""
         from sat_model.features.images import ImageError
-        from sat_model.features.request_images import decode_request_image
 
         try:
-            return decode_request_image(
-                bytes(data),
-                self.limits,
-                side=self.captioner.resize,
-                keep_aspect=self.captioner.keep_aspect,
-            )
+            return self.preprocessing.pixels(bytes(data), label="<file>")
         except ImageError as e:
             return e
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
+        import torch
+
         from sat_model.features.images import ImageError
 
         paths = [str(p) for p in batch["path"]]
@@ -89,7 +85,10 @@ class _CaptionActor:
         images = {i: d for i, d in enumerate(decoded) if not isinstance(d, ImageError)}
         errors = {i: d.reason for i, d in enumerate(decoded) if isinstance(d, ImageError)}
         with self.model:
-            captions = dict(zip(images, self.captioner.caption(list(images.values())), strict=True))
+            found = (
+                self.captioner.caption_pixels(torch.stack(list(images.values()))) if images else []
+            )
+            captions = dict(zip(images, found, strict=True))
         return {
             "path": paths,
             "caption": [captions[i].text if i in captions else None for i in range(len(paths))],

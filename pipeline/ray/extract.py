@@ -24,12 +24,12 @@ from sat_model.features.encoders import Encoder
 from sat_model.features.extract import (
     DecodedBatch,
     ImageItem,
-    Preprocessing,
     SplitResult,
     batch_slices,
     decode_batch,
     encode_batch,
 )
+from sat_model.features.images import Preprocessing
 from sat_model.features.spec import EncoderSpec
 from sat_model.features.store import FeatureWriter
 

@@ -31,7 +31,7 @@ from sat_model.evaluation.reports import GALLERY_DIR, NAMED_MODELS_DIR
 
 if TYPE_CHECKING:
     from sat_model.data.tables import ImageRecord
-    from sat_model.evaluation.evaluate import DecodedCaption
+    from sat_model.evaluation.evaluate import EvaluationResult
 
 __all__ = ["add_arguments", "default_out_dir", "main", "run", "summary"]
 
@@ -174,7 +174,7 @@ def _evaluate(
         records = read_image_records(
             prepared / IMAGES_FILE, split, image_root(params.data, ctx.root)
         )
-        gallery = _gallery(ctx, model_dir, attention, split, result.captions, records)
+        gallery = _gallery(ctx, model_dir, attention, split, result, records)
         _, gallery_skipped = _write_gallery(out_dir, gallery)
     result.skipped.extend({**s, "stage": "gallery"} for s in gallery_skipped)
     write_reports(result, out_dir, split)
@@ -197,18 +197,19 @@ def _gallery(
     model_dir: Path,
     attention: str,
     split: str,
-    captions: Sequence[DecodedCaption],
+    result: EvaluationResult,
     records: Mapping[str, ImageRecord],
 ) -> Callable[[Path], tuple[Path, list[dict[str, str]]]]:
     """``write(folder)``: the attention figures of the first ``eval.gallery_images`` captions,
-    decoded as :func:`sat_model.evaluation.evaluate.evaluate_model` decodes them."""
+    decoded as :func:`sat_model.evaluation.evaluate.evaluate_model` decodes them, with each
+    image's references and scores."""
     from sat_model.evaluation.evaluate import write_attention_gallery
     from sat_model.model.decoding import decode_mode
 
     grid_h, grid_w, crop, attention = _grid(model_dir, attention)
     return functools.partial(
         write_attention_gallery,
-        captions,
+        result.captions,
         records,
         count=ctx.params.eval.gallery_images,
         grid_h=grid_h,
@@ -218,6 +219,7 @@ def _gallery(
         keep_aspect=ctx.params.encoder.keep_aspect,
         title=f"{attention} attention, {split} split",
         mode=decode_mode(ctx.params.eval.hard_decode, attention),
+        scored=result,
     )
 
 

@@ -8,7 +8,8 @@ Dimensions: ``B`` images per batch, ``L`` locations, ``D`` annotation size.
    CIDEr-D).
 3. Where the source has boxes (synthetic scenes): pointing accuracy of α on the objects the
    generated words name (:mod:`sat_model.evaluation.grounding`).
-4. Attention pictures (Sec. 5.4) for the first ``gallery_images`` images (by id).
+4. Attention pictures (Sec. 5.4) for the first ``gallery_images`` images (by id), each listed
+   with its reference captions and its own scores (``metrics.score_images``).
 
 Images are evaluated when they have both features and references; every other image of the split
 is reported in ``skipped`` with its reason.
@@ -36,10 +37,10 @@ from sat_model.evaluation.grounding import (
     ground_tokens,
     pointing_accuracy,
 )
-from sat_model.evaluation.metrics import score_captions
+from sat_model.evaluation.metrics import score_captions, score_images
 from sat_model.evaluation.reports import CAPTIONS_FILE, METRICS_FILE
 from sat_model.evaluation.visualize import INDEX_FILE, AttentionFigures
-from sat_model.features.images import ImageError, encoder_view, load_image
+from sat_model.features.images import ImageError, Preprocessing, to_picture
 from sat_model.features.store import FeatureStore
 from sat_model.model.checkpoint import load_model
 from sat_model.model.decoder import ShowAttendTell
@@ -67,6 +68,7 @@ class DecodedCaption:
     words: tuple[str, ...]
     alphas: np.ndarray  # (len(words), L)
     score: float
+    locations: np.ndarray | None = None  # (len(words),) the cells s̃_t a sampling decoder drew
 
     @property
     def text(self) -> str:
@@ -79,6 +81,8 @@ class EvaluationResult:
     captions: list[DecodedCaption]
     skipped: list[dict[str, str]] = field(default_factory=list)
     grounding: PointingResult | None = None
+    references: dict[str, list[str]] = field(default_factory=dict)  # image id -> raw captions
+    image_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # id -> key -> score
 
 
 def read_image_records(
@@ -102,7 +106,7 @@ def _decode_batch(
     out = []
     for image_id, c in zip(ids, beam_search(model, annotations, **search), strict=True):
         words, alphas = c.words(vocab)
-        out.append(DecodedCaption(image_id, words, alphas, float(c.score)))
+        out.append(DecodedCaption(image_id, words, alphas, float(c.score), c.word_locations(vocab)))
     return out
 
 
@@ -218,9 +222,8 @@ def evaluate_model(
         device=device,
     )
     hypotheses = {c.image_id: c.text for c in captions}
-    scores = score_captions(
-        hypotheses, {i: references[i] for i in ids}, metrics, meteor_timeout_s=meteor_timeout_s
-    )
+    scored = {i: list(references[i]) for i in ids}
+    scores = score_captions(hypotheses, scored, metrics, meteor_timeout_s=meteor_timeout_s)
     records = read_image_records(images_path, split)
     spec = store.spec
     grounding = _grounding(
@@ -231,7 +234,9 @@ def evaluate_model(
     )
     if grounding is not None and grounding.total:  # NaN is not JSON: unmeasured is left out
         scores["pointing_accuracy"] = grounding.accuracy
-    return EvaluationResult(scores, captions, skipped, grounding)
+    return EvaluationResult(
+        scores, captions, skipped, grounding, scored, score_images(hypotheses, scored)
+    )
 
 
 def write_reports(result: EvaluationResult, out_dir: str | Path, split: str) -> None:
@@ -268,21 +273,35 @@ def write_attention_gallery(
     title: str,
     keep_aspect: bool = True,
     mode: str = "expected",
+    scored: EvaluationResult | None = None,
 ) -> tuple[Path, list[dict[str, str]]]:
     """The attention figures of the first ``count`` captions (by image id), ``images/000.png``,
-    ``001.png``... in that order, and ``index.html``; ``mode`` is how they were decoded.
+    ``001.png``... in that order, and ``index.html``; ``mode`` is how they were decoded. With
+    ``scored`` (the evaluation), the page lists each image's references and its own scores.
 
     Returns the gallery page and the images skipped (unreadable photo, no image record).
     """
     skipped: list[dict[str, str]] = []
+    references = scored.references if scored else {}
+    image_scores = scored.image_scores if scored else {}
     with AttentionFigures(out_dir, title, mode=mode) as figures:
         for c in sorted(captions, key=lambda c: c.image_id)[:count]:
             photo = _gallery_photo(records.get(c.image_id), resize, crop, keep_aspect)
             if isinstance(photo, str):
                 skipped.append({"item": c.image_id, "reason": photo})
                 continue
-            stem = f"{len(figures):03d}"  # 000, 001...: names a dvc.yaml plot can list
-            figures.add(c.image_id, stem, photo, c.words, c.alphas, grid_h=grid_h, grid_w=grid_w)
+            figures.add(
+                c.image_id,
+                f"{len(figures):03d}",  # 000, 001...: names a dvc.yaml plot can list
+                photo,
+                c.words,
+                c.alphas,
+                grid_h=grid_h,
+                grid_w=grid_w,
+                locations=c.locations,
+                references=references.get(c.image_id, ()),
+                scores=image_scores.get(c.image_id),
+            )
     return Path(out_dir) / INDEX_FILE, skipped
 
 
@@ -295,6 +314,7 @@ def _gallery_photo(
     if record.refused:
         return record.refused
     try:
-        return encoder_view(load_image(record.path), resize, crop, keep_aspect)
+        pixels = Preprocessing(resize, crop, keep_aspect=keep_aspect).pixels(record.path)
+        return to_picture(pixels)  # as the extract stage cut it
     except ImageError as e:
         return e.reason

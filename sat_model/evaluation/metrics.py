@@ -29,6 +29,7 @@ from typing import IO, Any
 from sat_model.registry import Registry
 
 __all__ = [
+    "IMAGE_METRICS",
     "MetricError",
     "MetricTimeoutError",
     "ScoringOptions",
@@ -37,6 +38,7 @@ __all__ = [
     "metric_keys",
     "register_metric",
     "score_captions",
+    "score_images",
 ]
 
 
@@ -121,6 +123,31 @@ def score_captions(
     for name in metrics:
         scores.update(_METRICS[name].score(gts, res, options))
     return scores
+
+
+# the metrics each image is scored with on its own (the attention gallery shows them): the
+# scorers that give per-image values without another process (METEOR runs Java per call)
+IMAGE_METRICS = ("bleu_4", "rouge_l", "cider")
+
+
+def score_images(
+    hypotheses: Mapping[str, str], references: Mapping[str, Sequence[str]]
+) -> dict[str, dict[str, float]]:
+    """Each image's own BLEU-4, ROUGE-L and CIDEr-D (``IMAGE_METRICS``), as pycocoevalcap's
+    ``COCOEvalCap`` reports them per image (CIDEr's document frequencies from all images)."""
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.rouge.rouge import Rouge
+
+    _check_inputs(hypotheses, references, ["bleu", "rouge", "cider"])
+    gts, res = _ptb_tokenize(hypotheses, references)
+    ids = list(gts)  # the order every scorer walks
+    columns = {
+        "bleu_4": Bleu(4).compute_score(gts, res, verbose=0)[1][3],
+        "rouge_l": Rouge().compute_score(gts, res)[1],
+        "cider": Cider().compute_score(gts, res)[1],
+    }
+    return {i: {k: float(v[n]) for k, v in columns.items()} for n, i in enumerate(ids)}
 
 
 def _check_inputs(

@@ -4,12 +4,14 @@ Dimensions: ``T`` words of a caption; ``L = grid_h × grid_w`` annotation locati
 ``H × W`` the pixels of the centre crop the encoder saw (α is defined over that crop, not the
 original photo).
 
-A figure is drawn as the paper draws it: the photo, then one panel per word, α_t over the photo
-with the word under it, in rows of ``columns`` panels. Each α_t is upsampled to the crop and
-smoothed with a Gaussian, as the authors did (upsample ×16, Gaussian blur), then drawn over the
-photo with a colour map. Hard attention decoded with ``argmax`` read one cell per word; that
-cell is outlined on top of α_t (``mode="sample"`` draws its cell inside the decoder and keeps
-only α, so its panels show the distribution the cell was drawn from).
+A figure is drawn as the paper draws it (Fig. 2-3): the photo, then one panel per word with the
+word under it, in rows of ``columns`` panels, each the photo brightened where the model looked
+and darkened elsewhere. Each α_t is upsampled to the crop and smoothed with a Gaussian, as the
+authors did (upsample ×16, Gaussian blur), and all of an image's panels share one scale (its
+largest value), so a word whose α is spread thin shows a dim, even panel and a peaked one a bright
+spot: no panel is stretched to its own range. Hard attention is drawn as it decodes: a caption
+decoded with ``argmax`` or ``sample`` read one cell s̃_t per word, and that cell is what its panel
+brightens; decoded with ``expected`` it read Σ α_i a_i, and its panels show α, as soft ones do.
 
 :class:`AttentionFigures` owns the folder layout (``index.html`` beside ``images/<name>.png``),
 for ``sat caption --attention-out`` and the evaluate stage's gallery alike.
@@ -21,7 +23,7 @@ import html
 import io
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -41,8 +43,9 @@ __all__ = [
     "AttentionFigures",
     "attended_cells",
     "attention_map",
+    "brighten",
     "draw_attention_figure",
-    "overlay",
+    "panel_heats",
 ]
 
 # the layout of a folder of figures: the page, and the PNGs in a folder of their own (DVC
@@ -50,8 +53,8 @@ __all__ = [
 INDEX_FILE = "index.html"
 FIGURES_DIR = "images"
 
-# blend weight of the attention colours over the photo
-_OVERLAY_OPACITY = 0.6
+# the brightness left where α is zero: dark, with the photo still to be made out
+_SHADE = 0.15
 # a panel's side in inches at _DPI: 2 × 100 px, larger than the 14×14 grid's cells need
 _PANEL_INCHES = 2.0
 _DPI = 100
@@ -60,7 +63,8 @@ _DPI = 100
 def attention_map(
     alpha: np.ndarray, grid_h: int, grid_w: int, size: tuple[int, int], sigma: float | None = None
 ) -> np.ndarray:
-    """α (L,) as a smooth (H, W) map in [0, 1] over an image of ``size = (W, H)``.
+    """α (L,) upsampled and smoothed to (H, W) over an image of ``size = (W, H)``, in α's own
+    units (not rescaled: :func:`panel_heats` puts an image's maps on one scale).
 
     ``sigma`` (pixels) defaults to half a grid cell, which keeps the peak inside its cell while
     hiding the blocky grid.
@@ -75,32 +79,52 @@ def attention_map(
     kernel = 2 * int(3 * sigma) + 1  # ±3σ covers the Gaussian
     smooth = TF.gaussian_blur(up, kernel_size=[kernel, kernel], sigma=[sigma, sigma])
     out: np.ndarray = smooth[0, 0].numpy()  # (H, W)
-    span = float(out.max() - out.min())
-    # uniform α has no focus to show; rounding noise must not be stretched into one
-    if span <= 1e-4 * max(float(np.abs(out).max()), 1e-12):
-        return np.zeros_like(out)
-    scaled: np.ndarray = (out - out.min()) / span
-    return scaled
+    return out
 
 
-def overlay(image: Image.Image, heat: np.ndarray, cmap: str = "jet") -> Image.Image:
-    """``heat`` (H, W) in [0, 1] drawn over ``image`` (same size) with a matplotlib colour map."""
-    from matplotlib import colormaps  # heavy: only for pictures
+def panel_heats(
+    alphas: np.ndarray,
+    grid_h: int,
+    grid_w: int,
+    size: tuple[int, int],
+    cells: np.ndarray | None = None,
+) -> np.ndarray:
+    """One image's panels (T, H, W) in [0, 1] on one scale: α_t (T, L) per word, or with
+    ``cells`` (T,) the one cell each word read (hard attention's s̃_t), each upsampled and
+    smoothed, all divided by the largest value among them."""
+    alphas = np.asarray(alphas, dtype=np.float32)
+    if cells is not None:
+        alphas = np.eye(grid_h * grid_w, dtype=np.float32)[np.asarray(cells)]  # (T, L) one-hot
+    maps = np.stack([attention_map(a, grid_h, grid_w, size) for a in alphas])  # (T, H, W)
+    top = float(maps.max()) if maps.size else 0.0
+    if top <= 0:
+        return np.zeros_like(maps)
+    heats: np.ndarray = np.clip(maps / top, 0.0, 1.0)
+    return heats
 
-    rgb = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0  # (H, W, 3)
+
+def brighten(image: Image.Image, heat: np.ndarray) -> Image.Image:
+    """``image`` multiplied by ``heat`` (H, W) in [0, 1]: as it is where heat is 1, darkened
+    towards ``_SHADE`` of its brightness where heat is 0 (the paper's figures)."""
+    rgb = np.asarray(image.convert("RGB"), dtype=np.float32)  # (H, W, 3)
     if heat.shape != rgb.shape[:2]:
         raise ValueError(f"heat map {heat.shape} does not match the image {rgb.shape[:2]}")
-    colours = colormaps[cmap](heat)[..., :3]  # (H, W, 3)
-    alpha = _OVERLAY_OPACITY * heat[..., None]  # strong attention, strong colour
-    mixed = (1 - alpha) * rgb + alpha * colours
-    return Image.fromarray((mixed * 255).round().astype(np.uint8))
+    light = _SHADE + (1.0 - _SHADE) * heat[..., None]  # (H, W, 1)
+    return Image.fromarray((rgb * light).round().clip(0, 255).astype(np.uint8))
 
 
-def attended_cells(alphas: np.ndarray, mode: str) -> np.ndarray | None:
-    """The cell s̃_t the decoder read for each word (T,), where α alone tells it: the argmax
-    with ``mode="argmax"``; None for ``expected`` (every cell, weighted by α) and for ``sample``
-    (a draw the decoder does not keep)."""
-    return np.asarray(alphas).argmax(-1) if mode == "argmax" else None
+def attended_cells(
+    alphas: np.ndarray, mode: str, locations: np.ndarray | None = None
+) -> np.ndarray | None:
+    """The cell s̃_t the decoder read for each word (T,): the argmax with ``mode="argmax"``,
+    the drawn ``locations`` with ``sample``; None for ``expected`` (every cell, weighted by α)
+    and for a draw the caption does not carry."""
+    cells: np.ndarray | None = None
+    if mode == "argmax":
+        cells = np.asarray(alphas).argmax(-1)
+    elif mode == "sample" and locations is not None:
+        cells = np.asarray(locations)
+    return cells
 
 
 def draw_attention_figure(
@@ -113,9 +137,9 @@ def draw_attention_figure(
     cells: np.ndarray | None = None,
     columns: int = 5,
 ) -> bytes:
-    """The PNG of one caption's figure: ``photo`` (the crop α refers to), then α_t (T, L) over
-    it per word with the word under it, ``columns`` panels a row; ``cells`` (T,) outlines the
-    cell read per word (hard attention's s̃_t)."""
+    """The PNG of one caption's figure: ``photo`` (the crop α refers to), then per word the
+    photo brightened by α_t (T, L), or by the cell read (``cells`` (T,), hard attention's s̃_t),
+    on one scale for the image, the word under it, ``columns`` panels a row."""
     from matplotlib.figure import Figure  # heavy: only for pictures; no pyplot, no GUI backend
 
     if len(words) != len(alphas):
@@ -128,12 +152,9 @@ def draw_attention_figure(
     for ax in axes:
         ax.set_axis_off()  # the panels past the last word stay blank
     _panel(axes[0], photo, "")
+    heats = panel_heats(np.asarray(alphas), grid_h, grid_w, photo.size, cells)  # (T, H, W)
     for t, word in enumerate(words):
-        heat = attention_map(np.asarray(alphas[t]), grid_h, grid_w, photo.size)
-        ax = axes[t + 1]
-        _panel(ax, overlay(photo, heat), word)
-        if cells is not None:
-            _outline_cell(ax, int(cells[t]), grid_h, grid_w, photo.size)
+        _panel(axes[t + 1], brighten(photo, heats[t]), word)
     fig.subplots_adjust(left=0.01, right=0.99, top=0.99, bottom=0.01, wspace=0.05, hspace=0.2)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", bbox_inches="tight", pad_inches=0.1)  # the last words too
@@ -152,17 +173,6 @@ def _panel(ax, image: Image.Image, word: str) -> None:  # type: ignore[no-untype
     ax.set_xlabel(word, fontsize=12)
 
 
-def _outline_cell(ax, cell: int, grid_h: int, grid_w: int, size: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
-    from matplotlib.patches import Rectangle
-
-    width, height = size
-    row, col = divmod(cell, grid_w)
-    cell_w, cell_h = width / grid_w, height / grid_h
-    ax.add_patch(
-        Rectangle((col * cell_w - 0.5, row * cell_h - 0.5), cell_w, cell_h, fill=False, ec="white")
-    )
-
-
 def _safe_name(stem: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", stem).strip(".") or "_"
 
@@ -172,6 +182,8 @@ class _Listed:
     label: str  # what the page calls the image: a photo's path, an image id
     caption: str
     file: str  # the figure, relative to the folder
+    references: tuple[str, ...] = ()  # the image's reference captions, when known
+    scores: tuple[tuple[str, float], ...] = ()  # the caption's own scores against them
 
 
 class AttentionFigures:
@@ -215,21 +227,33 @@ class AttentionFigures:
         *,
         grid_h: int,
         grid_w: int,
+        locations: np.ndarray | None = None,
+        references: Sequence[str] = (),
+        scores: Mapping[str, float] | None = None,
     ) -> Path:
         """Draw one image's figure as ``images/<stem>.png`` (``stem`` made file-safe, and
-        unique with a ``-2``, ``-3``... suffix); ``photo`` is the crop α (T, L) refers to."""
+        unique with a ``-2``, ``-3``... suffix); ``photo`` is the crop α (T, L) refers to,
+        ``locations`` (T,) the cells a sampling decoder drew. The page lists the image's
+        ``references`` and the caption's ``scores`` (metric key -> value) beside it."""
         png = draw_attention_figure(
             photo,
             words,
             alphas,
             grid_h=grid_h,
             grid_w=grid_w,
-            cells=attended_cells(alphas, self.mode),
+            cells=attended_cells(alphas, self.mode, locations),
             columns=self.columns,
         )
         path = self.folder / FIGURES_DIR / f"{self._unique(_safe_name(stem))}.png"
         write_bytes_atomic(path, png, durable=False)
-        self._listed.append(_Listed(label, " ".join(words), f"{FIGURES_DIR}/{path.name}"))
+        listed = _Listed(
+            label,
+            " ".join(words),
+            f"{FIGURES_DIR}/{path.name}",
+            tuple(references),
+            tuple((scores or {}).items()),
+        )
+        self._listed.append(listed)
         return path
 
     def __len__(self) -> int:
@@ -245,19 +269,33 @@ class AttentionFigures:
         return name
 
     def write_index(self) -> Path:
-        """``index.html``: per image, its name, its caption and its figure."""
-        sections = [
-            f"<section><h2>{html.escape(e.label)}</h2>\n"
-            f'<p class="caption">{html.escape(e.caption)}</p>\n'
-            f'<img src="{html.escape(e.file)}" alt="{html.escape(e.caption)}"></section>'
-            for e in self._listed
-        ]
+        """``index.html``: per image, its name, its caption, the caption's scores, the
+        image's reference captions and its figure."""
         page = (
             "<!doctype html>\n<html><head><meta charset='utf-8'>"
             f"<title>{html.escape(self.title)}</title><style>"
-            "img{max-width:100%}.caption{font-size:1.2em}</style></head><body>"
-            f"<h1>{html.escape(self.title)}</h1>\n" + "\n".join(sections) + "\n</body></html>\n"
+            "img{max-width:100%}.caption{font-size:1.2em}.scores{font-family:monospace}"
+            "</style></head><body>"
+            f"<h1>{html.escape(self.title)}</h1>\n"
+            + "\n".join(map(_section, self._listed))
+            + "\n</body></html>\n"
         )
         path = self.folder / INDEX_FILE
         write_text_atomic(path, page)
         return path
+
+
+def _section(e: _Listed) -> str:
+    """One image's part of the page."""
+    parts = [
+        f"<section><h2>{html.escape(e.label)}</h2>",
+        f'<p class="caption">{html.escape(e.caption)}</p>',
+    ]
+    if e.scores:
+        shown = " · ".join(f"{html.escape(k)} {v:.3f}" for k, v in e.scores)
+        parts.append(f'<p class="scores">{shown}</p>')
+    if e.references:
+        items = "".join(f"<li>{html.escape(r)}</li>" for r in e.references)
+        parts.append(f'<ul class="references">{items}</ul>')
+    parts.append(f'<img src="{html.escape(e.file)}" alt="{html.escape(e.caption)}"></section>')
+    return "\n".join(parts)

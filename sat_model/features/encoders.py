@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
-from sat_model.features.images import IMAGENET_MEAN, IMAGENET_STD
+from sat_model.features.images import IMAGENET_MEAN, IMAGENET_STD, normalize_pixels
 from sat_model.features.spec import EncoderError, EncoderSpec
 from sat_model.registry import Registry
 
@@ -174,6 +174,14 @@ class Encoder(nn.Module):
         images = images.contiguous(memory_format=torch.channels_last)
         grid: torch.Tensor = self.trunk(images)  # (B, D, h, w)
         return grid.flatten(2).transpose(1, 2)  # (B, L, D)
+
+    def annotate(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 pixels (B, 3, S, S) -> annotations (B, L, D) as the feature store holds them
+        (float16): normalised with this network's mean and std, a batch at a time. Training and
+        evaluation read the store, so a photo captioned live meets the decoder as they did."""
+        with torch.inference_mode():
+            annotations: torch.Tensor = self(normalize_pixels(pixels, *self.spec.normalization()))
+        return annotations.to(torch.float16)  # (B, L, D)
 
 
 def fold_batch_norms(module: nn.Module) -> nn.Module:

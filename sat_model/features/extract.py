@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from sat_model.data.tables import TableError, read_images, split_order
 from sat_model.features.encoders import Encoder
-from sat_model.features.images import ImageError, load_image, normalize_pixels, resize_crop
+from sat_model.features.images import ImageError, Preprocessing
 from sat_model.features.spec import EncoderSpec
 from sat_model.features.store import MIRRORED_SUFFIX, FeatureWriter, store_file
 
@@ -40,7 +40,6 @@ __all__ = [
     "ExtractError",
     "ExtractReport",
     "ImageItem",
-    "Preprocessing",
     "SplitResult",
     "batch_slices",
     "decode_batch",
@@ -60,23 +59,6 @@ class ImageItem:
     image_id: str
     path: str  # absolute: Ray workers do not share the driver's working directory
     refused: str = ""  # why the file is never opened (a path outside the image root), or ""
-
-
-@dataclass(frozen=True)
-class Preprocessing:
-    """How a file becomes an encoder input (see ``sat_model.features.images``)."""
-
-    resize: int
-    crop: int
-    max_pixels: int
-    mirror: bool = False  # left to right, after the centre crop (the crop of the mirrored photo)
-    keep_aspect: bool = True  # resize the shorter side (False: both sides) to ``resize``
-
-    def pixels(self, path: str) -> torch.Tensor:
-        """uint8 (3, S, S); :func:`encode_batch` normalises whole batches."""
-        image = load_image(path, max_pixels=self.max_pixels, min_side=self.resize)
-        pixels = resize_crop(image, self.resize, self.crop, self.keep_aspect)  # (3, S, S) uint8
-        return pixels.flip(-1) if self.mirror else pixels
 
 
 @dataclass(frozen=True)
@@ -196,10 +178,7 @@ def collate_samples(samples: list[tuple[str, torch.Tensor | None, str]], crop: i
 
 def encode_batch(encoder: Encoder, images: torch.Tensor) -> np.ndarray:
     """Annotations (B, L, D) as float16 (the store's dtype) of uint8 ``images`` (B, 3, S, S)."""
-    mean, std = encoder.spec.normalization()
-    with torch.inference_mode():
-        annotations = encoder(normalize_pixels(images, mean, std))  # (B, L, D) float32
-    half: np.ndarray = annotations.to(torch.float16).cpu().numpy()
+    half: np.ndarray = encoder.annotate(images).cpu().numpy()  # (B, L, D) float16
     return half
 
 

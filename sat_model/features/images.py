@@ -1,9 +1,14 @@
-"""Image decoding and preprocessing shared by feature extraction, ``sat caption`` and serving.
+"""Image decoding and preprocessing: the one path from bytes to pixels.
 
-``load_image`` turns a file into an upright RGB ``PIL.Image`` or raises :class:`ImageError` with a
-reason fit for a skip report; ``preprocess`` turns that image into the encoder's input tensor
-``(3, crop, crop)``: shorter side resized to ``resize``, centre crop, per-channel normalisation
-(paper, Sec. 3.1.1 and 5: 256 then 224, ImageNet mean/std).
+Every way a photo enters (the extract stage, ``sat caption`` on either engine, both engines of
+``sat serve``) goes through :meth:`Preprocessing.pixels`: decode (a file, or untrusted bytes)
+into an upright RGB image, then :meth:`Preprocessing.cut`: shorter side resized to ``resize``,
+centre crop (paper, Sec. 3.1.1 and 5: 256 then 224), uint8; the encoder normalises a batch at a
+time (:func:`normalize_pixels`, ImageNet mean/std). A JPEG is decoded at a reduced scale
+(libjpeg's ``draft``) whose shorter side stays at least ``resize``: the same reduction on every
+path, so the same bytes give the same pixels, and a request's memory is bounded by its pixels
+(3 x crop x crop bytes an image) as soon as it is decoded. ``load_image`` and
+:func:`decode_image_bytes` raise :class:`ImageError` with a reason fit for a skip report.
 
 ``keep_aspect=False`` resizes both sides to ``resize`` instead (the aspect ratio is not kept),
 then centre-crops as before: with ``resize == crop`` the encoder sees the whole photo, squeezed
@@ -18,6 +23,7 @@ import io
 import math
 import struct
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -30,13 +36,14 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "ImageError",
+    "Preprocessing",
     "decode_image_bytes",
     "encoder_view",
     "load_image",
     "normalize_pixels",
     "preprocess",
     "resize_crop",
-    "square_thumbnail",
+    "to_picture",
     "to_rgb",
 ]
 
@@ -125,6 +132,22 @@ def _draft_for_resize(image: Image.Image, min_side: int) -> None:
         image.draft("RGB", (math.ceil(width / scale), math.ceil(height / scale)))
 
 
+def _decode_opened(
+    image: Image.Image,
+    label: str | Path | IO[bytes],
+    max_pixels: int,
+    min_side: int | None,
+    setting: str = "encoder.max_image_pixels",
+) -> Image.Image:
+    """An opened (header-only) image decoded, upright, RGB: the one decoding step of files and
+    of bytes alike, so the same bytes give the same pixels whichever way they came."""
+    _check_size(image, label, max_pixels, setting)
+    if min_side is not None:
+        _draft_for_resize(image, min_side)
+    image.load()
+    return to_rgb(ImageOps.exif_transpose(image))
+
+
 # the raster formats a photo file may be in: only their parsers ever see a file's bytes (a file
 # of another format, an EPS named .jpg say, is "cannot decode", never handed to Ghostscript)
 FILE_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")  # JPEG covers MPO
@@ -150,12 +173,7 @@ def load_image(
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
             with Image.open(path, formats=list(FILE_FORMATS)) as image:
-                _check_size(image, path, max_pixels)
-                if min_side is not None:
-                    _draft_for_resize(image, min_side)
-                image.load()
-                upright = ImageOps.exif_transpose(image)
-                return to_rgb(upright)
+                return _decode_opened(image, path, max_pixels, min_side)
         except ImageError:
             raise
         except Image.DecompressionBombError as e:
@@ -222,11 +240,7 @@ def decode_image_bytes(
             with _open_untrusted(data, formats, label) as image:
                 if not _accepted(image.format, formats):  # a plugin may report another format
                     raise ImageError(label, f"{image.format} images are not accepted")
-                _check_size(image, label, max_pixels, setting)
-                if min_side is not None:
-                    _draft_for_resize(image, min_side)
-                image.load()
-                return to_rgb(ImageOps.exif_transpose(image))
+                return _decode_opened(image, label, max_pixels, min_side, setting)
         except ImageError:
             raise
         except Image.DecompressionBombError:
@@ -235,21 +249,6 @@ def decode_image_bytes(
             ) from None
         except (OSError, SyntaxError, ValueError, EOFError, struct.error):
             raise ImageError(label, "truncated or corrupt image data") from None
-
-
-def square_thumbnail(image: Image.Image, side: int, keep_aspect: bool = True) -> Image.Image:
-    """The part of ``image`` that :func:`preprocess` with ``resize=side`` uses, at side x side
-    (bilinear): its centred square, or the whole image when ``keep_aspect`` is false.
-
-    A size that no longer depends on the input: a 16-megapixel photo (or a 16,000,000 x 1 strip)
-    becomes side².
-    """
-    width, height = image.size
-    if not keep_aspect:
-        return image.resize((side, side), Image.Resampling.BILINEAR)
-    s = min(width, height)
-    left, top = (width - s) // 2, (height - s) // 2
-    return image.resize((side, side), Image.Resampling.BILINEAR, box=(left, top, left + s, top + s))
 
 
 def encoder_view(
@@ -311,3 +310,57 @@ def preprocess(
     ``crop``, normalise: (3, crop, crop)."""
     pixels = resize_crop(image, resize, crop, keep_aspect)  # (3, S, S) uint8
     return normalize_pixels(pixels, mean, std)
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How a photo becomes the encoder's pixels, the same for every way it enters: the extract
+    stage, ``sat caption`` (both engines) and ``sat serve`` (both engines).
+
+    ``max_pixels``, ``formats`` and ``setting`` bound what may be decoded (a served model sets
+    them from ``serve``, with ``setting`` the param a refusal names); they never change pixels.
+    """
+
+    resize: int
+    crop: int
+    max_pixels: int = 50_000_000
+    mirror: bool = False  # left to right, after the centre crop (the crop of the mirrored photo)
+    keep_aspect: bool = True  # resize the shorter side (False: both sides) to ``resize``
+    formats: tuple[str, ...] = FILE_FORMATS
+    setting: str = "encoder.max_image_pixels"
+
+    def pixels(self, source: str | Path | bytes, label: str = "<image>") -> torch.Tensor:
+        """A file (a path) or untrusted bytes decoded and cut: uint8 (3, S, S).
+
+        A JPEG is decoded at the reduced scale whose shorter side is still ``resize`` or more
+        (:func:`_draft_for_resize`), on every path alike; ``label`` names bytes in a reason.
+
+        Raises:
+            ImageError: unreadable, refused or oversized image (the reason says which).
+        """
+        if isinstance(source, bytes):
+            image = decode_image_bytes(
+                source,
+                max_pixels=self.max_pixels,
+                formats=self.formats,
+                min_side=self.resize,
+                label=label,
+                setting=self.setting,
+            )
+        else:
+            image = load_image(source, max_pixels=self.max_pixels, min_side=self.resize)
+        return self.cut(image)
+
+    def cut(self, image: Image.Image) -> torch.Tensor:
+        """An RGB image as the encoder sees it (:func:`resize_crop`, mirrored when asked):
+        uint8 (3, S, S); normalisation is the encoder's, a batch at a time."""
+        pixels = resize_crop(image, self.resize, self.crop, self.keep_aspect)  # (3, S, S) uint8
+        return pixels.flip(-1) if self.mirror else pixels
+
+
+def to_picture(pixels: torch.Tensor) -> Image.Image:
+    """uint8 pixels (3, S, S) as the RGB picture they are (what attention figures draw on)."""
+    from torchvision.transforms import functional as TF  # see _TORCHVISION
+
+    picture: Image.Image = TF.to_pil_image(pixels)
+    return picture

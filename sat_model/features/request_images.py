@@ -12,14 +12,13 @@ import base64
 import binascii
 import math
 import re
-from dataclasses import dataclass
 from typing import Any
 
-from PIL import Image
+import torch
 
-from sat_model.features.images import ImageError, decode_image_bytes, square_thumbnail
+from sat_model.features.images import ImageError, Preprocessing
 
-__all__ = ["MEDIA_TYPES", "NOT_AN_IMAGE", "ImageLimits", "decode_request_image", "value_size"]
+__all__ = ["MEDIA_TYPES", "NOT_AN_IMAGE", "request_bytes", "request_pixels", "value_size"]
 
 NOT_AN_IMAGE = "not an image: expected base64 or a data: URL"
 # the media type a data: URL must declare for each Pillow format (when serve.formats has it)
@@ -32,14 +31,6 @@ MEDIA_TYPES = {
     "TIFF": "image/tiff",
 }
 _DATA_URL = re.compile(r"data:(?P<type>[^,;]*)(?P<params>(;[^,;]*)*),", re.ASCII)
-
-
-@dataclass(frozen=True)
-class ImageLimits:
-    """What one request image may be (``serve`` params)."""
-
-    max_pixels: int = 16_000_000
-    formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP")
 
 
 def value_size(value: Any) -> int:
@@ -85,32 +76,31 @@ def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def decode_request_image(
-    value: Any, limits: ImageLimits, side: int | None = None, keep_aspect: bool = True
-) -> Image.Image:
-    """One request value as an RGB image; with ``side``, the part the encoder sees at side x
-    side: its centred square, or the whole image without ``keep_aspect`` (``square_thumbnail``).
+def request_bytes(value: Any, formats: tuple[str, ...]) -> bytes:
+    """The image bytes a request value carries (raw, base64 or a ``data:`` URL of one of
+    ``formats``); nothing is decoded yet.
 
     Raises:
-        ImageError: a value that is not an image in an accepted format within the limits.
+        ImageError: a value that carries no image bytes.
     """
     if _missing(value):
         raise ImageError("<request>", "empty value")
     if isinstance(value, bytes | bytearray | memoryview):
-        data = bytes(value)
-    elif isinstance(value, str):
+        return bytes(value)
+    if isinstance(value, str):
         text = value.strip()
         if text[:5].lower() == "data:":
-            data = _data_url_bytes(text, limits.formats)
-        else:
-            data = _base64_bytes(text)
-    else:
-        raise ImageError("<request>", NOT_AN_IMAGE)
-    image = decode_image_bytes(
-        data,
-        max_pixels=limits.max_pixels,
-        formats=limits.formats,
-        min_side=side,
-        label="<request>",
-    )
-    return square_thumbnail(image, side, keep_aspect) if side is not None else image
+            return _data_url_bytes(text, formats)
+        return _base64_bytes(text)
+    raise ImageError("<request>", NOT_AN_IMAGE)
+
+
+def request_pixels(value: Any, prep: Preprocessing) -> torch.Tensor:
+    """One request value as the encoder's uint8 pixels (3, S, S): its bytes through
+    :meth:`Preprocessing.pixels`, the path every photo takes (``prep`` carries the ``serve``
+    limits: pixels, formats).
+
+    Raises:
+        ImageError: a value that is not an image in an accepted format within the limits.
+    """
+    return prep.pixels(request_bytes(value, prep.formats), label="<request>")

@@ -115,7 +115,7 @@ class HardAttention(SoftAttention):
             expected = expected_context(annotations, alpha)
             context = torch.where(use_expected.unsqueeze(1), expected, context)
         log_prob = log_alpha.gather(1, location.unsqueeze(1)).squeeze(1)  # (B,) log α_{t,s̃}
-        return AttentionOutput(alpha, context, location_log_prob=log_prob, entropy=entropy)
+        return AttentionOutput(alpha, context, log_prob, entropy, location)
 
 
 def expected_context(annotations: Tensor, alpha: Tensor) -> Tensor:
@@ -249,7 +249,9 @@ class ShowAttendTell(nn.Module):
         embedded = self.embedding(prev_tokens)  # (B, m)
         state, att, z, beta = self.advance(embedded, state, mode)
         logits = self.deep_output(embedded, state.h, z)  # (B, K)
-        return StepOutput(logits, att.alpha, state, beta, att.location_log_prob, att.entropy)
+        return StepOutput(
+            logits, att.alpha, state, beta, att.location_log_prob, att.entropy, att.location
+        )
 
     def forward(
         self,

@@ -31,11 +31,19 @@ class Caption:
     score: float  # summed log-probabilities, <end> included when reached
     alphas: np.ndarray  # (len(tokens), L): the attention while each word was emitted
     finished: bool = True  # False when max_length ran out before <end>
+    # (len(tokens),) the cell s̃_t hard attention read for each word; None where it read Σ α a
+    locations: np.ndarray | None = None
 
     def words(self, vocab: Vocab) -> tuple[tuple[str, ...], np.ndarray]:
         """The words (:meth:`Vocab.decode_positions`) and each word's α row, (len(words), L)."""
         words, positions = vocab.decode_positions(self.tokens)
         return tuple(words), np.asarray(self.alphas, dtype=np.float32)[positions]
+
+    def word_locations(self, vocab: Vocab) -> np.ndarray | None:
+        """The cell read for each of :meth:`words` (len(words),), or None."""
+        if self.locations is None:
+            return None
+        return np.asarray(self.locations)[vocab.decode_positions(self.tokens)[1]]
 
 
 def _check_args(annotations: Tensor, max_length: int, mode: str, beam_size: int = 1) -> None:
@@ -148,18 +156,25 @@ def _sample(
     return torch.stack(tokens, dim=1)  # (B*n, t+1)
 
 
-def _captions(tokens: np.ndarray, alphas: np.ndarray, scores: np.ndarray) -> list[Caption]:
-    """Cut each row at its first <end>: tokens (N, t), alphas (N, t, L), scores (N,)."""
+def _captions(
+    tokens: np.ndarray,
+    alphas: np.ndarray,
+    scores: np.ndarray,
+    locations: np.ndarray | None = None,
+) -> list[Caption]:
+    """Cut each row at its first <end>: tokens (N, t), alphas (N, t, L), scores (N,),
+    locations (N, t) or None."""
     captions: list[Caption] = []
-    for row, scores_row in zip(tokens, scores, strict=True):
+    for i, (row, scores_row) in enumerate(zip(tokens, scores, strict=True)):
         ends = np.flatnonzero(row == END_ID)
         n = int(ends[0]) if ends.size else int(row.size)
         captions.append(
             Caption(
                 tokens=row[:n].tolist(),
                 score=float(scores_row),
-                alphas=alphas[len(captions), :n],
+                alphas=alphas[i, :n],
                 finished=bool(ends.size),
+                locations=None if locations is None else locations[i, :n],
             )
         )
     return captions
@@ -224,6 +239,7 @@ class _Step:
     token: Tensor  # (B*k,) the token each beam emitted at this step
     parent: Tensor  # (B*k,) the row (of the previous step's beams) it extends
     alpha: Tensor  # (B*w, L) α of the previous step's rows: row parent[j] is beam j's
+    location: Tensor | None = None  # (B*w,) the cell those rows read (hard attention), or None
 
 
 def _beam_search(
@@ -283,7 +299,7 @@ def _advance(
         length=beams.length[rows] + (~was_finished).long(),
         state=out.state.reorder(rows),
     )
-    return beams, _Step(token=token, parent=rows, alpha=out.alpha)
+    return beams, _Step(token=token, parent=rows, alpha=out.alpha, location=out.location)
 
 
 def _best_captions(beams: _Beams, history: list[_Step], length_penalty: float) -> list[Caption]:
@@ -297,13 +313,16 @@ def _best_captions(beams: _Beams, history: list[_Step], length_penalty: float) -
     best = torch.where(eligible, rank, float("-inf")).argmax(1)  # (B,)
     row = torch.arange(B, device=best.device) * k + best  # (B,) rows of the last step
     score = beams.scores.gather(1, best.unsqueeze(1)).squeeze(1)  # (B,)
-    tokens, alphas = [], []
+    tokens, alphas, locations = [], [], []
     for step in reversed(history):
         tokens.append(step.token[row])
         row = step.parent[row]
         alphas.append(step.alpha[row])
+        if step.location is not None:
+            locations.append(step.location[row])
     return _captions(
         torch.stack(tokens[::-1], 1).cpu().numpy(),  # (B, t)
         torch.stack(alphas[::-1], 1).float().cpu().numpy(),  # (B, t, L)
         score.float().cpu().numpy(),
+        torch.stack(locations[::-1], 1).cpu().numpy() if locations else None,  # (B, t)
     )

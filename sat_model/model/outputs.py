@@ -21,6 +21,7 @@ class AttentionOutput:
     context: Tensor  # (B, D), φ before the gate β
     location_log_prob: Tensor | None = None  # (B,) log α_{t,s̃}, hard attention when sampling
     entropy: Tensor | None = None  # (B,) H[α_t], hard attention only
+    location: Tensor | None = None  # (B,) long s̃_t, hard attention when it reads one cell
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class StepOutput:
     beta: Tensor | None = None  # (B,)
     location_log_prob: Tensor | None = None  # (B,)
     entropy: Tensor | None = None  # (B,)
+    location: Tensor | None = None  # (B,) long s̃_t, the cell read (hard attention, not expected)
 
 
 @dataclass(frozen=True)

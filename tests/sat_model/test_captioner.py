@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from sat_model.captioner import (
-    Captioner,
-    decode_image_input,
-    find_image_files,
-)
+from sat_model.captioner import Captioner, find_image_files
 from sat_model.features.encoders import EncoderError, build_encoder
-from sat_model.features.images import ImageError
 from sat_model.features.spec import EncoderSpec
 from tests.factories import photo_of_another_shape, write_tiny_model
 
@@ -113,42 +106,6 @@ def test_encoder_with_other_weights_is_refused(tmp_path):
     lite0 = {**d, "name": "efficientnet_lite0", "layer": "blocks.4", "weights_sha256": "0" * 64}
     with pytest.raises(EncoderError, match="not the ones recorded"):
         EncoderSpec.from_config({"encoder": lite0}, tmp_path).build()
-
-
-def _png_bytes(colour=(10, 200, 30)):
-    buffer = io.BytesIO()
-    Image.new("RGB", (20, 10), colour).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def test_image_inputs_as_path_bytes_base64_and_data_url_agree(tmp_path):
-    data = _png_bytes()
-    path = tmp_path / "x.png"
-    path.write_bytes(data)
-    text = base64.b64encode(data).decode()
-    images = [
-        decode_image_input(path),
-        decode_image_input(str(path)),
-        decode_image_input(data),
-        decode_image_input(text),
-        decode_image_input("data:image/png;base64," + text),
-    ]
-    for image in images:
-        assert image.size == (20, 10)
-        assert image.getpixel((3, 3)) == (10, 200, 30)
-
-
-@pytest.mark.parametrize(
-    ("value", "reason"),
-    [
-        ("no/such/file.png", "neither an existing file nor base64"),
-        (base64.b64encode(b"plain text, not a picture").decode(), "cannot decode"),
-        (b"\x00\x01 not an image", "cannot decode"),
-    ],
-)
-def test_non_images_raise_an_image_error_with_a_reason(value, reason):
-    with pytest.raises(ImageError, match=reason):
-        decode_image_input(value)
 
 
 def test_config_json_encoder_section_round_trips(model_dir):

@@ -24,6 +24,7 @@ from sat_model.evaluation.evaluate import (
     write_attention_gallery,
     write_reports,
 )
+from sat_model.evaluation.metrics import score_captions
 from sat_model.evaluation.reports import read_metrics
 from sat_model.features.spec import EncoderSpec
 from sat_model.features.store import FeatureStore, FeatureWriter
@@ -208,6 +209,7 @@ def test_gallery_has_one_figure_per_image_and_skips_missing_photos(data, result,
         resize=CROP,
         crop=CROP,
         title="soft",
+        scored=result,
     )
     assert skipped == [{"item": "img1", "reason": "not in the image table"}]
     assert not list(tmp_path.glob("*.png"))  # the PNGs have a folder of their own (DVC plots)
@@ -218,6 +220,13 @@ def test_gallery_has_one_figure_per_image_and_skips_missing_photos(data, result,
     assert index.headings == ["img0", "img2"]
     shown = {c.image_id: c for c in result.captions}
     assert index.captions == [shown["img0"].text, shown["img2"].text]
+    assert index.references == [result.references["img0"], result.references["img2"]]
+    for image_id, line in zip(index.headings, index.scores, strict=True):
+        # each image's own scores: BLEU-4 and ROUGE-L of it scored alone (CIDEr needs them all)
+        hypothesis, references = shown[image_id].text, result.references[image_id]
+        alone = score_captions({"x": hypothesis}, {"x": references}, ["bleu", "rouge"])
+        assert line.startswith(f"bleu_4 {alone['bleu_4']:.3f} · rouge_l {alone['rouge_l']:.3f}")
+        assert "cider" in line
     for src, image_id in zip(index.images, index.headings, strict=True):
         panels = figure_panels(tmp_path / src)
         assert sum(map(len, panels)) == len(shown[image_id].words) + 1  # the photo, then words

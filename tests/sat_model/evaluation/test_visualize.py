@@ -10,8 +10,9 @@ from sat_model.evaluation.visualize import (
     AttentionFigures,
     attended_cells,
     attention_map,
+    brighten,
     draw_attention_figure,
-    overlay,
+    panel_heats,
 )
 from sat_model.features.images import encoder_view
 from tests.figures import figure_panels, read_index
@@ -34,17 +35,33 @@ def test_map_peak_stays_in_the_attended_cell(index):
     assert col * 32 <= x < (col + 1) * 32
 
 
-def test_map_is_scaled_to_unit_range_and_follows_non_square_sizes():
+def test_map_keeps_alpha_units_and_follows_non_square_sizes():
     alpha = np.random.default_rng(0).dirichlet(np.ones(12)).astype(np.float32)
     heat = attention_map(alpha, 3, 4, (200, 150))
     assert heat.shape == (150, 200)
-    assert heat.min() == pytest.approx(0.0)
-    assert heat.max() == pytest.approx(1.0)
+    # upsampling and smoothing average α: the map stays within α's own range
+    assert alpha.min() - 1e-6 <= heat.min() and heat.max() <= alpha.max() + 1e-6
 
 
-def test_uniform_attention_gives_a_flat_map():
-    heat = attention_map(np.full(49, 1 / 49, dtype=np.float32), 7, 7, (64, 64))
-    assert np.all(heat == 0)
+def test_the_words_of_one_image_share_one_scale():
+    # a peaked word and a near-uniform one: the second must not be stretched to look as sharp
+    peaked = _one_hot(24)
+    spread = np.full(49, 1 / 49, np.float32) + np.random.default_rng(0).normal(0, 1e-3, 49)
+    heats = panel_heats(np.stack([peaked, spread / spread.sum()]), 7, 7, (112, 112))
+    assert heats.shape == (2, 112, 112)
+    assert heats[0].max() == pytest.approx(1.0)
+    assert heats[1].max() < 0.2  # 1/49 of the peak's α, on the peak's scale
+    assert heats[1].max() - heats[1].min() < 0.05  # and nearly even
+
+
+def test_a_near_uniform_alpha_renders_a_near_uniform_brightness():
+    rng = np.random.default_rng(1)
+    alpha = np.full(16, 1 / 16) + rng.normal(0, 1e-3, 16)
+    photo = _noise(64, 2)
+    (heat,) = panel_heats((alpha / alpha.sum())[None], 4, 4, photo.size)
+    shown = np.asarray(brighten(photo, heat), float)
+    ratio = shown.sum(-1) / (np.asarray(photo, float).sum(-1) + 1)  # (H, W) brightness kept
+    assert ratio.std() < 0.02 and ratio.mean() > 0.95  # the photo, evenly lit
 
 
 def test_map_rejects_alpha_of_the_wrong_length():
@@ -52,11 +69,12 @@ def test_map_rejects_alpha_of_the_wrong_length():
         attention_map(np.ones(50), 7, 7, (224, 224))
 
 
-def test_zero_heat_leaves_the_photo_unchanged():
+def test_full_heat_leaves_the_photo_as_it_is_and_none_darkens_it():
     rng = np.random.default_rng(1)
     photo = Image.fromarray(rng.integers(0, 256, (32, 48, 3), dtype=np.uint8))
-    out = overlay(photo, np.zeros((32, 48)))
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(photo))
+    np.testing.assert_array_equal(np.asarray(brighten(photo, np.ones((32, 48)))), photo)
+    dark = np.asarray(brighten(photo, np.zeros((32, 48))), float)
+    assert dark.mean() < 0.2 * np.asarray(photo, float).mean()
 
 
 def test_centre_crop_keeps_the_middle_of_a_landscape_photo():
@@ -100,17 +118,46 @@ def test_the_first_panel_is_the_photo_and_the_next_its_attention(tmp_path):
 
     plain = np.asarray(photo, float)
     assert np.abs(shown(first) - plain).mean() < 0.5 * np.abs(shown(second) - plain).mean()
-    # α is all on cell 5 of the 4x4 grid (row 1, column 1): the colour is strongest there
-    change = np.abs(shown(second) - shown(first)).sum(-1)  # (64, 64)
-    y, x = np.unravel_index(int(change.argmax()), change.shape)
-    assert 16 <= y < 32 and 16 <= x < 32
+    # α is all on cell 5 of the 4x4 grid (row 1, column 1): the photo is brightest there
+    assert _brightest_cell(shown(second), shown(first), 4) == 5
+
+
+def _brightest_cell(panel: np.ndarray, photo: np.ndarray, grid: int) -> int:
+    """The grid cell where ``panel`` keeps most of ``photo``'s brightness."""
+    kept = panel.sum(-1) / (photo.sum(-1) + 1)  # (H, W)
+    side = kept.shape[0] // grid
+    cells = kept[: side * grid, : side * grid].reshape(grid, side, grid, side).mean((1, 3))
+    return int(cells.argmax())
+
+
+def test_hard_attention_is_drawn_at_the_cell_it_read(tmp_path):
+    # α leans to cell 0, but the sampling decoder drew cell 15: the panel shows cell 15
+    alphas = np.full((1, 16), 0.02)
+    alphas[0, 0] = 0.7
+    photo = Image.new("RGB", (64, 64), (200, 180, 160))
+    with AttentionFigures(tmp_path, "hard", mode="sample") as figures:
+        path = figures.add(
+            "x", "x", photo, ["a"], alphas, grid_h=4, grid_w=4, locations=np.array([15])
+        )
+    ((first, second),) = figure_panels(path)
+    figure = Image.open(path).convert("RGB")
+
+    def shown(box: tuple[int, int, int, int]) -> np.ndarray:
+        x0, y0, x1, y1 = box
+        return np.asarray(figure.crop((x0 + 2, y0 + 2, x1 - 2, y1 - 2)).resize((64, 64)), float)
+
+    assert _brightest_cell(shown(second), shown(first), 4) == 15
+    (heat,) = panel_heats(alphas, 4, 4, (64, 64), cells=np.array([0]))  # argmax read cell 0
+    assert _brightest_cell(np.repeat(heat[..., None], 3, -1), np.ones((64, 64, 3)), 4) == 0
 
 
 def test_argmax_decoding_read_the_most_attended_cell_expected_and_sample_no_one_cell():
     alphas = np.array([[0.1, 0.7, 0.2], [0.5, 0.2, 0.3]])
     assert attended_cells(alphas, "argmax").tolist() == [1, 0]
     assert attended_cells(alphas, "expected") is None
-    assert attended_cells(alphas, "sample") is None  # the decoder keeps no draw
+    assert attended_cells(alphas, "sample") is None  # no draw given
+    assert attended_cells(alphas, "sample", np.array([2, 2])).tolist() == [2, 2]
+    assert attended_cells(alphas, "expected", np.array([2, 2])) is None
 
 
 def test_index_lists_each_figure_with_its_name_and_caption_escaped(tmp_path):
@@ -118,14 +165,28 @@ def test_index_lists_each_figure_with_its_name_and_caption_escaped(tmp_path):
         "photos/<b>dog</b>.jpg": ["a", "dog", "&", "<unk>"],
         "other/<b>dog</b>.jpg": ["two", '"cats"'],
     }
+    references = [["a dog <runs>", "a brown dog"], []]
+    scores = [{"bleu_4": 0.25, "cider": 1.5}, None]
     with AttentionFigures(tmp_path, "soft <attention>") as figures:
         for seed, (label, words) in enumerate(captions.items()):
             alphas = np.random.default_rng(seed).dirichlet(np.ones(16), size=len(words))
-            figures.add(label, "<b>dog</b>", _noise(56, seed), words, alphas, grid_h=4, grid_w=4)
+            figures.add(
+                label,
+                "<b>dog</b>",
+                _noise(56, seed),
+                words,
+                alphas,
+                grid_h=4,
+                grid_w=4,
+                references=references[seed],
+                scores=scores[seed],
+            )
 
     page = read_index(tmp_path)
     assert page.headings == list(captions)
     assert page.captions == [" ".join(w) for w in captions.values()]
+    assert page.references == references
+    assert page.scores == ["bleu_4 0.250 · cider 1.500", ""]
     # the same stem twice: two files, each named safely, each the figure of its own caption
     assert page.images == ["images/_b_dog__b_.png", "images/_b_dog__b_-2.png"]
     for src, words in zip(page.images, captions.values(), strict=True):

@@ -16,7 +16,6 @@ from sat_model.features.images import (
     encoder_view,
     load_image,
     preprocess,
-    square_thumbnail,
 )
 from tests.factories import photo_of_another_shape
 
@@ -143,20 +142,6 @@ def test_without_keep_aspect_the_edges_of_a_wide_photo_are_kept() -> None:
     # resize then the centre crop as before: 40×40, then the middle 32 (band: 2 of 40 columns)
     inner = preprocess(image, resize=40, crop=32, mean=(0,) * 3, std=(1,) * 3, keep_aspect=False)
     assert inner[0].max() < 0.05
-
-
-@pytest.mark.parametrize("keep_aspect", [True, False])
-def test_a_thumbnail_is_what_the_encoder_would_see_of_the_photo(keep_aspect: bool) -> None:
-    # a real 500×375 JPEG: the served path (square_thumbnail at side = resize, then preprocess)
-    # and the file path (preprocess of the decoded photo) give the encoder the same picture
-    photo = load_image(photo_of_another_shape(), min_side=64)
-    thumb = square_thumbnail(photo, 64, keep_aspect)
-    assert thumb.size == (64, 64)
-    direct = preprocess(photo, 64, 56, keep_aspect=keep_aspect)
-    served = preprocess(thumb, 64, 56, keep_aspect=keep_aspect)
-    assert (direct - served).abs().mean() < 0.05  # ~2 grey levels: bilinear once or twice
-    other = preprocess(photo, 64, 56, keep_aspect=not keep_aspect)
-    assert (direct - other).abs().mean() > 5 * (direct - served).abs().mean()
 
 
 def test_encoder_view_without_keep_aspect_is_the_whole_photo_squeezed() -> None:
