@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     from sat_model.config import Params
 
 __all__ = [
+    "DEFAULT_PARAMS",
     "OutputLocked",
     "StageContext",
-    "DEFAULT_PARAMS",
     "add_params_args",
     "cli_context",
     "finished",
