@@ -22,7 +22,12 @@ $(BIN)/python:
 # pip byte-compiles everything it installs: this environment sets PYTHONDONTWRITEBYTECODE, so a
 # module pip did not compile would be compiled again by every process that imports it
 # (--no-compile was tried: docs/EXPERIMENTS.md has what it saved and what it cost).
+# `make run` installs what running needs; `make test` (and docs, lint, bench) adds the dev extra.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
@@ -37,7 +42,7 @@ run: $(VENV)/.installed
 		$(BIN)/dvc repro $(if $(PROFILE),$(PROJECT)/dvc.yaml)
 	$(BIN)/sat summary --reports $(PROJECT)/reports
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
@@ -47,14 +52,14 @@ test: $(VENV)/.installed
 	$(BIN)/pytest -n 2 --dist loadfile
 
 # The documentation site (mkdocs.yml), rebuilt on every edit, on loopback only
-docs: $(VENV)/.installed
+docs: $(VENV)/.installed-dev
 	$(BIN)/mkdocs serve -a 127.0.0.1:8000
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed-dev
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
