@@ -19,37 +19,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.tracking.relocation import URI_COLUMNS
-from tests.factories import photo_of_another_shape, write_tiny_model
+from tests.factories import photo_of_another_shape, registered_project
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlflow]
 SAT = Path(sys.executable).with_name("sat")
-PARAMS = "encoder: {name: random, resize: 72, crop: 64}\neval: {beam_size: 2, max_length: 4}\n"
-
-
-def _trained_project(root: Path) -> Path:
-    """``root`` with params, a store and a registered champion, as the pipeline writes them."""
-    from pipeline.tracking.packaging import log_and_register
-    from pipeline.tracking.registry import promote_if_better
-    from pipeline.tracking.runs import connect
-    from sat_model.config import load_params
-
-    root.mkdir()
-    (root / "params.yaml").write_text(PARAMS)
-    cfg = load_params(root / "params.yaml").mlflow
-    tracking = connect(cfg, root)
-    model_dir = write_tiny_model(root / "models" / "soft", words=("a", "dog", "runs"), resize=72)
-    version = log_and_register(
-        tracking.client(),
-        model_dir=model_dir,
-        model_name=cfg.model_name,
-        experiment_id=tracking.experiment_id,
-        metrics={"bleu_4": 0.1},
-        params={},
-        tags={"sat.attention": "soft"},
-        decoding={"beam_size": 2, "max_length": 4},
-    )
-    promote_if_better(tracking.client(), cfg.model_name, version.version, "bleu_4")
-    return root
 
 
 def _caption(project: Path, photo: Path) -> subprocess.CompletedProcess[str]:
@@ -75,7 +48,7 @@ def _locations(project: Path) -> set[str]:
 
 def test_a_moved_and_a_copied_project_caption_with_their_own_artifacts(tmp_path: Path) -> None:
     photo = photo_of_another_shape()
-    original = _trained_project(tmp_path / "original")
+    original = registered_project(tmp_path / "original")
     moved, copied = tmp_path / "moved", tmp_path / "elsewhere" / "copied"
     assert _locations(original) and all(
         u.startswith(f"{original.as_uri()}/mlartifacts") for u in _locations(original)
