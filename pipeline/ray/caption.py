@@ -117,7 +117,8 @@ def _output_names() -> type:
 
 def _check_destination(out: str) -> None:
     """``FileExistsError`` unless ``out`` is absent or holds only an earlier run's output files
-    (``captions_NNNNNN.json``, ``captions_NNNNNN-N.parquet``): those are replaced, nothing else ever is."""
+    (``captions_NNNNNN.json``, ``captions_NNNNNN-N.parquet``): those are replaced, nothing else
+    ever is."""
     import pyarrow.fs as pafs
 
     filesystem, path = pafs.FileSystem.from_uri(out)
