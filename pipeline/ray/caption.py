@@ -108,7 +108,7 @@ def _output_names() -> type:
     write task's index, the same names on every run (Ray's own begin with a random id)."""
     from ray.data.datasource import FilenameProvider
 
-    class OutputNames(FilenameProvider):  # type: ignore[misc]
+    class OutputNames(FilenameProvider):
         def get_filename_for_task(self, write_uuid: str, task_index: int) -> str:
             return f"captions_{task_index:06}.{self.file_format}"
 
