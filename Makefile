@@ -22,7 +22,12 @@ $(BIN)/python:
 # pip byte-compiles everything it installs: this environment sets PYTHONDONTWRITEBYTECODE, so a
 # module pip did not compile would be compiled again by every process that imports it
 # (--no-compile was tried: docs/decisions/012-test-suite-tiers.md has what it cost).
+# `make run` installs what running needs; `make test` (and docs, lint, bench) adds the dev extra.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
@@ -37,7 +42,7 @@ run: $(VENV)/.installed
 		$(BIN)/dvc repro $(if $(PROFILE),$(PROJECT)/dvc.yaml)
 	$(BIN)/sat summary --reports $(PROJECT)/reports
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
@@ -46,29 +51,29 @@ test: $(VENV)/.installed
 	# most tests wait on processes they started, so two share the two cores well
 	$(BIN)/pytest -n 2 --dist loadfile
 
-# The documentation site (mkdocs.yml), rebuilt on every edit, on loopback only
 # The inner loop: lint, types and every test that is no real-path integration (tests/conftest.py:
-# `--fast` leaves out the marked ones and fails a test that takes over 5 s); mypy and the tests
+# `--fast` leaves out the marked ones and fails a test over 5 CPU-seconds); mypy and the tests
 # run side by side
-test-fast: $(VENV)/.installed
+test-fast: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(MAKE) --no-print-directory --output-sync=target -j2 typecheck fast-tests
 
-typecheck: $(VENV)/.installed
+typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
 
-fast-tests: $(VENV)/.installed
+fast-tests: $(VENV)/.installed-dev
 	$(BIN)/pytest -n 2 --fast -q
 
-docs: $(VENV)/.installed
+# The documentation site (mkdocs.yml), rebuilt on every edit, on loopback only
+docs: $(VENV)/.installed-dev
 	$(BIN)/mkdocs serve -a 127.0.0.1:8000
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed-dev
 	$(BIN)/python benchmarks/run_all.py
 
 clean:

@@ -16,8 +16,8 @@ import ctypes
 import errno
 import glob
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,9 +76,11 @@ def write_bytes_atomic(path: str | Path, data: bytes, durable: bool = True) -> N
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # the umask decides the mode, as for any file the user writes (mkstemp would make it 0600)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    tmp = _new_name(path.parent, f".{path.name}.", ".tmp")
+    fd = os.open(tmp, flags, 0o666)
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600; outputs are shared data, readable by all
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             if durable:
@@ -109,9 +111,17 @@ def pid_alive(pid: int) -> bool:
 
 
 def temp_dir(parent: str | Path, name: str) -> Path:
-    """A new hidden folder ``parent/.<name>.<pid>.<random>`` for this process to fill."""
+    """A new hidden folder ``parent/.<name>.<pid>.<random>`` for this process to fill; it
+    becomes an output folder, so the umask decides its mode (mkdtemp would make it 0700)."""
     Path(parent).mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{name}.{os.getpid()}.", dir=parent))
+    path = _new_name(Path(parent), f".{name}.{os.getpid()}.", "")
+    path.mkdir(0o777)  # exclusive: an existing name raises FileExistsError
+    return path
+
+
+def _new_name(parent: Path, prefix: str, suffix: str) -> Path:
+    """``parent/<prefix><8 random hex digits><suffix>``, created exclusively by the caller."""
+    return parent / f"{prefix}{secrets.token_hex(4)}{suffix}"
 
 
 def remove_dead_temps(parent: str | Path, name: str) -> list[Path]:

@@ -46,6 +46,7 @@ __all__ = [
     "photo_of_another_shape",
     "png_bomb",
     "ppm_bomb",
+    "registered_project",
     "sample_photos",
     "tiff_bomb",
     "tiny_batch",
@@ -163,6 +164,40 @@ def write_tiny_model(
         },
     )
     return Path(directory)
+
+
+REGISTERED_PARAMS = (
+    "encoder: {name: random, resize: 72, crop: 64}\neval: {beam_size: 2, max_length: 4}\n"
+)
+
+
+def registered_project(root: Path) -> Path:
+    """A new project folder ``root`` as ``make run`` leaves it for ``sat caption`` and ``sat
+    serve``: ``params.yaml``, the SQLite store ``mlflow.db`` and ``mlartifacts/`` holding a
+    tiny soft model (:func:`write_tiny_model`, words "a dog runs") registered and promoted
+    ``champion`` the way the register stage does it."""
+    from pipeline.tracking.packaging import log_and_register
+    from pipeline.tracking.registry import promote_if_better
+    from pipeline.tracking.runs import connect
+    from sat_model.config import load_params
+
+    root.mkdir()
+    (root / "params.yaml").write_text(REGISTERED_PARAMS)
+    cfg = load_params(root / "params.yaml").mlflow
+    tracking = connect(cfg, root)
+    model_dir = write_tiny_model(root / "models" / "soft", words=("a", "dog", "runs"), resize=72)
+    version = log_and_register(
+        tracking.client(),
+        model_dir=model_dir,
+        model_name=cfg.model_name,
+        experiment_id=tracking.experiment_id,
+        metrics={"bleu_4": 0.1},
+        params={},
+        tags={"sat.attention": "soft"},
+        decoding={"beam_size": 2, "max_length": 4},
+    )
+    promote_if_better(tracking.client(), cfg.model_name, version.version, "bleu_4")
+    return root
 
 
 def to_format_1(directory: Path) -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.cli.commands import CommandError
-from pipeline.stages import StageContext, load_context, project_root
+from pipeline.stages import StageContext, load_context, params_given, project_root
 
 if TYPE_CHECKING:
     from sat_model.config import MlflowConfig, Params
@@ -27,10 +27,12 @@ def context(args: argparse.Namespace) -> StageContext:
 
 
 def params_or_defaults(args: argparse.Namespace) -> Params:
-    """``--params`` with ``-S``; outside a project (no params file, no ``-S``) the defaults."""
+    """``--params`` with ``-S``; outside a project (no ``params.yaml`` here, no ``--params``,
+    no ``-S``) the defaults. A ``--params`` file that does not exist is an error: a mistyped
+    profile path would otherwise run with the defaults."""
     from sat_model.config import Params, load_params
 
-    if not Path(args.params).exists() and not args.overrides:
+    if not Path(args.params).exists() and not args.overrides and not params_given(args):
         return Params()
     return load_params(args.params, args.overrides)
 

@@ -15,11 +15,14 @@ by Ray Data, which writes each output block once.
 from __future__ import annotations
 
 import math
+import re
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from pipeline.ray.runtime import without_core_lines
 
 __all__ = ["BatchCaptionResult", "caption_with_ray_data"]
 
@@ -28,6 +31,9 @@ IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
 # node, whose cores its threads keep busy (decoding, the encoder, the beam search)
 READ_CPUS = 0.25
 CALLS_PER_ACTOR = 2  # one decoding its batch while the other runs the model (_CaptionActor)
+# Ray core's line for every actor pool of Ray Data (its own arguments are in the object store)
+RAY_DATA_RESTART_WARNING = "has constructor arguments in the object store and max_restarts > 0"
+OUTPUT_FILE = re.compile(r"captions_\d{6}(-\d+)?\.(json|parquet)")  # written by _output_names
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,34 @@ class _CaptionActor:
             "caption": [captions[i].text if i in captions else None for i in range(len(paths))],
             "error": [errors.get(i) for i in range(len(paths))],
         }
+
+
+def _output_names() -> type:
+    """Ray Data's ``FilenameProvider`` naming output files ``captions_000000.json`` … by the
+    write task's index, the same names on every run (Ray's own begin with a random id)."""
+    from ray.data.datasource import FilenameProvider
+
+    class OutputNames(FilenameProvider):
+        def get_filename_for_task(self, write_uuid: str, task_index: int) -> str:
+            return f"captions_{task_index:06}.{self.file_format}"
+
+    return OutputNames
+
+
+def _check_destination(out: str) -> None:
+    """``FileExistsError`` unless ``out`` is absent or holds only an earlier run's output files
+    (``captions_NNNNNN.json``, ``captions_NNNNNN-N.parquet``): those are replaced, nothing else
+    ever is."""
+    import pyarrow.fs as pafs
+
+    filesystem, path = pafs.FileSystem.from_uri(out)
+    found = filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    foreign = [f.base_name for f in found if not OUTPUT_FILE.fullmatch(f.base_name)]
+    if foreign:
+        raise FileExistsError(
+            f"refusing to write captions into {out}: it holds other files ({foreign[0]}, ...); "
+            "name a new folder or prefix with --out"
+        )
 
 
 def _actor_cpus(actors: int) -> float:
@@ -165,8 +199,11 @@ def caption_with_ray_data(
     import logging
 
     import ray.data
+    from ray.data import SaveMode
 
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # a plan and a report per dataset
+    # "Replacing contents" of --out: only an earlier run's files, checked before
+    logging.getLogger("ray.data.datasource.file_datasink").setLevel(logging.ERROR)
 
     files = ray.data.read_binary_files(
         source,
@@ -175,10 +212,14 @@ def caption_with_ray_data(
         num_cpus=READ_CPUS,
     )
     cpus = cpus_per_actor if cpus_per_actor is not None else _actor_cpus(actors)
-    rows = _captioned(files, checkpoint_dir, options, max_pixels, actors, cpus).materialize()
-    if fmt == "parquet":
-        rows.write_parquet(out)
-    else:
-        rows.write_json(out)
+    _check_destination(out)
+    # the names are the same on every run, so an earlier run's files are replaced, not added to
+    names = _output_names()(file_format="parquet" if fmt == "parquet" else "json")
+    with without_core_lines(RAY_DATA_RESTART_WARNING):
+        rows = _captioned(files, checkpoint_dir, options, max_pixels, actors, cpus).materialize()
+        if fmt == "parquet":
+            rows.write_parquet(out, filename_provider=names, mode=SaveMode.OVERWRITE)
+        else:
+            rows.write_json(out, filename_provider=names, mode=SaveMode.OVERWRITE)
     errors = rows.filter(lambda row: row["error"] is not None).count()
     return BatchCaptionResult(rows=rows.count(), errors=errors, out=out)

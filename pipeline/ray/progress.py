@@ -216,15 +216,25 @@ class EpochProgress:
 
 class ProgressDisplay:
     """What the driver shows: within an epoch a tqdm bar on a terminal, or a plain line at each
-    quarter and at least every ``every_s`` seconds in a log; each epoch's line either way."""
+    quarter and at least every ``every_s`` seconds in a log; each epoch's line either way.
+
+    Rank 0 reports the next epoch's batches straight away, while an epoch's own line comes
+    through Ray Train's controller, later: the next epoch's progress waits (the newest report
+    kept) until the line of the epoch before it is shown.
+    """
 
     def __init__(self, label: str, max_epochs: int, out: TextIO, every_s: float = 60.0) -> None:
         self.label, self.max_epochs, self.out, self.every_s = label, max_epochs, out, every_s
         self.terminal = out.isatty()
         self._bar: Any = None
         self._epoch, self._quarter, self._printed_at = 0, 0, 0.0
+        self._shown = 0  # the last epoch whose own line is shown
+        self._held: BatchReport | None = None
 
     def batch(self, report: BatchReport) -> None:
+        if report.epoch > self._epoch > self._shown:  # the epoch before has no line yet
+            self._held = report
+            return
         if report.epoch != self._epoch:
             self._close()
             self._epoch, self._quarter, self._printed_at = report.epoch, 0, time.monotonic()
@@ -247,9 +257,14 @@ class ProgressDisplay:
         self._bar.update(report.step - self._bar.n)
         self._bar.set_postfix_str(f"{report.captions_per_s:.0f} captions/s", refresh=False)
 
-    def epoch(self, line: str) -> None:
+    def epoch(self, number: int, line: str) -> None:
+        """Epoch ``number``'s own line, then the next epoch's progress that waited for it."""
         self._close()
         self._print(line)
+        self._shown = max(self._shown, number)
+        held, self._held = self._held, None
+        if held is not None:
+            self.batch(held)
 
     def _close(self) -> None:
         if self._bar is not None:
@@ -296,7 +311,7 @@ def epoch_progress(
             report = EpochReport.from_ranks(item)
             progress.reports.append(report)
             eta, untimed = remaining_time(progress.reports, max_epochs, likelihood_epochs)
-            display.epoch(format_epoch_line(label, report, max_epochs, eta, untimed))
+            display.epoch(report.epoch, format_epoch_line(label, report, max_epochs, eta, untimed))
 
     thread = threading.Thread(target=pump, name="sat-epoch-progress", daemon=True)
     thread.start()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ __all__ = [
     "resolve_address",
     "resolve_storage_path",
     "resolve_use_gpu",
+    "without_core_lines",
 ]
 
 # Defaults a user may still override in the environment (setdefault, never overwrite).
@@ -179,3 +182,37 @@ def remove_orphaned_placement_groups(*, wait_s: float = 0.0) -> list[str]:
         if all(dead for _, dead in groups) or time.monotonic() >= deadline:
             return removed
         time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def without_core_lines(marker: str) -> Iterator[None]:
+    """Drop the lines of this process's stderr that contain ``marker`` for the block.
+
+    Ray's C++ core worker writes some of its log lines straight to file descriptor 2, past
+    Python's logging: a warning that Ray Data's own actor pools trigger on every run is one
+    (``ERROR`` level, about a restart that never comes; the worker's log file keeps it). Every
+    other line passes through, in order, once complete; the block's partial last line at its
+    end.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+    wanted = marker.encode()
+
+    def forward() -> None:
+        with os.fdopen(read, "rb") as lines:
+            for line in lines:
+                if wanted not in line:
+                    os.write(saved, line)
+
+    thread = threading.Thread(target=forward, name="sat-stderr-filter", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # closes the pipe's last writer: the thread reads to the end, stops
+        thread.join(timeout=10)
+        os.close(saved)

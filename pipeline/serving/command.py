@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from typing import Any
 
@@ -46,8 +47,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="models:/, runs:/ URI or a local MLflow model "
         "folder (default: models:/<mlflow.model_name>@champion)",
     )
-    p.add_argument("--host", default=None, help="default: serve.host (127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="default: serve.port")
+    p.add_argument(
+        "--host",
+        default=None,
+        help="default: serve.host (127.0.0.1); any other address is reachable from other "
+        "machines, without authentication (a warning says so)",
+    )
+    p.add_argument("--port", type=_port, default=None, help="1-65535 (default: serve.port)")
     p.add_argument(
         "--engine",
         choices=("local", "ray"),
@@ -64,14 +70,57 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=main)
 
 
+def _port(text: str) -> int:
+    """``--port``: a TCP port a server can listen on (0, "any free port", would be announced
+    as 0)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: 1 to 65535")
+    return port
+
+
+def _check_address(host: str, port: int) -> None:
+    """Warn about a host that other machines reach; an unknown host or a port that cannot be
+    listened on (in use, privileged) is a ``CommandError`` before the model loads."""
+    import ipaddress
+
+    from pipeline.cli.commands import CommandError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        raise CommandError(f"cannot listen on {host}: {e.strerror or e} (see --host)") from None
+    if not ipaddress.ip_address(address[0]).is_loopback:
+        print(
+            f"sat serve: warning: listening on {host}: other machines can send requests, and "
+            "the server has no authentication",
+            file=sys.stderr,
+            flush=True,
+        )
+    try:
+        with socket.socket(family, kind, proto) as probe:
+            # as uvicorn binds: a port left in TIME_WAIT by a stopped server counts as free
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as e:
+        raise CommandError(
+            f"cannot listen on {host}:{port}: {e.strerror or e} (choose another with --port)"
+        ) from None
+
+
 def _load(args: argparse.Namespace) -> tuple[Any, str, str, Any]:
     """The params, the tracking URI, the model URI and the loaded model; a model that cannot
-    be served is a ``CommandError`` (one line, status 1) before any server starts."""
+    be served, or an address that cannot be listened on, is a ``CommandError`` (one line,
+    status 1) before any server starts."""
     from pipeline.cli.commands import CommandError
     from pipeline.cli.project import params_or_defaults, tracking_uri
     from pipeline.serving.registered import ServeError, load_served_model
 
     params = params_or_defaults(args)  # outside a project: defaults and MLFLOW_TRACKING_URI
+    _check_address(*_address(args, params))
     tracking = tracking_uri(args)
     model_uri = args.model or f"models:/{params.mlflow.model_name}@champion"
     try:
@@ -92,8 +141,7 @@ def main(args: argparse.Namespace) -> int:
     for name in ("mlflow", "alembic"):  # store migrations and downloads log at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
     params, tracking_uri, model_uri, served = _load(args)
-    host = args.host or params.serve.host
-    port = params.serve.port if args.port is None else args.port
+    host, port = _address(args, params)
     shown = f"{model_uri} (version {served.version})" if served.version else model_uri
     notice = scenes_notice(served.service.captioner.data_source)
     if notice:
@@ -104,6 +152,11 @@ def main(args: argparse.Namespace) -> int:
     print(f"serving {shown} on http://{host}:{port}/invocations", flush=True)
     run_server(app, host, port, params.serve.read_timeout_s)
     return 0
+
+
+def _address(args: argparse.Namespace, params: Any) -> tuple[str, int]:
+    """Where to listen: ``--host``/``--port``, else ``serve.host``/``serve.port``."""
+    return args.host or params.serve.host, params.serve.port if args.port is None else args.port
 
 
 def _serve_on_ray(

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from sat_model.config import Params
 
 __all__ = [
+    "DEFAULT_PARAMS",
     "OutputLocked",
     "StageContext",
     "add_params_args",
@@ -33,6 +34,7 @@ __all__ = [
     "load_context",
     "lock_path",
     "output_lock",
+    "params_given",
     "project_root",
     "run_locked",
     "stage_parser",
@@ -43,9 +45,21 @@ class OutputLocked(RuntimeError):
     """Another process (a ``dvc repro`` stage, a ``sat`` command) is writing the same output."""
 
 
+class _DefaultParams(str):
+    """``--params`` when not given: ``params.yaml``, told apart from the same name typed."""
+
+
+DEFAULT_PARAMS = _DefaultParams("params.yaml")
+
+
+def params_given(args: argparse.Namespace) -> bool:
+    """Whether ``--params`` was named on the command line (then the file must exist)."""
+    return args.params is not DEFAULT_PARAMS
+
+
 def add_params_args(parser: argparse.ArgumentParser) -> None:
     """``--params FILE`` and repeatable ``-S key.path=value`` (the syntax of ``dvc exp run -S``)."""
-    parser.add_argument("--params", default="params.yaml", help="params file (%(default)s)")
+    parser.add_argument("--params", default=DEFAULT_PARAMS, help="params file (%(default)s)")
     parser.add_argument(
         "-S",
         "--set",

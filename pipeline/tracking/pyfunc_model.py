@@ -55,9 +55,11 @@ class SatCaptionerModel(PythonModel):
             model_config.get("decode") or {},  # as the model was evaluated
         )
 
-    # no type hints on predict: MLflow would try to derive a (list-only) schema from them; the
-    # signature logged with the model is the schema
-    def predict(self, context, model_input, params=None):
+    # a DataFrame hint: MLflow derives no schema from it (the signature logged with the model is
+    # the schema) and, unlike no hint at all, warns about nothing each time the model loads
+    def predict(
+        self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None
+    ) -> pd.DataFrame:
         from sat_model.caption_request import RequestError
 
         params = params or {}

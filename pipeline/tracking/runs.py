@@ -29,6 +29,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 
+from pipeline.tracking.relocation import follow_project
 from sat_model.config import MlflowConfig
 
 __all__ = [
@@ -111,15 +112,22 @@ def resolve_tracking_uri(cfg: MlflowConfig, project_root: Path) -> str:
     """``MLFLOW_TRACKING_URI``, else params, else an absolute SQLite file in the project.
 
     A relative SQLite path (``sqlite:///mlflow.db``) resolves against :func:`tracking_root`, so
-    that experiments in DVC's temporary workspaces log to the project's own store.
+    that experiments in DVC's temporary workspaces log to the project's own store. A SQLite
+    store inside the project that was moved or copied with it is first rebased onto it
+    (:mod:`pipeline.tracking.relocation`).
     """
     bound_http_retries(cfg.retries)  # every command that reaches the store goes through here
     uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
-    if uri and not (uri.startswith("sqlite:///") and not uri.startswith("sqlite:////")):
+    if uri and not uri.startswith("sqlite:///"):
         return uri
-    path = uri[len("sqlite:///") :] if uri else "mlflow.db"
-    # four slashes: sqlite:/// + an absolute path; workers run elsewhere, never relative
-    return f"sqlite:///{(tracking_root(project_root) / path).resolve()}"
+    if not uri or not uri.startswith("sqlite:////"):
+        path = uri[len("sqlite:///") :] if uri else "mlflow.db"
+        # four slashes: sqlite:/// + an absolute path; workers run elsewhere, never relative
+        uri = f"sqlite:///{(tracking_root(project_root) / path).resolve()}"
+    artifacts = _local_artifact_root(cfg, project_root)
+    if artifacts is not None:  # a store moved or copied with its project reads its own files
+        follow_project(Path(uri[len("sqlite:///") :]), artifacts, tracking_root(project_root))
+    return uri
 
 
 def is_tracking_server(uri: str) -> bool:
@@ -137,9 +145,18 @@ def artifact_location(
         return cfg.artifact_root
     if tracking_uri is not None and is_tracking_server(tracking_uri):
         return None
+    root = _local_artifact_root(cfg, project_root)
+    assert root is not None  # not a URI: a folder
+    return root.as_uri()
+
+
+def _local_artifact_root(cfg: MlflowConfig, project_root: Path) -> Path | None:
+    """``mlflow.artifact_root`` as an absolute folder (relative ones in the project), ``None``
+    for a URI."""
+    if "://" in cfg.artifact_root:
+        return None
     root = Path(cfg.artifact_root).expanduser()
-    root = root if root.is_absolute() else tracking_root(project_root) / root
-    return root.resolve().as_uri()
+    return (root if root.is_absolute() else tracking_root(project_root) / root).resolve()
 
 
 def _is_transient(err: BaseException) -> bool:

@@ -123,6 +123,8 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     (path / ".venv").symlink_to(VENV)
     os.utime(path / "pyproject.toml", (0, 0))  # older than .venv/.installed: make installs nothing
     (path / "port").write_text(str(port))
+    with (path / ".git" / "info" / "exclude").open("a") as exclude:  # this module's own files
+        exclude.write("/port\n/first_repro.log\n")
     make_run = quickstart_blocks()[0]
     out = _bash(path, make_run)
     (path / "first_repro.log").write_text(out.stdout + out.stderr)
@@ -167,6 +169,14 @@ def test_quickstart_from_make_run_to_a_served_caption(project: Path) -> None:
     (prediction,) = json.loads(out.stdout)["predictions"]
     assert prediction["error"] is None
     assert isinstance(prediction["caption"], str) and prediction["caption"].split()
+
+    # what the quickstart and `dvc plots show` left is ignored; dvc.lock alone changed, since
+    # the tiny params are not the committed ones, and the pipeline is up to date
+    dvc(project, "plots", "show")
+    git = ["git", "status", "--porcelain", "--untracked-files=all"]
+    status = subprocess.run(git, cwd=project, capture_output=True, text=True, check=True)
+    assert status.stdout.splitlines() == [" M dvc.lock"], status.stdout
+    assert "Data and pipelines are up to date" in dvc(project, "status", "dvc.yaml")
 
 
 def test_every_readme_command_is_a_quickstart_command() -> None:

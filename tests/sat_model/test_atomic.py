@@ -148,3 +148,20 @@ def test_a_dead_writers_temp_folder_is_removed_and_a_live_ones_kept(tmp_path: Pa
         live.wait(timeout=30)
     # the live writer is now dead too: the next writer takes its temp
     assert remove_dead_temps(tmp_path, "soft") == [live_tmp]
+
+
+@pytest.mark.parametrize(
+    ("umask", "folder", "file"), [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)]
+)
+def test_an_output_folder_and_file_take_the_umask_mode(tmp_path: Path, umask, folder, file) -> None:
+    """A model folder swapped into place and an atomically written file get the mode any
+    folder or file the user makes gets: readable by others under umask 022, not under 077."""
+    previous = os.umask(umask)
+    try:
+        staging = temp_dir(tmp_path, "soft")
+        write_text_atomic(staging / "config.json", "{}\n")
+        replace_dir(staging, tmp_path / "soft", owned=lambda p: True)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "soft").stat().st_mode) == folder
+    assert stat.S_IMODE((tmp_path / "soft" / "config.json").stat().st_mode) == file

@@ -21,6 +21,7 @@ from PIL import Image
 from pipeline.cli.main import main
 from sat_model.paths import shared_data
 from tests.factories import ROOT, write_tiny_model
+from tests.pipeline.servers import free_port
 
 PHOTOS = shared_data("flickr8k-sample") / "Flickr8k_Dataset"
 SAT = Path(sys.executable).parent / "sat"
@@ -201,7 +202,7 @@ ERRORS = [
     (["summary"], "sat summary: error: no metrics under reports/"),
     # the missing photo is the first cause, before the missing champion
     (["caption", "nothere.jpg"], "sat caption: error: no such file or folder: nothere.jpg"),
-    (["serve", "--port", "0"], "sat serve: error: cannot load models:/sat-captioner@champion"),
+    (["serve", "--port", "FREE"], "sat serve: error: cannot load models:/sat-captioner@champion"),
     (["train"], "sat train: error: the following arguments are required: --attention"),
     (["caption", "x.jpg", "--format", "xml"], "sat caption: error: argument --format: "),
     (["profile", "new", "mine"], "sat profile: error: the following arguments are required"),
@@ -211,7 +212,7 @@ ERRORS = [
 
 @pytest.mark.parametrize(("args", "start"), ERRORS, ids=[" ".join(a) for a, _ in ERRORS])
 def test_a_user_error_is_one_line_on_stderr_with_status_1_and_leaves_nothing(tmp_path, args, start):
-    done = _sat(*args, cwd=tmp_path)
+    done = _sat(*(str(free_port()) if a == "FREE" else a for a in args), cwd=tmp_path)
     assert done.returncode == 1, done.stderr
     assert done.stdout == ""
     (line,) = done.stderr.splitlines()

@@ -94,7 +94,7 @@ def _feed(display: ProgressDisplay, batches: int) -> None:
         display.batch(
             BatchReport(2, step, batches, captions=step * 64, seconds=step * 0.5, world_size=2)
         )
-    display.epoch("train soft  epoch 2/10  loss 3.000  (the epoch's line)")
+    display.epoch(2, "train soft  epoch 2/10  loss 3.000  (the epoch's line)")
 
 
 def test_in_a_log_an_epoch_shows_a_line_at_each_quarter_then_its_own_line() -> None:
@@ -118,3 +118,18 @@ def test_on_a_terminal_an_epoch_is_a_bar_then_its_own_line() -> None:
     assert "\r" in shown and "40/40" in shown and "256 captions/s" in shown  # tqdm's bar
     assert "batch 10/40" not in shown  # no log lines
     assert shown.endswith("train soft  epoch 2/10  loss 3.000  (the epoch's line)\n")
+
+
+def test_the_next_epochs_progress_waits_for_the_line_of_the_epoch_before() -> None:
+    """Rank 0 starts epoch 3 before epoch 2's line comes through the controller: epoch 3's
+    progress is shown after it, from its newest report."""
+    log = io.StringIO()
+    display = ProgressDisplay("train soft", 10, log)
+    for epoch, step in ((2, 10), (3, 10), (3, 20)):
+        display.batch(BatchReport(epoch, step, 40, step * 64, step * 0.5, world_size=2))
+    display.epoch(2, "train soft  epoch 2/10  loss 3.000")
+    assert log.getvalue().splitlines() == [
+        "train soft  epoch 2/10  batch 10/40  256 captions/s  epoch ETA 15s",
+        "train soft  epoch 2/10  loss 3.000",
+        "train soft  epoch 3/10  batch 20/40  256 captions/s  epoch ETA 10s",
+    ]

@@ -128,3 +128,33 @@ def test_every_params_file_a_stage_reads_is_the_committed_one(
         stages = repo.stage.collect(str(ROOT / dvc_file))
         files = {Path(d.fs_path) for s in stages for d in s.deps if isinstance(d, ParamsDependency)}
     assert files == {ROOT / params_file}, f"{dvc_file}: stages read {sorted(map(str, files))}"
+
+
+def test_the_committed_dvc_lock_is_current_with_the_code_and_params(tmp_path: Path) -> None:
+    """`dvc status` in a fresh clone (what `git clone` then `dvc pull` gives) reports no code or
+    params change against dvc.lock: every output is missing there, and only outputs may differ.
+    After a change to a stage's code or params, dvc.lock is regenerated with `make run`."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.factories import copy_project
+
+    clone = copy_project(tmp_path / "clone")
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("dvc")), "status", "dvc.yaml", "--json"],
+        cwd=clone,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    stale = {
+        f"{stage}: {path}"
+        for stage, changes in json.loads(done.stdout or "{}").items()
+        for change in changes
+        if isinstance(change, dict)
+        for path in change.get("changed deps", {})
+        if not path.startswith(("data/", "models/", "reports/"))  # outputs of earlier stages
+    }
+    assert not stale, f"dvc.lock is stale, regenerate it with `make run`: {sorted(stale)}"
