@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 
 SAT = Path(sys.executable).with_name("sat")
-pytestmark = pytest.mark.skipif(not SAT.exists(), reason=f"no sat command at {SAT}")
+pytestmark = [
+    pytest.mark.skipif(not SAT.exists(), reason=f"no sat command at {SAT}"),
+    pytest.mark.slow,  # a subprocess per command, as a user runs it
+]
 
 
 def _sat(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
