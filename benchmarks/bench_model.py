@@ -44,7 +44,7 @@ from sat_model.data.vocab import END_ID, PAD_ID, START_ID
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
 from sat_model.model.decoding import Caption, beam_search
 from sat_model.model.factory import build_model
-from sat_model.model.kernels import BACKENDS, build_backend, native
+from sat_model.model.kernels import build_backend, native
 from sat_model.model.losses import build_criterion
 from sat_model.train.trainer import build_optimizer
 
@@ -191,50 +191,6 @@ def bench_training(
         "captions_per_s": batch / seconds,
         "matmul_flops_per_s": train_step_flops(d, batch, steps) / seconds,
     }
-
-
-def bench_backends(
-    d: Dims, attention: str, batch: int, steps: int, rounds: int, device: str
-) -> dict:
-    """Each backend (``model.backend``) on the same weights: the trainer's float32 step
-    (``bench_training``'s) and batched beam search (beam 3, 20 steps), interleaved rounds, best
-    of each; on a GPU the backend's fused passes launch other kernels than autograd does."""
-    gen = torch.Generator().manual_seed(0)
-    models = {
-        name: build_model(
-            ModelParams(embed_dim=d.m, hidden_dim=d.n, attention_dim=d.A, backend=name),  # type: ignore[arg-type]
-            vocab_size=d.K,
-            annotation_dim=d.D,
-            num_locations=d.L,
-            attention=attention,
-        ).to(device)
-        for name in BACKENDS
-    }
-    with torch.no_grad():  # every caption runs to 20 words: equal decoding work each way
-        models["native"].out.bias[END_ID] = -1e4
-    for model in models.values():
-        model.load_state_dict(models["native"].state_dict())
-    cfg = SoftTrainConfig() if attention == "soft" else HardTrainConfig()
-    annotations = torch.randn(batch, d.L, d.D, generator=gen).to(device)
-    captions = _captions(batch, steps, d.K, gen).to(device)
-    runs: dict[str, Callable[[], object]] = {}
-    for name, model in models.items():
-        criterion = build_criterion(attention, cfg).to(device)
-        optimizer = build_optimizer(model.parameters(), "adam", lr=1e-4)
-        runs[f"train_{name}"] = functools.partial(
-            _train_once, model, criterion, optimizer, annotations, captions
-        )
-        runs[f"beam_{name}"] = functools.partial(beam_search, model, annotations, 3, 20)
-    for run in runs.values():
-        run()  # warm-up
-    best = _interleaved_best(runs, rounds, device)
-    row: dict = {"device": device, "dims": d.name, "attention": attention, "batch": batch}
-    for name in BACKENDS:
-        row[f"training_{name}_captions_per_s"] = batch / best[f"train_{name}"]
-        row[f"beam_{name}_captions_per_s"] = batch / best[f"beam_{name}"]
-    row["training_native_over_readable"] = best["train_readable"] / best["train_native"]
-    row["beam_native_over_readable"] = best["beam_readable"] / best["beam_native"]
-    return row
 
 
 def _train_once(
@@ -635,12 +591,13 @@ def _beam_row(
 
 
 def bench_compiled(d: Dims, batch: int, rounds: int, beam_images: int) -> dict:
-    """Each kept hand-written piece against ``torch.compile`` of the readable code it stands
-    in for (Inductor's CPU backend over ``advance`` and ``deep_output``, the equations of a
-    step) and against the readable code itself: the training recurrence (soft, forward and
-    backward of the loss) and soft attention's decoding step (batched beam search).
-    Interleaved rounds, best of each; each compile time apart. Where Inductor cannot compile,
-    the error instead. A piece pays where ``native_over_compiled`` is at least 1.3."""
+    """The native backend against ``torch.compile`` of the readable code it stands in for
+    (Inductor's CPU backend over ``advance`` and ``deep_output``, the equations of a step) and
+    against the readable code itself: the training recurrence (soft, forward and backward of
+    the loss; the kept kernel) and decoding (batched beam search; no kernel kept, so native is
+    the readable code there). Interleaved rounds, best of each; each compile time apart. Where
+    Inductor cannot compile, the error instead. A kernel pays where ``native_over_compiled``
+    is at least 1.3."""
     models = _compiled_models(d)
     criterion = build_criterion("soft", SoftTrainConfig())
     gen = torch.Generator().manual_seed(0)
@@ -649,7 +606,7 @@ def bench_compiled(d: Dims, batch: int, rounds: int, beam_images: int) -> dict:
     images = annotations[:beam_images]
     pieces = {
         "training_recurrence": (batch, _training_pass, (criterion, annotations, captions)),
-        "decoding_step": (beam_images, _beam_pass, (images,)),
+        "decoding": (beam_images, _beam_pass, (images,)),
     }
     row: dict = {"dims": d.name, "batch": batch, "beam_images": beam_images, "rounds": rounds}
     runs: dict[str, Callable[[], None]] = {}
@@ -957,11 +914,6 @@ def _main_cuda(default: Dims, beam_images: int) -> dict:
         "beam_search": [
             bench_beam(d, images=beam_images, beam=3, max_length=20, device="cuda", rounds=3)
             for d in (default, FLICKR8K, PAPER)
-        ],
-        "backends": [
-            bench_backends(d, attention, 64, 16, 5, "cuda")
-            for d in (default, FLICKR8K, TUTORIAL, PAPER)
-            for attention in ATTENTION_KINDS
         ],
     }
     _write_json(RESULTS.with_name("model_cuda.json"), result)

@@ -13,9 +13,9 @@ attention takes the expectation), ``"expected"`` (ẑ = β Σ α a, the authors'
 ``"sample"`` (one sampled location, no semi-sampling) and ``"argmax"`` (the most attended
 location).
 
-A ``Backend``, given by the model factory, may compute ``forward`` and ``step`` faster: the
-same functions (``tests/sat_model/test_backend.py`` holds it to them), or None where it does
-not apply and the code here runs (docs/METHOD.md, "The backend").
+A ``Backend``, given by the model factory, may compute ``forward`` faster: the same function
+(``tests/sat_model/test_backend.py`` holds it to it), or None where it does not apply and the
+code here runs (docs/METHOD.md, "The backend").
 """
 
 from __future__ import annotations
@@ -135,22 +135,14 @@ def pick_location(alpha: Tensor, mode: str) -> Tensor:
 
 
 class Backend(Protocol):
-    """Another computation of ``ShowAttendTell.forward`` and ``step``: their result, or None
-    where it does not apply."""
+    """Another computation of ``ShowAttendTell.forward``: its result, or None where it does
+    not apply (then the code here runs)."""
 
     def forward(
-        self,
-        model: ShowAttendTell,
-        annotations: Tensor,
-        inputs: Tensor,
-        mode: str,
-        locations: Tensor | None,
-        rows_per_image: int,
-    ) -> ForwardOutput | None: ...
-
-    def step(
-        self, model: ShowAttendTell, prev_tokens: Tensor, state: DecoderState, mode: str
-    ) -> StepOutput | None: ...
+        self, model: ShowAttendTell, a: Tensor, y: Tensor, mode: str, s: Tensor | None, k: int, /
+    ) -> ForwardOutput | None:
+        """The pass over annotations (B/k, L, D) and inputs y (B, T), forced s̃ (B, T) or
+        None, k rows per image."""
 
 
 class ShowAttendTell(nn.Module):
@@ -226,25 +218,17 @@ class ShowAttendTell(nn.Module):
         use_expected: Tensor | None = None,
         location: Tensor | None = None,
     ) -> tuple[DecoderState, AttentionOutput, Tensor, Tensor]:
-        """Attention from h_{t-1} (Eq. 4-6), then ``recur`` on E y_{t-1} (B, m): the new state,
-        the attention, ẑ_t (B, D) and β_t (B,)."""
+        """Attention from h_{t-1} (Eq. 4-6), the gate β_t, then the LSTM (Eq. 1-3) on
+        [E y_{t-1}; ẑ_t] (B, m): the new state, the attention, ẑ_t (B, D) and β_t (B,)."""
         att = self.attention(
             state.annotations, state.projected, state.h, mode, use_expected, location
         )
-        state, z, beta = self.recur(embedded, state, att.context)
-        return state, att, z, beta
-
-    def recur(
-        self, embedded: Tensor, state: DecoderState, context: Tensor
-    ) -> tuple[DecoderState, Tensor, Tensor]:
-        """The gate β_t, then the LSTM (Eq. 1-3) on [E y_{t-1}; ẑ_t] from φ_t (B, D): the new
-        state, ẑ_t (B, D) and β_t (B,)."""
-        beta = context.new_ones(context.size(0))  # β_t = 1 without the gate
+        beta = att.context.new_ones(att.context.size(0))  # β_t = 1 without the gate
         if self.gate is not None:
             beta = torch.sigmoid(self.gate(state.h)).squeeze(1)  # β_t = σ(f_β(h_{t-1}))
-        z = beta.unsqueeze(1) * context  # ẑ_t = β_t φ({a_i}, {α_ti}), Sec. 4.2.1
+        z = beta.unsqueeze(1) * att.context  # ẑ_t = β_t φ({a_i}, {α_ti}), Sec. 4.2.1
         h, c = self.lstm(torch.cat([embedded, z], dim=1), (state.h, state.c))  # Eq. 1-3
-        return dataclasses.replace(state, h=h, c=c), z, beta
+        return dataclasses.replace(state, h=h, c=c), att, z, beta
 
     def deep_output(self, embedded: Tensor, hidden: Tensor, context: Tensor) -> Tensor:
         """Eq. 7: L_o(E y_{t-1} + L_h h_t + L_z ẑ_t) (…, K); tanh, dropout before L_o (authors')."""
@@ -255,10 +239,6 @@ class ShowAttendTell(nn.Module):
     def step(self, prev_tokens: Tensor, state: DecoderState, mode: str = "expected") -> StepOutput:
         """One decoding step from y_{t-1} (B,) and the state at t-1."""
         _check_mode(mode)
-        if self.backend is not None:
-            out = self.backend.step(self, prev_tokens, state, mode)
-            if out is not None:
-                return out
         embedded = self.embedding(prev_tokens)  # (B, m)
         state, att, z, beta = self.advance(embedded, state, mode)
         logits = self.deep_output(embedded, state.h, z)  # (B, K)

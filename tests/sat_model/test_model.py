@@ -368,42 +368,6 @@ def test_input_dropout_must_be_a_probability_below_one() -> None:
         tiny_model(input_dropout=1.0)
 
 
-@pytest.mark.parametrize("change", ["SGD step", "fused Adam step", "load_state_dict"])
-def test_decoding_follows_the_weights(change: str) -> None:
-    """A decoding step after an optimiser step (fused Adam, the trainer's, leaves the
-    parameters' version counters alone) or a loaded state dict decodes with the new weights,
-    as the readable model with them does: nothing the backend keeps outlives them."""
-    model = tiny_model("soft").eval()
-    annotations, captions = tiny_batch()
-
-    def first_step(each: ShowAttendTell) -> torch.Tensor:
-        with torch.inference_mode():
-            return each.step(captions[:, 0], each.init_state(annotations)).logits
-
-    before = first_step(model)
-    if change != "load_state_dict":
-        optimiser: torch.optim.Optimizer = (
-            torch.optim.SGD(model.parameters(), lr=0.5)
-            if change == "SGD step"
-            else torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
-        )
-        model.train()
-        model(annotations, captions).logits.square().mean().backward()
-        optimiser.step()
-        model.eval()
-    else:
-        other = tiny_model("soft")
-        with torch.no_grad():
-            for parameter in other.parameters():
-                parameter.add_(0.3)
-        model.load_state_dict(other.state_dict())
-    readable = tiny_model("soft", "readable").eval()
-    readable.load_state_dict(model.state_dict())
-    after = first_step(model)
-    assert not torch.allclose(before, after)
-    torch.testing.assert_close(after, first_step(readable), rtol=1e-4, atol=1e-5)
-
-
 @pytest.mark.parametrize(
     ("attention", "mode"), [("soft", "expected"), ("hard", "expected"), ("hard", "argmax")]
 )

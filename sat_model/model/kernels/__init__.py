@@ -3,15 +3,12 @@
 ``model.backend`` in params.yaml names one, and the model factory injects it:
 
 - ``native``: ``NativeBackend`` (``backend.py``) runs a training pass's recurrence
-  (``recurrence.py``) and soft attention's decoding step on compiled kernels
-  (``native.py``, ``native_kernels.cpp``) on float32 CPU tensors, and the readable code
-  elsewhere;
+  (``recurrence.py``) on compiled kernels (``native.py``, ``native_kernels.cpp``) on float32
+  CPU tensors, and the readable code elsewhere (decoding included);
 - ``readable``: no backend, autograd through ``decoder.py`` alone.
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 from sat_model.model.decoder import Backend
 from sat_model.model.kernels.backend import NativeBackend
@@ -21,7 +18,7 @@ __all__ = ["BACKENDS", "NativeBackend", "build_backend"]
 BACKENDS = ("native", "readable")
 
 
-def build_backend(name: Literal["native", "readable"] | str) -> Backend | None:
+def build_backend(name: str) -> Backend | None:
     """The backend named ``name`` (``model.backend``); None for the readable code alone."""
     if name not in BACKENDS:
         raise RuntimeError(f"unknown model backend {name!r}; expected one of {BACKENDS}")

@@ -1,15 +1,11 @@
 """``NativeBackend`` (``model.backend: native``): ``ShowAttendTell``'s functions on the kernels.
 
-The model asks it first for a teacher-forced pass and for a decoding step (the ``Backend``
-protocol of ``decoder.py``); it answers where it was written for the case and returns None
-elsewhere, and the readable code runs:
-
-- a pass in the "train" or "expected" mode, or with forced locations for hard attention,
-  without autocast and with annotations that need no gradient: the T steps of Eq. 1-6 as one
-  autograd node (``recurrence.py``); the embedding's share of Eq. 1 for all T steps in one
-  product, and the deep output (Eq. 7) by the model's own ``deep_output``;
-- soft attention's decoding step in the "expected" mode without autograd: Eq. 4-5 and the
-  expected context in one compiled pass, then the model's own gate, LSTM and deep output.
+The model asks it first for a teacher-forced pass (the ``Backend`` protocol of ``decoder.py``);
+it answers a pass in the "train" or "expected" mode, or with forced locations for hard
+attention, without autocast and with annotations that need no gradient: the T steps of
+Eq. 1-6 as one autograd node (``recurrence.py``), the embedding's share of Eq. 1 for all T
+steps in one product, and the deep output (Eq. 7) by the model's own ``deep_output``.
+Elsewhere it returns None and the readable code runs; decoding always does.
 
 Only float32 CPU tensors and a model of exactly the stock modules (``fits``) take it. Eq. 4's
 scores go through tanh(u) = 2σ(2u) - 1, whose constant term cancels in Eq. 5's softmax
@@ -18,34 +14,24 @@ scores go through tanh(u) = 2σ(2u) - 1, whose constant term cancels in Eq. 5's 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor, nn
 
 from sat_model.model.decoder import HardAttention, ShowAttendTell, SoftAttention
 from sat_model.model.kernels import native
 from sat_model.model.kernels.recurrence import Weights, recurrence
-from sat_model.model.outputs import DecoderState, ForwardOutput, StepOutput
+from sat_model.model.outputs import ForwardOutput
 
 __all__ = ["NativeBackend", "fits"]
 
 _LINEARS = ("init_h", "init_c", "hidden_out", "context_out", "out")
 # the model's methods the backend stands in for or calls: a subclass that redefines one runs
 # the readable code
-_EQUATIONS = ("prepare", "advance", "recur", "deep_output", "semi_sampling_mask")
+_EQUATIONS = ("prepare", "advance", "deep_output", "semi_sampling_mask")
 
 
 class NativeBackend:
-    """The compiled kernels behind ``ShowAttendTell.forward`` and ``step``."""
-
-    def __init__(self) -> None:
-        # decoding's per-image tensors, kept for the call's steps: (the model's projected,
-        # its version, 2 projected locations last, e^{-that})
-        self._decoding: tuple[weakref.ref[Tensor], int, Tensor, Tensor] | None = None
-
-    def __getstate__(self) -> dict[str, object]:
-        return {"_decoding": None}  # a pickled model (Ray, MLflow) carries no decoding call
+    """The compiled kernels behind ``ShowAttendTell.forward``."""
 
     def forward(
         self,
@@ -92,45 +78,12 @@ class NativeBackend:
             alphas=_steps_second(out.alphas),  # (B, T, L)
             betas=_steps_second(out.betas),  # (B, T)
             # none where nothing was sampled, as the readable loop gives
-            location_log_probs=None if sampled is None else _steps_second(out.location_log_probs),
+            location_log_probs=None
+            if sampled is None or out.location_log_probs is None
+            else _steps_second(out.location_log_probs),
             entropy=None if out.entropy is None else _steps_second(out.entropy),
             sampled=sampled,
         )
-
-    def step(
-        self, model: ShowAttendTell, prev_tokens: Tensor, state: DecoderState, mode: str
-    ) -> StepOutput | None:
-        """``ShowAttendTell.step`` for soft attention's "expected" mode without autograd."""
-        if mode != "expected" or model.config.attention != "soft" or torch.is_grad_enabled():
-            return None
-        if not fits(model, state.annotations) or (kernels := native.load()) is None:
-            return None
-        a, h = state.annotations, state.h  # (B, L, D), (B*k, n)
-        projected, exp_projected = self._decoding_projected(kernels, state.projected)
-        (B, A, L), D = projected.shape, a.size(2)
-        query = 2.0 * model.attention.hidden_proj(h)  # (B*k, A)
-        alpha, context = query.new_empty(h.size(0), L), query.new_empty(h.size(0), D)
-        weight2 = 2.0 * model.attention.score.weight
-        tensors = [projected, exp_projected, query, weight2, a.contiguous(), alpha, context]
-        native.call(kernels.attend_forward, tensors, D, B, h.size(0) // B, A, L, D)
-        embedded = model.embedding(prev_tokens)  # (B*k, m)
-        state, z, beta = model.recur(embedded, state, context)
-        return StepOutput(model.deep_output(embedded, state.h, z), alpha, state, beta)
-
-    def _decoding_projected(
-        self, kernels: native.NativeKernels, projected: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """2(W_a a + b) (B, A, L) and its e^{-·}, once per decoding call: every step of a call
-        shares the state's ``projected`` tensor (beam search reorders only h and c)."""
-        kept = self._decoding
-        version = -1 if projected.is_inference() else projected._version  # none kept there
-        if kept is not None and kept[0]() is projected and kept[1] == version:
-            return kept[2], kept[3]
-        fast = _locations_last(projected)
-        exp = torch.empty_like(fast)
-        native.call(kernels.exp_of_projected, [fast, exp], exp.numel())
-        self._decoding = (weakref.ref(projected), version, fast, exp)
-        return fast, exp
 
 
 def fits(model: ShowAttendTell, annotations: Tensor) -> bool:

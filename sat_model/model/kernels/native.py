@@ -36,8 +36,6 @@ LINK_FLAGS = ("-fopenmp", "-lm")
 _log = logging.getLogger(__name__)
 # the C functions (``sat_<name>``): how many pointer arguments, then how many int64 ones
 _SIGNATURES = {
-    "attend_forward": (7, 7),
-    "exp_of_projected": (2, 2),
     "soft_recurrence_forward": (17, 7),
     "soft_recurrence_backward": (26, 7),
     "hard_recurrence_forward": (23, 7),
@@ -48,8 +46,6 @@ _SIGNATURES = {
 class NativeKernels:
     """The loaded library's functions with their C signatures, and BLAS's ``sgemm_``."""
 
-    attend_forward: Callable[..., None]
-    exp_of_projected: Callable[..., None]
     soft_recurrence_forward: Callable[..., None]
     soft_recurrence_backward: Callable[..., None]
     hard_recurrence_forward: Callable[..., None]

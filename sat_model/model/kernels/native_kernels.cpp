@@ -1,9 +1,9 @@
 // The decoder's attention and LSTM steps, each in one pass over its tensors.
 //
 // ``sat_model/model/kernels/native.py`` builds this file (torch.utils.cpp_extension) the first
-// time it is needed and calls it through ctypes on float32 CPU tensors: the training recurrence
-// (``recurrence.py``) and soft attention's decoding step (``backend.py``). Dimensions as in
-// docs/METHOD.md: B images, k rows per image (beams; 1 in training), A attention size, L
+// time it is needed and calls the training recurrence (``recurrence.py``) through ctypes on
+// float32 CPU tensors. Dimensions as in docs/METHOD.md: B images, k rows per image (1 in the
+// recurrences), A attention size, L
 // locations, D annotation size, n LSTM size. Arrays are contiguous unless a stride is passed.
 //
 // projected (B, A, L) holds 2(W_a a_i + b), query (B*k, A) 2 W_h h, weight2 (A) 2 w_att, so
@@ -156,8 +156,7 @@ void row_scores_backward(const float* g, const float* p_image, const float* exp_
 extern "C" {
 
 // e^{-clamp(projected, ±kProjectedClamp)} into out (count values), as the scores' fast form
-// reads it: once per image for all the steps of a decoding call (``native.exp_of_projected``)
-// or of a training recurrence.
+// reads it: once per image for all the steps of a training recurrence.
 void sat_exp_of_projected(const float* projected, float* out, int64_t count, int64_t threads) {
 #pragma omp parallel for simd schedule(static) num_threads(threads)
   for (int64_t i = 0; i < count; ++i)
@@ -206,7 +205,7 @@ void sat_scores_backward_from(const float* grad, const float* projected,
 // φ = Σ_l α_l a_l into ``context`` (B*k, D) with rows ``context_stride`` apart. The k rows
 // of an image read its annotations (B, L, D) together, once. ``exp_projected`` (B, A, L), when
 // not null, is ``exp_of_projected``'s e^{-projected}: the images whose queries are within the
-// bound take rows_scores_exp (decoding computes it once per image for all its steps).
+// bound take rows_scores_exp.
 void sat_attend_forward(const float* projected, const float* exp_projected, const float* query,
                         const float* weight2, const float* annotations, float* alpha,
                         float* context, int64_t context_stride, int64_t B, int64_t k, int64_t A,
@@ -517,8 +516,9 @@ void sat_soft_recurrence_backward(
   }
 }
 
-// Hard attention's training recurrence (Eq. 8-9 with the semi-sampling of Sec. 4.1, then the gate
-// and Eq. 1-3), all T steps in one call, as decoder.HardAttention and ShowAttendTell.advance compute them.
+// Hard attention's training recurrence (Eq. 8-9 with the semi-sampling of Sec. 4.1, then the
+// gate and Eq. 1-3), all T steps in one call, as decoder.HardAttention and
+// ShowAttendTell.advance compute them.
 // ``use_expected`` (B) marks the images whose context is the expected one (α's), the others
 // take the annotation at s̃_t. With ``uniforms`` (T, B), s̃_t is drawn here by the inverse CDF of
 // α_t as decoder.pick_location does (the cumulative sum in double, each partial rounded to

@@ -61,8 +61,8 @@ def recurrence(
     with both biases, in ``nn.LSTMCell``'s order (i, f, g, o). ``hard``: hard attention's
     semi-sampling mask (B,) bool and forced locations s̃ (T, B), or None to draw them."""
     w = weights
-    tensors = (projected, annotations, *initial, input_gates, w.hidden2, w.score, w.gate)
-    tensors += (w.gate_bias, w.lstm)
+    tensors: list[Tensor | None] = [projected, annotations, *initial, input_gates, w.hidden2]
+    tensors += [w.score, w.gate, w.gate_bias, w.lstm]
     use_expected, locations = hard if hard is not None else (None, None)
     outputs = _Recurrence.apply(kernels, *(_c(t) for t in tensors), _c(use_expected), _c(locations))
     return RecurrenceOutput(*outputs)
@@ -76,7 +76,7 @@ class _Recurrence(torch.autograd.Function):
     """``recurrence``'s node: forward in one kernel call, backward through time in another."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         kernels: NativeKernels,
         projected: Tensor,
@@ -96,8 +96,8 @@ class _Recurrence(torch.autograd.Function):
         seq = [inputs, cells, new(T, B, 4 * n), new(T, B, A), new(T, B, L), new(T, B, D)]
         seq += [new(T, B), new(T, B, n)]  # β, h_1 .. h_T
         assert score is not None
-        pointers = [projected, annotations, input_gates, hidden2, 2.0 * score, gate, gate_bias]
-        pointers.append(lstm)
+        pointers: list[Tensor | None] = [projected, annotations, input_gates, hidden2, 2.0 * score]
+        pointers += [gate, gate_bias, lstm]
         hard: list[Tensor] = []
         if use_expected is None:
             run = kernels.soft_recurrence_forward
@@ -110,7 +110,7 @@ class _Recurrence(torch.autograd.Function):
             uniforms = torch.rand(T, B, dtype=h0.dtype) if sampled else None
             hard = [new(T, B, L), new(T, B), new(T, B)]  # log α, log α_{t,s̃}, H[α_t]
             pointers += [use_expected, uniforms, locations]
-        call(functools.partial(run, kernels.sgemm), pointers + seq + hard, T, B, A, L, D, n)
+        call(functools.partial(run, kernels.sgemm), [*pointers, *seq, *hard], T, B, A, L, D, n)
         ctx.kernels = kernels
         kept = (use_expected, locations, hard[0], hard[2]) if hard else (None,) * 4
         ctx.save_for_backward(projected, annotations, hidden2, score, gate, lstm, *seq, *kept)
