@@ -44,8 +44,7 @@ from sat_model.data.vocab import END_ID, PAD_ID, START_ID
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
 from sat_model.model.decoding import Caption, beam_search
 from sat_model.model.factory import build_model
-from sat_model.model.kernels import native
-from sat_model.model.kernels.backend import torch_lstm_step
+from sat_model.model.kernels import build_backend, native
 from sat_model.model.losses import build_criterion
 from sat_model.train.trainer import build_optimizer
 
@@ -105,40 +104,6 @@ def cpu_bf16_matmul_flops(size: int = 2048, repeats: int = 5) -> float:
     b = torch.randn(size, size, dtype=torch.bfloat16)
     torch.mm(a, b)  # warm-up
     return 2 * size**3 / _best_time(lambda: torch.mm(a, b), repeats)
-
-
-def bench_lstm_kernels(d: Dims, rows: tuple[int, ...], repeats: int = 20) -> list[dict]:
-    """One LSTM step (Eq. 1-3) through nn.LSTMCell (two BLAS matmuls) and through torch.lstm
-    (oneDNN's RNN primitive, which repacks the weights on every call): the two kernels the
-    backend picks between by rows (``sat_model.model.kernels.backend.ONEDNN_LSTM_MIN_ROWS``)."""
-    gen = torch.Generator().manual_seed(0)
-    cell = torch.nn.LSTMCell(d.m + d.D, d.n)
-    out = []
-    for r in rows:
-        x = torch.randn(r, d.m + d.D, generator=gen)
-        h, c = torch.randn(r, d.n, generator=gen), torch.randn(r, d.n, generator=gen)
-
-        def through_cell(x: torch.Tensor = x, h: torch.Tensor = h, c: torch.Tensor = c) -> object:
-            return cell(x, (h, c))
-
-        def through_lstm(x: torch.Tensor = x, h: torch.Tensor = h, c: torch.Tensor = c) -> object:
-            return torch_lstm_step(cell, x, h, c)
-
-        cell_s = lstm_s = float("inf")
-        with torch.inference_mode():
-            for _ in range(repeats):  # interleaved, best of each
-                cell_s = min(cell_s, _best_time(through_cell, 1))
-                lstm_s = min(lstm_s, _best_time(through_lstm, 1))
-        out.append(
-            {
-                "dims": d.name,
-                "rows": r,
-                "lstm_cell_ms": cell_s * 1e3,
-                "torch_lstm_ms": lstm_s * 1e3,
-                "lstm_cell_over_torch_lstm": cell_s / lstm_s,
-            }
-        )
-    return out
 
 
 def train_step_flops(d: Dims, batch: int, steps: int) -> float:
@@ -228,53 +193,6 @@ def bench_training(
     }
 
 
-BACKENDS = ("fast", "fused", "readable")
-
-
-def bench_backends(
-    d: Dims, attention: str, batch: int, steps: int, rounds: int, device: str
-) -> dict:
-    """Each backend (``model.backend``) on the same weights: the trainer's float32 step
-    (``bench_training``'s) and batched beam search (beam 3, 20 steps), interleaved rounds, best
-    of each; on a GPU the backend's fused passes launch other kernels than autograd does."""
-    gen = torch.Generator().manual_seed(0)
-    models = {
-        name: build_model(
-            ModelParams(embed_dim=d.m, hidden_dim=d.n, attention_dim=d.A, backend=name),
-            vocab_size=d.K,
-            annotation_dim=d.D,
-            num_locations=d.L,
-            attention=attention,
-        ).to(device)
-        for name in BACKENDS
-    }
-    with torch.no_grad():  # every caption runs to 20 words: equal decoding work each way
-        models["fast"].out.bias[END_ID] = -1e4
-    for model in models.values():
-        model.load_state_dict(models["fast"].state_dict())
-    cfg = SoftTrainConfig() if attention == "soft" else HardTrainConfig()
-    annotations = torch.randn(batch, d.L, d.D, generator=gen).to(device)
-    captions = _captions(batch, steps, d.K, gen).to(device)
-    runs: dict[str, Callable[[], object]] = {}
-    for name, model in models.items():
-        criterion = build_criterion(attention, cfg).to(device)
-        optimizer = build_optimizer(model.parameters(), "adam", lr=1e-4)
-        runs[f"train_{name}"] = functools.partial(
-            _train_once, model, criterion, optimizer, annotations, captions
-        )
-        runs[f"beam_{name}"] = functools.partial(beam_search, model, annotations, 3, 20)
-    for run in runs.values():
-        run()  # warm-up
-    best = _interleaved_best(runs, rounds, device)
-    row: dict = {"device": device, "dims": d.name, "attention": attention, "batch": batch}
-    for name in BACKENDS:
-        row[f"training_{name}_captions_per_s"] = batch / best[f"train_{name}"]
-        row[f"beam_{name}_captions_per_s"] = batch / best[f"beam_{name}"]
-    row["training_fast_over_readable"] = best["train_readable"] / best["train_fast"]
-    row["beam_fast_over_readable"] = best["beam_readable"] / best["beam_fast"]
-    return row
-
-
 def _train_once(
     model: torch.nn.Module,
     criterion: torch.nn.Module,
@@ -296,7 +214,7 @@ def _train_once(
 def load_tree(root: str | Path) -> dict[str, ModuleType]:
     """Another checkout's ``sat_model`` (e.g. today's main beside this branch), imported into
     this process under its own module objects so both are timed in the same rounds: its
-    decoder, decoding, losses, trainer and (where it has one) backend modules. The current
+    decoder, decoding, losses, trainer and (where it has one) kernels modules. The current
     tree's ``sat_model`` stays the one ``import`` finds, so its models need their backend from
     :func:`baseline_model`."""
     ours = {k: sys.modules.pop(k) for k in list(sys.modules) if k.split(".")[0] == "sat_model"}
@@ -317,13 +235,15 @@ def load_tree(root: str | Path) -> dict[str, ModuleType]:
 
 
 def baseline_model(tree: dict[str, ModuleType], fields: dict[str, Any]) -> Any:
-    """A model of ``tree`` (``load_tree``) with that tree's own fast backend: its decoder builds
-    the backend through an ``import`` at construction, which would find this tree's."""
-    model = tree["decoder"].ShowAttendTell(tree["decoder"].ModelConfig(**fields))
-    if "kernels" in tree:
-        model.backend = tree["kernels"].FastBackend()
-        assert model.fast is not None, "the baseline's backend declined its own model"
-    return model
+    """A model of ``tree`` (``load_tree``) with that tree's own backend, built from its own
+    kernels module (a decoder that imports its backend would find this tree's)."""
+    config, kernels = tree["decoder"].ModelConfig(**fields), tree.get("kernels")
+    if kernels is not None and hasattr(kernels, "FastBackend"):  # the decoder named it
+        model = tree["decoder"].ShowAttendTell(config, backend="readable")
+        model.backend = kernels.FastBackend()
+        return model
+    backend = None if kernels is None else kernels.build_backend("native")
+    return tree["decoder"].ShowAttendTell(config, backend)
 
 
 def tutorial_loss(
@@ -399,8 +319,8 @@ def bench_against_reference(
     device: str = "cpu",
     baseline: dict[str, ModuleType] | None = None,
 ) -> dict:
-    """Training captions/s of the project's step (its fast backend; with the compiled kernels
-    off; the readable model alone) against the tutorial's plain step (``tutorial_loss``) at
+    """Training captions/s of the project's step (its native backend, and the
+    readable model alone) against the tutorial's plain step (``tutorial_loss``) at
     the same sizes, soft attention with the doubly stochastic term, Adam, captions of 10-20
     words; with ``baseline`` (``load_tree``) also that tree's step. Interleaved rounds, best
     of each."""
@@ -432,17 +352,15 @@ def bench_against_reference(
 
 
 def _reference_models(fields: dict[str, Any], device: str) -> dict[str, ShowAttendTell]:
-    """The models ``bench_against_reference`` times, all with the first one's weights: the fast
-    backend twice (with and without the compiled kernels), the readable model, and the
-    readable model the tutorial's step runs on."""
+    """The models ``bench_against_reference`` times, all with the first one's weights: the
+    native backend, the readable model, and the readable model the tutorial's step runs on."""
     config = ModelConfig(**fields)
     models = {
-        "ours": ShowAttendTell(config, backend="fast").to(device),
-        "without_native_kernels": ShowAttendTell(config, backend="fused").to(device),
-        "readable": ShowAttendTell(config, backend="readable").to(device),
-        "reference": ShowAttendTell(config, backend="readable").to(device),
+        "ours": ShowAttendTell(config, build_backend("native")).to(device),
+        "readable": ShowAttendTell(config).to(device),
+        "reference": ShowAttendTell(config).to(device),
     }
-    for name in ("without_native_kernels", "readable", "reference"):
+    for name in ("readable", "reference"):
         models[name].load_state_dict(models["ours"].state_dict())
     return models
 
@@ -454,15 +372,11 @@ def _reference_steps(
     captions: torch.Tensor,
     doubly_stochastic: float,
 ) -> dict[str, Callable[[], None]]:
-    """A training step of each of ``_reference_models``: the project's loss (with the fast and
-    the fused backend) and, for the reference, ``tutorial_loss``."""
-    ours, eager = models["ours"], models["without_native_kernels"]
-    readable, theirs = models["readable"], models["reference"]
+    """A training step of each of ``_reference_models``: the project's loss (with the native
+    backend and without) and, for the reference, ``tutorial_loss``."""
+    ours, readable, theirs = models["ours"], models["readable"], models["reference"]
     return {
         "ours": _adam_step(ours, lambda: criterion(ours(annotations, captions), captions).loss),
-        "without_native_kernels": _adam_step(
-            eager, lambda: criterion(eager(annotations, captions), captions).loss
-        ),
         "readable": _adam_step(
             readable, lambda: criterion(readable(annotations, captions), captions).loss
         ),
@@ -502,13 +416,9 @@ def _reference_row(d: Dims, batch: int, rounds: int, device: str, best: dict[str
         "rounds": rounds,
         "native_kernels": native.load() is not None,
         "captions_per_s": batch / best["ours"],
-        "without_native_kernels_captions_per_s": batch / best["without_native_kernels"],
         "readable_captions_per_s": batch / best["readable"],
         "reference_captions_per_s": batch / best["reference"],
         "speedup_over_reference": best["reference"] / best["ours"],
-        "speedup_over_reference_without_native_kernels": (
-            best["reference"] / best["without_native_kernels"]
-        ),
         "readable_speedup_over_reference": best["reference"] / best["readable"],
         "matmul_flops_per_s": train_step_flops(d, batch, 20) / best["ours"],
     }
@@ -544,19 +454,6 @@ def _baseline_training_step(
     return bind
 
 
-def bench_attention_nonlinearity(d: Dims, rows: int, repeats: int = 20) -> dict:
-    """f_att's largest tensor (rows, A, L): torch.tanh against the 2σ(2u) form model.py uses."""
-    u = torch.randn(rows, d.A, d.L)
-    tanh_s = _best_time(lambda: torch.tanh(u), repeats)
-    sigmoid_s = _best_time(lambda: torch.sigmoid(u * 2.0), repeats)
-    return {
-        "shape": [rows, d.A, d.L],
-        "tanh_ms": tanh_s * 1e3,
-        "sigmoid_of_2u_ms": sigmoid_s * 1e3,
-        "tanh_over_sigmoid": tanh_s / sigmoid_s,
-    }
-
-
 def bench_beam(
     d: Dims,
     images: int,
@@ -574,7 +471,7 @@ def bench_beam(
     ``baseline`` (``load_tree``), that tree's batched search on the same weights too."""
     torch.manual_seed(0)
     fields = _soft_fields(d)
-    model = ShowAttendTell(ModelConfig(**fields)).to(device)
+    model = ShowAttendTell(ModelConfig(**fields), build_backend("native")).to(device)
     with torch.no_grad():
         model.out.bias[END_ID] = -1e4  # every caption runs to max_length: equal work both ways
     annotations = torch.randn(images, d.L, d.D, device=device)
@@ -605,25 +502,25 @@ def bench_beam(
 def _beam_runs(
     model: ShowAttendTell, annotations: torch.Tensor, beam: int, max_length: int, device: str
 ) -> dict[str, Callable[[], object]]:
-    """Batched beam search, the same through the fused backend (without the compiled kernels;
-    on the CPU only: they are CPU code, elsewhere both runs are the same) and one image at a
-    time."""
-    fused = ShowAttendTell(model.config, backend="fused")
-    fused = fused.to(device=annotations.device, dtype=annotations.dtype).train(model.training)
-    fused.load_state_dict(model.state_dict())
+    """Batched beam search, the same through the readable model (on the CPU only: the kernels
+    are CPU code, elsewhere both runs are the same) and one image at a time."""
+    readable = ShowAttendTell(model.config)
+    readable = readable.to(device=annotations.device, dtype=annotations.dtype)
+    readable.load_state_dict(model.state_dict())
+    readable.train(model.training)
 
     def batched() -> object:
         return beam_search(model, annotations, beam, max_length)
 
-    def batched_eager() -> object:
-        return beam_search(fused, annotations, beam, max_length)
+    def batched_readable() -> object:
+        return beam_search(readable, annotations, beam, max_length)
 
     def one_at_a_time() -> object:
         return [beam_search(model, a.unsqueeze(0), beam, max_length) for a in annotations]
 
     runs: dict[str, Callable[[], object]] = {"batched": batched}
     if device == "cpu":
-        runs["without_native_kernels"] = batched_eager
+        runs["readable"] = batched_readable
     runs["one_at_a_time"] = one_at_a_time
     return runs
 
@@ -669,7 +566,7 @@ def _beam_row(
     """``bench_beam``'s row from the best seconds of each run and the count of images whose
     batched caption is the one-at-a-time one."""
     batched_s, single_s = best["batched"], best["one_at_a_time"]
-    eager_s = best.get("without_native_kernels", 0.0)
+    readable_s = best.get("readable", 0.0)
     # one row per image at the first step, then all B*k rows (<end> is unreachable here)
     row_steps = images * (1 + beam * (max_length - 1))
     return {
@@ -682,10 +579,10 @@ def _beam_row(
         "rounds": rounds,
         "native_kernels": native.load() is not None,
         "batched_captions_per_s": images / batched_s,
-        "batched_without_native_kernels_captions_per_s": images / eager_s if eager_s else None,
+        "batched_readable_captions_per_s": images / readable_s if readable_s else None,
         "one_at_a_time_captions_per_s": images / single_s,
         "speedup": single_s / batched_s,
-        "speedup_without_native_kernels": single_s / eager_s if eager_s else None,
+        "batched_native_over_readable": readable_s / batched_s if readable_s else None,
         "batched_matmul_flops_per_s": row_steps * _step_flops(d) / batched_s,
         "batched_matmul_flops": row_steps * _step_flops(d),
         "one_at_a_time_s": single_s,
@@ -694,55 +591,63 @@ def _beam_row(
 
 
 def bench_compiled(d: Dims, batch: int, rounds: int, beam_images: int) -> dict:
-    """The readable model's step compiled by ``torch.compile`` (Inductor's CPU C++ backend:
-    ``advance`` and ``deep_output``, the equations of a step) against the hand-written backend,
-    training (soft, forward + backward) and batched beam search; interleaved rounds, best of
-    each, the compile time apart. Where Inductor cannot compile, the error instead."""
-    fast, compiled = _compiled_models(d)
+    """The native backend against ``torch.compile`` of the readable code it stands in for
+    (Inductor's CPU backend over ``advance`` and ``deep_output``, the equations of a step) and
+    against the readable code itself: the training recurrence (soft, forward and backward of
+    the loss; the kept kernel) and decoding (batched beam search; no kernel kept, so native is
+    the readable code there). Interleaved rounds, best of each; each compile time apart. Where
+    Inductor cannot compile, the error instead. A kernel pays where ``native_over_compiled``
+    is at least 1.3."""
+    models = _compiled_models(d)
     criterion = build_criterion("soft", SoftTrainConfig())
     gen = torch.Generator().manual_seed(0)
     annotations = torch.randn(batch, d.L, d.D, generator=gen)
     captions = _captions(batch, 20, d.K, gen)
     images = annotations[:beam_images]
-    row: dict = {"dims": d.name, "batch": batch, "beam_images": beam_images, "rounds": rounds}
-    try:
-        start = time.perf_counter()
-        _training_pass(compiled, criterion, annotations, captions)()
-        _beam_pass(compiled, images)()
-        row["compile_s"] = time.perf_counter() - start
-    except Exception as exc:
-        return row | {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
-    runs = {
-        "fast_train": _training_pass(fast, criterion, annotations, captions),
-        "compiled_train": _training_pass(compiled, criterion, annotations, captions),
-        "fast_beam": _beam_pass(fast, images),
-        "compiled_beam": _beam_pass(compiled, images),
+    pieces = {
+        "training_recurrence": (batch, _training_pass, (criterion, annotations, captions)),
+        "decoding": (beam_images, _beam_pass, (images,)),
     }
+    row: dict = {"dims": d.name, "batch": batch, "beam_images": beam_images, "rounds": rounds}
+    runs: dict[str, Callable[[], None]] = {}
+    for piece, (_, make, args) in pieces.items():
+        for name, model in models.items():
+            runs[f"{piece}/{name}"] = make(model, *args)  # type: ignore[operator]
+        try:
+            start = time.perf_counter()
+            runs[f"{piece}/compiled"]()
+            row[f"{piece}_compile_s"] = time.perf_counter() - start
+        except Exception as exc:  # Inductor's own errors have no common base
+            return row | {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
     for run in runs.values():
         run()  # warm-up
     best = _interleaved_best(runs, rounds)
-    return row | {
-        "training_captions_per_s": {k: batch / best[f"{k}_train"] for k in ("fast", "compiled")},
-        "beam_captions_per_s": {k: beam_images / best[f"{k}_beam"] for k in ("fast", "compiled")},
-        "training_fast_over_compiled": best["compiled_train"] / best["fast_train"],
-        "beam_fast_over_compiled": best["compiled_beam"] / best["fast_beam"],
-    }
+    for piece, (count, _, _) in pieces.items():
+        rates = {name: count / best[f"{piece}/{name}"] for name in models}
+        row[piece] = {f"{name}_per_s": rate for name, rate in rates.items()} | {
+            "native_over_compiled": rates["native"] / rates["compiled"],
+            "native_over_readable": rates["native"] / rates["readable"],
+        }
+    return row
 
 
-def _compiled_models(d: Dims) -> tuple[ShowAttendTell, ShowAttendTell]:
-    """The fast backend's model, and the readable one with its weights and its step's equations
-    (``advance``, ``deep_output``) wrapped by ``torch.compile``, compiled at their first call."""
+def _compiled_models(d: Dims) -> dict[str, ShowAttendTell]:
+    """The native backend's model, the readable one with its weights, and the readable one
+    with its step's equations (``advance``, ``deep_output``) wrapped by ``torch.compile``,
+    compiled at their first call."""
     torch.manual_seed(0)
     config = ModelConfig(**_soft_fields(d))
-    fast = ShowAttendTell(config, backend="fast")
-    compiled = ShowAttendTell(config, backend="readable")
-    compiled.load_state_dict(fast.state_dict())
+    native_model = ShowAttendTell(config, build_backend("native"))
+    models = {"native": native_model, "readable": ShowAttendTell(config)}
+    models["compiled"] = compiled = ShowAttendTell(config)
     # one graph per shape, mode and grad mode: beam search's first step has B rows, the
     # others B*k; training and decoding differ in dropout and autograd
     torch._dynamo.config.recompile_limit = 64
     compiled.advance = torch.compile(compiled.advance)  # type: ignore[method-assign]
     compiled.deep_output = torch.compile(compiled.deep_output)  # type: ignore[method-assign]
-    return fast, compiled
+    for model in models.values():
+        model.load_state_dict(native_model.state_dict())
+    return models
 
 
 def _training_pass(
@@ -853,10 +758,6 @@ def _main_cpu(dims: list[Dims], beam_images: int, quick: bool) -> dict:
         "matmul_flops_per_s_by_backend": backends,
         "dims": [asdict(d) for d in dims],
         "training": training,
-        "attention_nonlinearity": bench_attention_nonlinearity(dims[0], rows=beam_images * 3),
-        "lstm_kernels": [
-            row for d in dims for row in bench_lstm_kernels(d, rows=(3, beam_images * 3))
-        ],
         "beam_search": bench_beam(dims[0], images=beam_images, beam=3, max_length=20),
     }
     if not quick:  # one-image decoding at the paper's sizes: the slowest row
@@ -964,6 +865,8 @@ def comparison(
             )
             for d in (default, PAPER)
         ],
+        # what keeps each hand-written piece: its ratio over compiled readable code
+        "kept_over_compiled": bench_compiled(FLICKR8K, 64, rounds, beam_images),
     }
     for row in result["training_against_reference"]:
         _add_training_bound(row, peak)
@@ -1011,11 +914,6 @@ def _main_cuda(default: Dims, beam_images: int) -> dict:
         "beam_search": [
             bench_beam(d, images=beam_images, beam=3, max_length=20, device="cuda", rounds=3)
             for d in (default, FLICKR8K, PAPER)
-        ],
-        "backends": [
-            bench_backends(d, attention, 64, 16, 5, "cuda")
-            for d in (default, FLICKR8K, TUTORIAL, PAPER)
-            for attention in ATTENTION_KINDS
         ],
     }
     _write_json(RESULTS.with_name("model_cuda.json"), result)

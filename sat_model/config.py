@@ -346,12 +346,12 @@ class ModelParams(_Section):
         True,
         description="standardise each annotation channel with the training features' statistics",
     )
-    backend: Literal["fast", "fused", "readable"] | None = Field(
-        None,
-        description="how the model is computed, not what: fast (fused and compiled kernels "
-        "where they apply, on CPU; a GPU runs the readable code), fused (the same without the "
-        "compiled C++ kernels) or readable (autograd through the decoder's equations only); "
-        "null: the environment variable SAT_MODEL_BACKEND decides, else fast",
+    backend: Literal["native", "readable"] = Field(
+        "native",
+        description='how the model is computed (docs/METHOD.md, "The backend"): native '
+        "(compiled kernels on float32 CPU tensors, the readable code elsewhere) or readable "
+        "(autograd through the decoder's equations only); the two draw and round differently, "
+        "so it is part of a run's params and identity",
     )
 
 

@@ -31,6 +31,7 @@ from sat_model.model.checkpoint import save_checkpoint
 from sat_model.model.config import ModelConfig
 from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.factory import build_model
+from sat_model.model.kernels import build_backend
 from sat_model.paths import shared_data
 
 __all__ = [
@@ -314,7 +315,7 @@ TINY_K, TINY_D, TINY_L = 12, 8, 6
 
 
 def tiny_model(
-    attention: str = "soft", backend: str | None = None, **overrides: object
+    attention: str = "soft", backend: str = "native", **overrides: object
 ) -> ShowAttendTell:
     fields: dict[str, Any] = dict(
         vocab_size=TINY_K,
@@ -325,7 +326,7 @@ def tiny_model(
     )
     fields.update(overrides)
     config = model_config(**fields)
-    return ShowAttendTell(config, backend)  # type: ignore[arg-type]
+    return ShowAttendTell(config, build_backend(backend))
 
 
 def tiny_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,6 +51,7 @@ from torch import nn
 from sat_model.atomic import write_bytes_atomic, write_text_atomic
 from sat_model.data.vocab import Vocab, VocabError, load_vocab, save_vocab
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
+from sat_model.model.kernels import build_backend
 
 __all__ = [
     "BEST_STATE_FILE",
@@ -330,17 +331,21 @@ def _training_state(payload: dict[str, Any], path: Path, config: ModelConfig) ->
 
 
 def load_model(
-    directory: str | Path, device: str | torch.device = "cpu"
+    directory: str | Path, device: str | torch.device = "cpu", backend: str = "native"
 ) -> tuple[ShowAttendTell, Vocab, ModelConfig]:
     """Rebuild the model from the folder alone, in eval mode, on ``device``."""
-    return model_from_checkpoint(load_checkpoint(directory), device, source=directory)
+    return model_from_checkpoint(load_checkpoint(directory), device, directory, backend)
 
 
 def model_from_checkpoint(
-    ckpt: Checkpoint, device: str | torch.device = "cpu", source: str | Path = "checkpoint"
+    ckpt: Checkpoint,
+    device: str | torch.device = "cpu",
+    source: str | Path = "checkpoint",
+    backend: str = "native",
 ) -> tuple[ShowAttendTell, Vocab, ModelConfig]:
-    """The model of a loaded checkpoint, in eval mode, on ``device`` (``source`` names it)."""
-    model = ShowAttendTell(ckpt.model_config)
+    """The model of a loaded checkpoint, in eval mode, on ``device`` (``source`` names it),
+    computed by ``backend`` (``model.backend``)."""
+    model = ShowAttendTell(ckpt.model_config, backend=build_backend(backend))
     try:
         model.load_state_dict(ckpt.model_state)
     except RuntimeError as e:  # missing/unexpected keys or shape mismatches

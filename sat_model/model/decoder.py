@@ -13,18 +13,15 @@ attention takes the expectation), ``"expected"`` (ẑ = β Σ α a, the authors'
 ``"sample"`` (one sampled location, no semi-sampling) and ``"argmax"`` (the most attended
 location).
 
-The speed is a backend (``sat_model/model/kernels``), chosen once when the model is built
-(``backend``: ``"fast"``, ``"fused"`` without its compiled kernels, or ``"readable"``; the
-environment variable ``SAT_MODEL_BACKEND`` overrides the default). It computes the same functions
-as the code here (``tests/sat_model/test_backend.py`` holds it to them), and steps aside by itself
-for a model whose modules are not the stock ones: a replaced attention or cell runs here.
+A ``Backend``, given by the model factory, may compute ``forward`` faster: the same function
+(``tests/sat_model/test_backend.py`` holds it to it), or None where it does not apply and the
+code here runs (docs/METHOD.md, "The backend").
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -32,14 +29,10 @@ from torch import Tensor, nn
 from sat_model.model.config import SEMI_SAMPLING_PER, ModelConfig
 from sat_model.model.outputs import AttentionOutput, DecoderState, ForwardOutput, StepOutput
 
-if TYPE_CHECKING:
-    from sat_model.model.kernels import FastBackend
-
 __all__ = [
-    "BACKENDS",
-    "BACKEND_ENV",
     "MODES",
     "SEMI_SAMPLING_PER",
+    "Backend",
     "HardAttention",
     "ModelConfig",
     "ShowAttendTell",
@@ -47,8 +40,6 @@ __all__ = [
 ]
 
 MODES = ("train", "expected", "sample", "argmax")
-BACKENDS = ("fast", "fused", "readable")
-BACKEND_ENV = "SAT_MODEL_BACKEND"
 
 
 class SoftAttention(nn.Module):
@@ -143,10 +134,21 @@ def pick_location(alpha: Tensor, mode: str) -> Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=alpha.size(-1) - 1)
 
 
+class Backend(Protocol):
+    """Another computation of ``ShowAttendTell.forward``: its result, or None where it does
+    not apply (then the code here runs)."""
+
+    def forward(
+        self, model: ShowAttendTell, a: Tensor, y: Tensor, mode: str, s: Tensor | None, k: int, /
+    ) -> ForwardOutput | None:
+        """The pass over annotations (B/k, L, D) and inputs y (B, T), forced s̃ (B, T) or
+        None, k rows per image."""
+
+
 class ShowAttendTell(nn.Module):
     """The decoder of Sec. 3.1.2 with soft or hard attention, over precomputed annotations."""
 
-    def __init__(self, config: ModelConfig, backend: str | None = None) -> None:
+    def __init__(self, config: ModelConfig, backend: Backend | None = None) -> None:
         super().__init__()
         self.config = config
         D, m, n, K = config.annotation_dim, config.embed_dim, config.hidden_dim, config.vocab_size
@@ -172,12 +174,7 @@ class ShowAttendTell(nn.Module):
         self.dropout = nn.Dropout(config.dropout)  # before L_o (authors' code)
         self.input_dropout = nn.Dropout(config.input_dropout)
         self.out = nn.Linear(m, K)  # L_o (Eq. 7)
-        self.backend: FastBackend | None = _build_backend(backend)
-
-    @property
-    def fast(self) -> FastBackend | None:
-        """The backend, while every module is the stock one it was written for."""
-        return self.backend if self.backend is not None and self.backend.fits(self) else None
+        self.backend = backend
 
     @torch.no_grad()
     def set_feature_statistics(self, mean: Tensor, std: Tensor) -> None:
@@ -211,8 +208,7 @@ class ShowAttendTell(nn.Module):
                 t.repeat_interleave(rows_per_image, 0) for t in (a, mean, projected)
             )
         h, c = torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))  # (B, n)
-        state = DecoderState(h=h, c=c, annotations=a, projected=projected)
-        return state if self.fast is None else self.fast.init_state(self, state)
+        return DecoderState(h=h, c=c, annotations=a, projected=projected)
 
     def advance(
         self,
@@ -243,9 +239,6 @@ class ShowAttendTell(nn.Module):
     def step(self, prev_tokens: Tensor, state: DecoderState, mode: str = "expected") -> StepOutput:
         """One decoding step from y_{t-1} (B,) and the state at t-1."""
         _check_mode(mode)
-        if self.fast is not None and (fast := self.fast.step(self, prev_tokens, state, mode)):
-            return fast
-        # manual implementation
         embedded = self.embedding(prev_tokens)  # (B, m)
         state, att, z, beta = self.advance(embedded, state, mode)
         logits = self.deep_output(embedded, state.h, z)  # (B, K)
@@ -275,11 +268,10 @@ class ShowAttendTell(nn.Module):
                 f"{inputs.size(0)} captions for {annotations.size(0)} images at "
                 f"rows_per_image={rows_per_image}"
             )
-        if self.fast is not None:
-            out = self.fast.forward(self, annotations, inputs, mode, locations, rows_per_image)
+        if self.backend is not None:
+            out = self.backend.forward(self, annotations, inputs, mode, locations, rows_per_image)
             if out is not None:
                 return out
-        # manual implementation
         state = self.init_state(annotations, rows_per_image)
         use_expected = self.semi_sampling_mask(inputs.size(0), mode, locations, inputs.device)
         embedded = self.embedding(inputs)  # (B, T, m)
@@ -325,18 +317,6 @@ class ShowAttendTell(nn.Module):
                 f"annotations must have shape (B, {expected[0]}, {expected[1]}), "
                 f"got {tuple(annotations.shape)}"
             )
-
-
-def _build_backend(name: str | None) -> FastBackend | None:
-    """The backend named by the argument, else by ``SAT_MODEL_BACKEND``, else the fast one."""
-    name = name or os.environ.get(BACKEND_ENV) or "fast"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown model backend {name!r}; expected one of {BACKENDS}")
-    if name == "readable":
-        return None
-    from sat_model.model.kernels import FastBackend
-
-    return FastBackend(native=name == "fast")
 
 
 def _cell_coordinates(config: ModelConfig) -> Tensor:

@@ -6,6 +6,7 @@ import math
 
 from sat_model.config import ATTENTION_KINDS, ModelParams
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
+from sat_model.model.kernels import build_backend
 
 __all__ = ["build_model"]
 
@@ -38,4 +39,4 @@ def build_model(
         semi_sampling_per=semi_sampling_per,
         grid_w=grid_w if grid_w is not None else math.isqrt(num_locations),
     )
-    return ShowAttendTell(config, backend=model_params.backend)
+    return ShowAttendTell(config, backend=build_backend(model_params.backend))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 from torch import Tensor
 
@@ -32,7 +31,6 @@ class DecoderState:
     c: Tensor  # (B*k, n)
     annotations: Tensor  # (B, L, D)
     projected: Tensor  # (B, L, A), W_a a_i + b of Eq. 4, once per image
-    fast: Any = None  # what the backend keeps per decoding call (None without it)
 
     def reorder(self, index: Tensor) -> DecoderState:
         """Select rows of the LSTM state (beam search); a beam stays within its image, so the

@@ -1,6 +1,7 @@
 """``benchmarks/bench_model.py``: its beam search rows (batched against one image at a time in
 float32 and in bfloat16, and the bound the matrix products put on their ratio), its plain
-reference of the training step, and the baseline tree it times beside this one."""
+reference of the training step, the baseline tree it times beside this one, and the kept
+kernels against compiled readable code."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_the_tutorials_reference_computes_the_models_loss_and_gradients() -> Non
     config = model_config(
         vocab_size=12, annotation_dim=5, num_locations=4, embed_dim=6, hidden_dim=7, attention_dim=3
     )
-    model = ShowAttendTell(config, backend="readable").double().train()
+    model = ShowAttendTell(config).double().train()
     gen = torch.Generator().manual_seed(1)
     annotations = torch.randn(6, 4, 5, generator=gen, dtype=torch.float64)
     captions = bench_model._captions(6, 8, 12, gen)
@@ -97,12 +98,12 @@ def test_a_tree_loaded_beside_is_timed_in_the_same_rounds() -> None:
     assert beam["batched_over_baseline"] > 0 and beam["same_captions"] is True
 
 
-@pytest.mark.parametrize("attention", ["soft", "hard"])
-def test_each_backend_is_timed_on_the_same_weights(attention: str) -> None:
-    """``--device cuda``'s backend rows, here on the CPU: a training step and batched beam
-    search for each position of ``model.backend``."""
-    row = bench_model.bench_backends(TINY, attention, batch=4, steps=4, rounds=1, device="cpu")
-    for name in bench_model.BACKENDS:
-        assert row[f"training_{name}_captions_per_s"] > 0
-        assert row[f"beam_{name}_captions_per_s"] > 0
-    assert row["training_fast_over_readable"] > 0 and row["beam_fast_over_readable"] > 0
+@pytest.mark.slow
+def test_each_kept_piece_is_timed_against_compiled_readable_code() -> None:
+    """``--comparison``'s ``kept_over_compiled``: the training recurrence and decoding
+    against ``torch.compile`` of the readable step, each with its compile time."""
+    row = bench_model.bench_compiled(TINY, batch=4, rounds=1, beam_images=2)
+    assert "error" not in row, row.get("error")
+    for piece in ("training_recurrence", "decoding"):
+        assert row[f"{piece}_compile_s"] > 0
+        assert row[piece]["native_over_compiled"] > 0 and row[piece]["native_over_readable"] > 0

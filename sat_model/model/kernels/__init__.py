@@ -1,18 +1,25 @@
-"""The speed of ``ShowAttendTell`` as a backend, apart from the equations of ``decoder.py``.
+"""The backends of ``ShowAttendTell`` (docs/METHOD.md, "The backend"): how it is computed.
 
-- ``backend.py``: ``FastBackend``, which the model asks first for a pass or a decoding step,
-  and which declines (the readable code runs) wherever it was not written for the case;
-- ``fused.py``: the training recurrence as one autograd node with a hand-written backward;
-- ``native.py`` and ``native_kernels.cpp``: compiled kernels of the attention and LSTM steps on
-  float32 CPU tensors, built on first use; where they cannot be built, one warning and the
-  PyTorch code of ``fused.py`` and ``backend.py`` instead.
+``model.backend`` in params.yaml names one, and the model factory injects it:
 
-The backend is chosen once, when the model is built: ``params.model.backend``, else the
-environment variable ``SAT_MODEL_BACKEND``: ``fast`` (the default: all of the above), ``fused``
-(the same without the compiled kernels, as where they cannot be built, and nothing is built) or
-``readable`` (no backend: autograd through ``decoder.py``).
+- ``native``: ``NativeBackend`` (``backend.py``) runs a training pass's recurrence
+  (``recurrence.py``) on compiled kernels (``native.py``, ``native_kernels.cpp``) on float32
+  CPU tensors, and the readable code elsewhere (decoding included);
+- ``readable``: no backend, autograd through ``decoder.py`` alone.
 """
 
-from sat_model.model.kernels.backend import FastBackend
+from __future__ import annotations
 
-__all__ = ["FastBackend"]
+from sat_model.model.decoder import Backend
+from sat_model.model.kernels.backend import NativeBackend
+
+__all__ = ["BACKENDS", "NativeBackend", "build_backend"]
+
+BACKENDS = ("native", "readable")
+
+
+def build_backend(name: str) -> Backend | None:
+    """The backend named ``name`` (``model.backend``); None for the readable code alone."""
+    if name not in BACKENDS:
+        raise RuntimeError(f"unknown model backend {name!r}; expected one of {BACKENDS}")
+    return NativeBackend() if name == "native" else None

@@ -1,14 +1,14 @@
-// The decoder's attention and LSTM steps, each in one pass over its tensors (issue #20).
+// The decoder's attention and LSTM steps, each in one pass over its tensors.
 //
 // ``sat_model/model/kernels/native.py`` builds this file (torch.utils.cpp_extension) the first
-// time it is needed and calls it through ctypes on float32 CPU tensors; ``fused.py`` and
-// ``backend.py`` fall back to their PyTorch code where there is no compiler. Dimensions as in
-// docs/METHOD.md: B images, k rows per image (beams; 1 in training), A attention size, L
+// time it is needed and calls the training recurrence (``recurrence.py``) through ctypes on
+// float32 CPU tensors. Dimensions as in docs/METHOD.md: B images, k rows per image (1 in the
+// recurrences), A attention size, L
 // locations, D annotation size, n LSTM size. Arrays are contiguous unless a stride is passed.
 //
 // projected (B, A, L) holds 2(W_a a_i + b), query (B*k, A) 2 W_h h, weight2 (A) 2 w_att, so
 // that 2 w_att^T tanh(u) = 2 w_att^T (2σ(2u) - 1) is Σ_a weight2_a σ(projected + query) up to a
-// constant that the softmax removes (backend.py, docs/METHOD.md). Where PyTorch's eager path
+// constant that the softmax removes (docs/METHOD.md). Where PyTorch's eager path
 // streams the (B*k, A, L) tensor through memory five to seven times per step (add, σ, product,
 // sums, gradient), this reads it once per direction and never stores it.
 //
@@ -26,7 +26,7 @@ namespace {
 // Cephes' degree-6 polynomial and 2^n built in the exponent bits; within 0.95 ulp of the exact
 // value over that range in steps of 3e-4. Written so that the compiler vectorises it inside the
 // ``omp simd`` loops below, where it beat glibc's vector expf (libmvec), which also leaves
-// scalar calls in the loops' tails (docs/EXPERIMENTS.md).
+// scalar calls in the loops' tails.
 inline float fast_exp(float x) {
   x = std::fmin(std::fmax(x, -87.0f), 88.0f);
   const float n = std::nearbyint(x * 1.44269504088896341f);
@@ -68,7 +68,7 @@ void row_scores(const float* p_image, const float* q_row, const float* weight2, 
 // then stays within e^{±86} (finite: no inf in the fast-math loops), and the clamp changes
 // nothing that float can tell: beyond +52, p + q >= 18 and σ rounds to 1 either way; below -52,
 // σ(p + q) <= σ(-18) = 1.5e-8 either way (absolute error under 1.5e-8, against scores of order
-// 1). Trained models have |p| up to ~200 and |q| mostly under 34 (docs/EXPERIMENTS.md).
+// 1). Trained models have |p| up to ~200 and |q| mostly under 34.
 constexpr float kProjectedClamp = 52.0f;
 constexpr float kQueryBound = 34.0f;
 
@@ -156,8 +156,7 @@ void row_scores_backward(const float* g, const float* p_image, const float* exp_
 extern "C" {
 
 // e^{-clamp(projected, ±kProjectedClamp)} into out (count values), as the scores' fast form
-// reads it: once per image for all the steps of a decoding call (``native.exp_of_projected``)
-// or of a training recurrence.
+// reads it: once per image for all the steps of a training recurrence.
 void sat_exp_of_projected(const float* projected, float* out, int64_t count, int64_t threads) {
 #pragma omp parallel for simd schedule(static) num_threads(threads)
   for (int64_t i = 0; i < count; ++i)
@@ -178,12 +177,6 @@ void sat_scores_forward_from(const float* projected, const float* exp_projected,
     else
       row_scores(projected + image, query + r * A, weight2, scores + r * L, A, L);
   }
-}
-
-void sat_scores_forward(const float* projected, const float* query, const float* weight2,
-                        float* scores, int64_t B, int64_t k, int64_t A, int64_t L,
-                        int64_t threads) {
-  sat_scores_forward_from(projected, nullptr, query, weight2, scores, B, k, A, L, threads);
 }
 
 // From ∂/∂scores (B*k, L): with s = σ(projected + query), u = s (1 - s) ∂scores,
@@ -207,20 +200,12 @@ void sat_scores_backward_from(const float* grad, const float* projected,
     }
 }
 
-void sat_scores_backward(const float* grad, const float* projected, const float* query,
-                         const float* weight2, float* grad_projected, float* grad_query,
-                         float* weight_rows, int64_t B, int64_t k, int64_t A, int64_t L,
-                         int64_t threads, int64_t accumulate) {
-  sat_scores_backward_from(grad, projected, nullptr, query, weight2, grad_projected, grad_query,
-                           weight_rows, B, k, A, L, threads, accumulate);
-}
-
 // Soft attention's step (Eq. 4-5 and the expected context of Sec. 4.2): the scores of the k
 // rows of each image, α = softmax over the L locations into ``alpha`` (B*k, L), and
 // φ = Σ_l α_l a_l into ``context`` (B*k, D) with rows ``context_stride`` apart. The k rows
 // of an image read its annotations (B, L, D) together, once. ``exp_projected`` (B, A, L), when
 // not null, is ``exp_of_projected``'s e^{-projected}: the images whose queries are within the
-// bound take rows_scores_exp (decoding computes it once per image for all its steps).
+// bound take rows_scores_exp.
 void sat_attend_forward(const float* projected, const float* exp_projected, const float* query,
                         const float* weight2, const float* annotations, float* alpha,
                         float* context, int64_t context_stride, int64_t B, int64_t k, int64_t A,
@@ -264,7 +249,7 @@ void sat_attend_forward(const float* projected, const float* exp_projected, cons
 
 // sat_attend_forward backwards for one row per image (training), the annotations held fixed:
 // from ∂/∂φ (B, D) and the loss's own ∂/∂α (B, L; null when none), ∂/∂α = ∂φ · a + ∂α, the
-// softmax's backward to ∂/∂scores, then the scores' backward as in sat_scores_backward
+// softmax's backward to ∂/∂scores, then the scores' backward as in sat_scores_backward_from
 // (grad_projected written or, with accumulate, added to; grad_query and weight_rows written).
 void sat_attend_backward_from(const float* grad_context, const float* grad_alpha,
                               const float* alpha, const float* annotations,
@@ -297,16 +282,6 @@ void sat_attend_backward_from(const float* grad_context, const float* grad_alpha
                           L, !accumulate);
     }
   }
-}
-
-void sat_attend_backward(const float* grad_context, const float* grad_alpha, const float* alpha,
-                         const float* annotations, const float* projected, const float* query,
-                         const float* weight2, float* grad_projected, float* grad_query,
-                         float* weight_rows, int64_t B, int64_t A, int64_t L, int64_t D,
-                         int64_t threads, int64_t accumulate) {
-  sat_attend_backward_from(grad_context, grad_alpha, alpha, annotations, projected, nullptr,
-                           query, weight2, grad_projected, grad_query, weight_rows, B, A, L, D,
-                           threads, accumulate);
 }
 
 // Eq. 1-3 after the gates' product, step t of the training recurrence: ``gates`` (B, 4n) holds
@@ -392,7 +367,7 @@ void gemm(sgemm_fn sgemm, bool trans_x, bool trans_y, int64_t M, int64_t N, int6
 }
 
 // What one step of the training recurrence shares between soft and hard attention. Arrays as
-// in fused._Sequence, each at step t; ``input`` (B, D + n) is [ẑ_t; h_{t-1}] per image.
+// in recurrence._Sequence, each at step t; ``input`` (B, D + n) is [ẑ_t; h_{t-1}] per image.
 struct Step {
   sgemm_fn sgemm;
   int64_t B, A, L, D, n, threads;
@@ -477,11 +452,11 @@ std::vector<float> exp_of_projected(const float* projected, int64_t count, int64
 
 extern "C" {
 
-// The teacher-forced soft recurrence of fused._Recurrence (Eq. 1-6 with β of Sec. 4.2.1), all
+// The teacher-forced soft recurrence of recurrence._Recurrence (Eq. 1-6 with β of Sec. 4.2.1), all
 // T steps in one call: the per-step work is the kernels above and four small matrix products,
-// and at the default sizes Python's dispatch of ~20 ops a step cost as much as the arithmetic.
+// so that Python's dispatch of ~20 small ops a step is not paid T times.
 // The caller sets inputs[0, :, D:] = h_0 and cells[0] = c_0; ``gate_weight`` (n) and
-// ``gate_bias`` (1) are null without the gate. Fills what fused._Sequence names: inputs (T, B,
+// ``gate_bias`` (1) are null without the gate. Fills what recurrence._Sequence names: inputs (T, B,
 // D + n) = [β φ; h_{t-1}], cells (T + 1, B, n), gates (T, B, 4n, activated), queries (T, B, A)
 // = 2 W_h h_{t-1}, alphas (T, B, L), contexts (T, B, D) = φ, betas (T, B), hidden (T, B, n).
 void sat_soft_recurrence_forward(sgemm_fn sgemm, const float* projected,
@@ -541,11 +516,12 @@ void sat_soft_recurrence_backward(
   }
 }
 
-// Hard attention's training recurrence (Eq. 8-9 with the semi-sampling of Sec. 4.1, then the gate
-// and Eq. 1-3), all T steps in one call, as fused._hard_attention and fused._forward_step do them.
+// Hard attention's training recurrence (Eq. 8-9 with the semi-sampling of Sec. 4.1, then the
+// gate and Eq. 1-3), all T steps in one call, as decoder.HardAttention and
+// ShowAttendTell.advance compute them.
 // ``use_expected`` (B) marks the images whose context is the expected one (α's), the others
 // take the annotation at s̃_t. With ``uniforms`` (T, B), s̃_t is drawn here by the inverse CDF of
-// α_t as fused.sample_locations does (the cumulative sum in double, each partial rounded to
+// α_t as decoder.pick_location does (the cumulative sum in double, each partial rounded to
 // float, the first location whose partial exceeds u times the total) and written to
 // ``locations`` (T, B); without them ``locations`` holds the forced path. Also fills log_alphas
 // (T, B, L), log_probs (T, B) = log α_{t,s̃_t} and entropy (T, B) = H[α_t]; the rest as in

@@ -11,9 +11,7 @@ import torch
 from sat_model.data.vocab import END_ID, START_ID
 from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.decoding import Caption, beam_search, greedy
-from sat_model.model.kernels import backend as model_module
-from sat_model.model.kernels import fused as fused_module
-from sat_model.model.kernels import native
+from sat_model.model.kernels import build_backend
 from tests.factories import model_config
 
 K, D, L = 15, 6, 5
@@ -27,7 +25,7 @@ def random_model(
     config = model_config(
         vocab_size=vocab_size, annotation_dim=D, num_locations=L, dropout=0.3, attention=attention
     )
-    model = ShowAttendTell(config)
+    model = ShowAttendTell(config, build_backend("native"))
     with torch.no_grad():
         model.out.weight.mul_(3.0)  # peaked word distributions, as in a trained model
         model.out.bias[END_ID] += end_bias
@@ -140,48 +138,9 @@ def test_batched_beam_search_equals_one_image_at_a_time(attention: str, mode: st
         np.testing.assert_allclose(alone.alphas, b.alphas, atol=1e-6)
 
 
-@pytest.mark.parametrize("fast_blas", [False, True])
-def test_batched_and_one_image_decoding_agree_across_the_lstm_kernels(
-    fast_blas: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # on CPU a step of at least ONEDNN_LSTM_MIN_ROWS rows runs through torch.lstm (oneDNN)
-    # unless MKL is on its fast path (Intel), a smaller one through two BLAS products and the
-    # compiled LSTM kernel (nn.LSTMCell without a compiler): with the limit at 10, the batch
-    # (6 images x 3 beams) takes the first and one image (3 beams) the second, or both the
-    # second, and they must decode the same
-    rows_through_lstm: list[int] = []
-    lstm = torch.lstm
-
-    def counting_lstm(*args: object) -> object:
-        rows_through_lstm.append(args[0].shape[1])  # type: ignore[attr-defined]
-        return lstm(*args)
-
-    monkeypatch.setattr(torch, "lstm", counting_lstm)
-    monkeypatch.setattr(model_module, "ONEDNN_LSTM_MIN_ROWS", 10)
-    monkeypatch.setattr(model_module, "_fast_blas", lambda: fast_blas)
-    through_onednn = set() if fast_blas and native.load() is not None else {18}
-    model = random_model(5, end_bias=1.0)
-    annotations = random_annotations(5)
-    batched = beam_search(model, annotations, beam_size=3, max_length=10)
-    assert set(rows_through_lstm) == through_onednn and (rows_through_lstm or fast_blas)
-    for image, b in zip(annotations, batched, strict=True):
-        (alone,) = beam_search(model, image.unsqueeze(0), beam_size=3, max_length=10)
-        assert alone.tokens == b.tokens
-        assert alone.score == pytest.approx(b.score, abs=1e-5)
-        np.testing.assert_allclose(alone.alphas, b.alphas, atol=1e-6)
-    assert set(rows_through_lstm) == through_onednn  # one image at a time never reached it
-
-
-def test_batched_and_one_image_decoding_agree_at_the_papers_sizes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_batched_and_one_image_decoding_agree_at_the_papers_sizes() -> None:
     # the paper's decoder (m, n, A = 512, 1800, 512; L = 196, D = 512; K = 10,000), random
-    # weights: the batch of 3 images x 3 beams through torch.lstm (limit lowered to 9), one
-    # image (3 rows) through the BLAS and the compiled kernel (or nn.LSTMCell), and where the
-    # batch is split into chunks of images
-    monkeypatch.setattr(model_module, "ONEDNN_LSTM_MIN_ROWS", 9)
-    monkeypatch.setattr(model_module, "_fast_blas", lambda: False)
-    monkeypatch.setattr(fused_module, "SCORE_CHUNK_ELEMENTS", 2 * 3 * 512 * 196)
+    # weights, through the compiled attention step
     torch.manual_seed(0)
     config = model_config(  # the paper's sizes
         vocab_size=10_000,
@@ -192,7 +151,7 @@ def test_batched_and_one_image_decoding_agree_at_the_papers_sizes(
         attention_dim=512,
         dropout=0.5,
     )
-    model = ShowAttendTell(config)
+    model = ShowAttendTell(config, build_backend("native"))
     with torch.no_grad():
         model.out.weight.mul_(3.0)
     annotations = torch.randn(3, 196, 512, generator=torch.Generator().manual_seed(0))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
 
 import pytest
 import torch
@@ -17,8 +16,6 @@ from sat_model.model.decoder import (
     SoftAttention,
 )
 from sat_model.model.factory import build_model
-from sat_model.model.kernels import backend as backend_module
-from sat_model.model.kernels import native
 from sat_model.model.losses import build_criterion
 from tests.factories import TINY_D, TINY_K, TINY_L, tiny_batch, tiny_model
 
@@ -70,9 +67,9 @@ def test_every_trainable_parameter_gets_a_gradient(attention: str) -> None:
 def test_training_under_bfloat16_autocast_gives_float32_gradients_near_float32_training(
     attention: str,
 ) -> None:
-    """train.mixed_precision: bf16 runs the training pass under autocast; the fused attention
-    scorer must take bf16 activations next to float32 parameters. Hard attention at forced
-    locations, so that both precisions take the same path s̃."""
+    """train.mixed_precision: bf16 runs the training pass under autocast (the readable code:
+    the backend declines autocast), bf16 activations next to float32 parameters. Hard
+    attention at forced locations, so that both precisions take the same path s̃."""
     torch.manual_seed(0)
     model = tiny_model(attention, coordinates=True, grid_w=3, normalize_features=True)
     annotations, captions = tiny_batch()
@@ -124,56 +121,6 @@ def test_forward_equals_a_loop_of_step(attention: str) -> None:
         torch.testing.assert_close(step.logits, out.logits[:, t])
         torch.testing.assert_close(step.alpha, out.alphas[:, t])
         state = step.state
-
-
-@pytest.mark.parametrize("attention", ["soft", "hard"])
-def test_a_decoding_step_is_the_same_through_each_lstm_kernel(
-    attention: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # m + D = n here, so passing W_hh where W_ih belongs would run and give other numbers
-    model = tiny_model(attention).eval()
-    assert model.lstm.input_size == model.lstm.hidden_size
-    fused = tiny_model(attention, "fused").eval()  # the same weights without the kernels
-    fused.load_state_dict(model.state_dict())
-    annotations, captions = tiny_batch()
-    calls: dict[str, int] = {"torch.lstm": 0, "blas": 0, "table": 0}
-    lstm, blas = torch.lstm, backend_module._blas_lstm_step
-    from_gates = backend_module._lstm_from_gates
-
-    def count(name: str, function: Any) -> Any:
-        return lambda *args: calls.__setitem__(name, calls[name] + 1) or function(*args)
-
-    monkeypatch.setattr(torch, "lstm", count("torch.lstm", lstm))
-    monkeypatch.setattr(backend_module, "_blas_lstm_step", count("blas", blas))
-    monkeypatch.setattr(backend_module, "_lstm_from_gates", count("table", from_gates))
-    monkeypatch.setattr(backend_module, "_fast_blas", lambda: False)
-    outputs = []
-    # every step through torch.lstm; then, with the embedding's gates from decoding's table
-    # and without it (a table limit of 0): the kernels off (the table's rows and PyTorch's ops,
-    # or nn.LSTMCell), then on (the BLAS products and the compiled kernel)
-    for min_rows, kernels, table in (
-        (1, True, True),
-        (10**9, False, True),
-        (10**9, True, True),
-        (10**9, False, False),
-        (10**9, True, False),
-    ):
-        monkeypatch.setattr(backend_module, "ONEDNN_LSTM_MIN_ROWS", min_rows)
-        monkeypatch.setattr(backend_module, "GATE_TABLE_MAX_ELEMENTS", 10**9 if table else 0)
-        each = model if kernels else fused
-        with torch.inference_mode():
-            state = each.init_state(annotations)
-            for t in range(3):
-                out = each.step(captions[:, t], state)
-                state = out.state
-        outputs.append(out)
-    # three steps each; the BLAS ones only where the kernels build
-    want_blas = 3 if native.load() is not None else 0
-    assert calls == {"torch.lstm": 3, "blas": want_blas, "table": 6}
-    for other in outputs[1:]:
-        torch.testing.assert_close(outputs[0].state.h, other.state.h)
-        torch.testing.assert_close(outputs[0].state.c, other.state.c)
-        torch.testing.assert_close(outputs[0].logits, other.logits)
 
 
 def test_annotation_projection_is_computed_once_per_forward() -> None:
@@ -364,7 +311,7 @@ def test_feature_standardisation_feeds_the_decoder_standardised_annotations() ->
     torch.testing.assert_close(state["feature_std"], std)
 
 
-@pytest.mark.parametrize("backend", ["fast", "readable"])
+@pytest.mark.parametrize("backend", ["native", "readable"])
 @pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_input_dropout_drops_the_lstms_embedding_input_in_training_only(
     attention: str, backend: str
@@ -392,45 +339,6 @@ def test_input_dropout_must_be_a_probability_below_one() -> None:
         tiny_model(input_dropout=1.0)
 
 
-@pytest.mark.parametrize("change", ["SGD step", "fused Adam step", "load_state_dict"])
-def test_decodings_gate_table_follows_the_weights(
-    change: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Decoding takes the embedding's share of the gates from a table over the vocabulary,
-    kept between calls: after an optimiser step (fused Adam, the trainer's, leaves the
-    parameters' version counters alone) or a loaded state dict, a step decodes with the new
-    weights, as the same step without the table does."""
-    model = tiny_model("soft").eval()
-    annotations, captions = tiny_batch()
-
-    def first_step() -> torch.Tensor:
-        with torch.inference_mode():
-            return model.step(captions[:, 0], model.init_state(annotations)).logits
-
-    before = first_step()  # builds the table
-    if change != "load_state_dict":
-        optimiser: torch.optim.Optimizer = (
-            torch.optim.SGD(model.parameters(), lr=0.5)
-            if change == "SGD step"
-            else torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
-        )
-        model.train()
-        model(annotations, captions).logits.square().mean().backward()
-        optimiser.step()
-        model.eval()
-    else:
-        other = tiny_model("soft")
-        with torch.no_grad():
-            for parameter in other.parameters():
-                parameter.add_(0.3)
-        model.load_state_dict(other.state_dict())
-    with_table = first_step()
-    monkeypatch.setattr(backend_module, "GATE_TABLE_MAX_ELEMENTS", 0)
-    without_table = first_step()
-    assert not torch.allclose(before, without_table)
-    torch.testing.assert_close(with_table, without_table)
-
-
 @pytest.mark.parametrize(
     ("attention", "mode"), [("soft", "expected"), ("hard", "expected"), ("hard", "argmax")]
 )
@@ -439,7 +347,7 @@ def test_images_prepared_once_for_their_captions_give_the_repeated_pass(
 ) -> None:
     """Self-critical training's pass: two images for six captions (``rows_per_image=3``) give
     the logits and gradients of the same pass over each image's annotations repeated three
-    times, through the fused recurrence and the step loop (hard attention's argmax path)."""
+    times, through the kernels' recurrence and the step loop (hard attention's argmax path)."""
     annotations, captions = tiny_batch()
     images, rows = annotations[:2], torch.cat([captions[:3], captions[1:]])
     results = []
