@@ -20,7 +20,7 @@ import pytest
 
 from sat_model.paths import shared_data
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 HAS_COMPILER = shutil.which(os.environ.get("CXX") or "c++") is not None
 
 SCRIPT = """

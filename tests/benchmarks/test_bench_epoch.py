@@ -61,6 +61,7 @@ def params_file(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_an_epoch_covers_every_caption_in_the_stages_batches(
     prepared: Path, params_file: Path, attention: str

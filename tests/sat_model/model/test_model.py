@@ -258,6 +258,7 @@ def test_unknown_mode_is_rejected() -> None:
         tiny_model()(annotations, captions, mode="greedy")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_a_tiny_batch_is_overfit(attention: str) -> None:
     torch.manual_seed(0)
