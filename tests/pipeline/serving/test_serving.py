@@ -439,7 +439,7 @@ def test_a_model_trained_on_squeezed_photos_is_served_a_photo_whole(tmp_path):
     attention = row["attention"]  # an object, as over HTTP
     assert attention["words"] == list(local.caption.words)
     assert np.allclose(attention["alphas"], local.caption.alphas, atol=1e-5)
-    assert served.service.captioner.keep_aspect is False
+    assert served.service.captioner.preprocessing.keep_aspect is False
 
 
 @pytest.mark.parametrize(
