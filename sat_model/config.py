@@ -644,6 +644,17 @@ class ServeConfig(_Section):
         description="seconds a connection may stay silent (an incomplete head, a stalled body, "
         "idle between requests) before it is closed",
     )
+    body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="seconds a request body may take from its head to its last byte (408 after)",
+    )
+    min_body_rate: int = Field(
+        32_768,
+        ge=1,
+        description="bytes per second a body must average after its first second (408 below): "
+        "a slow client cannot hold an admission slot",
+    )
     ray: RayServeConfig = RayServeConfig()
 
 

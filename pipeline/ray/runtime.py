@@ -118,6 +118,9 @@ def ray_session(
     if target and target != "local":  # "local" (as in ray.init) forces a fresh local cluster
         ray.init(address=target, logging_level=level, log_to_driver=not quiet)
     else:
+        # its workers' ports (a Serve replica's among them) listen beyond 127.0.0.1 and take
+        # pickles: token authentication whatever the environment says, as the head runs
+        os.environ["RAY_AUTH_MODE"] = "token"
         ray.init(
             num_cpus=cfg.num_cpus,
             include_dashboard=False,
