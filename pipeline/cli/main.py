@@ -206,18 +206,19 @@ def _caption_on_ray(args: argparse.Namespace) -> int:
     options = _captioner_options(params.eval, args.batch_size)
     if args.beam_size:
         options["beam_size"] = args.beam_size
-    with tempfile.TemporaryDirectory() as tmp, ray_session(params.ray, address=args.address):
-        model_dir = _caption_model_dir(args, Path(tmp))
-        _say_what_it_knows(model_source(model_dir))
-        result = caption_with_ray_data(
-            source,
-            out,
-            model_dir,
-            options,
-            max_pixels=params.encoder.max_image_pixels,
-            fmt="parquet" if args.format == "parquet" else "jsonl",
-            actors=args.actors,
-        )
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = _caption_model_dir(args, Path(tmp))  # checked before Ray starts
+        with ray_session(params.ray, address=args.address):
+            _say_what_it_knows(model_source(model_dir))
+            result = caption_with_ray_data(
+                source,
+                out,
+                model_dir,
+                options,
+                max_pixels=params.encoder.max_image_pixels,
+                fmt="parquet" if args.format == "parquet" else "jsonl",
+                actors=args.actors,
+            )
     print(f"captioned {result.rows - result.errors} of {result.rows} images into {result.out}")
     if result.errors:
         print(f"{result.errors} could not be captioned: their rows say why", file=sys.stderr)
