@@ -10,6 +10,7 @@ long a well-behaved client waits meanwhile, and the memory of the process that r
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -137,7 +138,7 @@ def _served_once_free(url: str, body: bytes, within_s: float) -> tuple[int, floa
     answered otherwise or ``within_s`` has passed: its status and the seconds it took."""
     start = time.monotonic()
     while True:
-        status, answer = _post(url, body)
+        status, _answer = _post(url, body)
         if status != 503 or time.monotonic() - start > within_s:
             return status, time.monotonic() - start
         time.sleep(1)
@@ -171,10 +172,8 @@ def _trickle(sockets: list[socket.socket], stop: threading.Event) -> None:
     """One byte per socket every half second (2 bytes/s each), until ``stop``."""
     while not stop.wait(0.5):
         for s in sockets:
-            try:
+            with contextlib.suppress(OSError):
                 s.sendall(b" ")
-            except OSError:
-                pass
 
 
 def test_32_slow_bodies_do_not_keep_a_fresh_client_waiting(server: Server) -> None:
@@ -301,10 +300,8 @@ def test_100_idle_sockets_are_closed(server: Server) -> None:
         closed = 0
         for s in idle:
             s.settimeout(max(0.1, 15 - (time.monotonic() - start)))
-            try:
+            with contextlib.suppress(TimeoutError, ConnectionResetError):
                 closed += s.recv(1) == b""
-            except (TimeoutError, ConnectionResetError):
-                pass
     finally:
         for s in idle:
             s.close()
