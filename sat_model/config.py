@@ -24,6 +24,8 @@ from pydantic import (
 )
 from ruamel.yaml import YAMLError
 
+from sat_model.features.formats import REQUEST_FORMATS
+
 __all__ = [
     "ATTENTION_KINDS",
     "BOOLEAN_WORDS",
@@ -609,7 +611,7 @@ class ServeConfig(_Section):
         "any pixel decodes",
     )
     formats: tuple[str, ...] = Field(
-        ("JPEG", "PNG", "WEBP"),
+        REQUEST_FORMATS,
         description="Pillow format names; an image in any other format is refused before it "
         "is decoded",
     )

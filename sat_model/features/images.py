@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from sat_model.features.formats import FILE_FORMATS
+
 __all__ = [
     "FILE_FORMATS",
     "IMAGENET_MEAN",
@@ -123,11 +125,6 @@ def _draft_for_resize(image: Image.Image, min_side: int) -> None:
     scale = min(width, height) / min_side
     if image.format == "JPEG" and scale >= 2:
         image.draft("RGB", (math.ceil(width / scale), math.ceil(height / scale)))
-
-
-# the raster formats a photo file may be in: only their parsers ever see a file's bytes (a file
-# of another format, an EPS named .jpg say, is "cannot decode", never handed to Ghostscript)
-FILE_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")  # JPEG covers MPO
 
 
 def load_image(

@@ -17,6 +17,7 @@ from typing import Any
 
 from PIL import Image
 
+from sat_model.features.formats import REQUEST_FORMATS
 from sat_model.features.images import ImageError, decode_image_bytes, square_thumbnail
 
 __all__ = ["MEDIA_TYPES", "NOT_AN_IMAGE", "ImageLimits", "decode_request_image", "value_size"]
@@ -39,7 +40,7 @@ class ImageLimits:
     """What one request image may be (``serve`` params)."""
 
     max_pixels: int = 16_000_000
-    formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP")
+    formats: tuple[str, ...] = REQUEST_FORMATS
 
 
 def value_size(value: Any) -> int:
