@@ -38,7 +38,8 @@ class ServedModel:
     def describe(self) -> dict[str, Any]:
         """What ``GET /version`` answers."""
         return {
-            "model": self.uri,
+            # a folder by its name only: a client learns no path of the server
+            "model": self.uri if is_model_uri(self.uri) else Path(self.uri).name,
             "version": self.version,
             "checkpoint_sha256": self.checkpoint_sha256,
             "decode": self.decode,

@@ -349,7 +349,14 @@ def _csv_rows(path: Path, name: str) -> tuple[list[_Row | Skip], bool]:
             "expected file, caption and optionally split)"
         )
     rows: list[_Row | Skip] = []
-    for record in reader:
+    while True:
+        try:
+            record = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as e:  # a field over csv's size limit, say: that line, not the file
+            rows.append(Skip(f"{name} after line {reader.line_num}", f"malformed line: {e}", "caption"))
+            continue
         item = f"{name} line {reader.line_num}"
         if record.get(None):  # DictReader: the fields beyond the header
             reason = f"malformed line: more fields than the header's {len(columns)} (a comma in "
@@ -401,6 +408,8 @@ def _screen_rows(rows: list[_Row | Skip], has_split: bool) -> tuple[list[_Row], 
         reason = ""
         if not file:
             reason = "no file name"
+        elif "\0" in file:
+            reason = "the file name holds a NUL byte"
         elif key in first_of:
             reason = f"duplicate row (the same file and caption as {first_of[key]})"
         elif has_split and split not in ("train", "val", "test"):

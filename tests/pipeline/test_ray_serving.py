@@ -256,7 +256,7 @@ APPLICATIONS = """
 import json, sys, ray
 from ray import serve
 ray.init(address=sys.argv[1], logging_level="ERROR")
-print(json.dumps({n: str(a.status) for n, a in serve.status().applications.items()}))
+print(json.dumps({n: a.status.value for n, a in serve.status().applications.items()}))
 """
 
 
