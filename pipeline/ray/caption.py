@@ -177,9 +177,13 @@ def caption_with_ray_data(
     )
     cpus = cpus_per_actor if cpus_per_actor is not None else _actor_cpus(actors)
     rows = _captioned(files, checkpoint_dir, options, max_pixels, actors, cpus).materialize()
+    from ray.data import SaveMode
+
+    # never beside an earlier run's files (Ray Data appends by default); the command checks a
+    # local folder first, so that this refuses only a bucket prefix that holds files
     if fmt == "parquet":
-        rows.write_parquet(out)
+        rows.write_parquet(out, mode=SaveMode.CREATE)
     else:
-        rows.write_json(out)
+        rows.write_json(out, mode=SaveMode.CREATE)
     errors = rows.filter(lambda row: row["error"] is not None).count()
     return BatchCaptionResult(rows=rows.count(), errors=errors, out=out)
