@@ -18,6 +18,7 @@ import binascii
 import functools
 import io
 import os
+import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -106,9 +107,20 @@ def find_image_files(inputs: Iterable[str | Path]) -> list[Path]:
         for root, dirs, files in os.walk(item):
             dirs.sort()
             out += [
-                Path(root) / f for f in sorted(files) if Path(f).suffix.lower() in IMAGE_EXTENSIONS
+                Path(root) / f
+                for f in sorted(files)
+                if Path(f).suffix.lower() in IMAGE_EXTENSIONS and not _special(Path(root) / f)
             ]
     return out
+
+
+def _special(path: Path) -> bool:
+    """A FIFO, socket or device: not a photo, and opening a FIFO waits for a writer forever.
+    A dangling link is no special file: it is listed and its error said when it is read."""
+    try:
+        return not stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
 
 
 def decode_image_input(value: str | bytes | Path, max_pixels: int = 50_000_000) -> Image.Image:
