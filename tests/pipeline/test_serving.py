@@ -696,6 +696,18 @@ def test_code_in_the_artifact_is_never_run(served, tmp_path):
     assert not marker.exists()
 
 
+def test_version_of_a_folder_model_names_no_server_path(served, tmp_path):
+    _, stored = _register_another(served, "folder-model", seed=9)
+    process = _sat_serve(served, str(stored), tmp_path)
+    try:
+        with urllib.request.urlopen(f"{process.url}/version") as answer:  # type: ignore[attr-defined]
+            shown = json.loads(answer.read())
+    finally:
+        _stop(process)
+    assert shown["model"] == stored.name and shown["checkpoint_sha256"], shown
+    assert str(stored.parent) not in json.dumps(shown)
+
+
 def test_a_checkpoint_that_does_not_match_its_record_is_refused(served, tmp_path):
     version, stored = _register_another(served, "tampered-weights", seed=8)
     (vocab,) = stored.rglob("checkpoint/vocab.json")
