@@ -81,19 +81,23 @@ class _BodyClock:
     def __init__(self, serve: ServeConfig) -> None:
         self.serve = serve
         self.start = asyncio.get_running_loop().time()
+        self.received = 0  # body bytes so far
 
-    def wait_s(self, received: int) -> float:
-        """How long the next chunk may take, given ``received`` bytes so far (0: too late)."""
-        allowed = min(self.serve.body_timeout_s, self.GRACE_S + received / self.serve.min_body_rate)
-        left = self.start + allowed - asyncio.get_running_loop().time()
+    def wait_s(self) -> float:
+        """How long the next chunk may take (0: it is too late already)."""
+        rate_s = self.GRACE_S + self.received / self.serve.min_body_rate
+        deadline = self.start + min(self.serve.body_timeout_s, rate_s)
+        left = deadline - asyncio.get_running_loop().time()
         return max(0.0, min(self.serve.read_timeout_s, left))
 
-    async def next(self, receive: Receive, received: int) -> Message | None:
+    async def next(self, receive: Receive) -> Message | None:
         """The next message, or None when it did not come in time."""
         try:
-            return await asyncio.wait_for(receive(), self.wait_s(received))
+            message = await asyncio.wait_for(receive(), self.wait_s())
         except TimeoutError:
             return None
+        self.received += len(message.get("body", b""))
+        return message
 
 
 class RequestLimits:
@@ -134,12 +138,11 @@ class RequestLimits:
         """Read and drop the rest of a refused body (up to :data:`_DRAIN_BYTES`, at the body's
         own pace and deadline) before answering: a client that is still writing when the server
         closes sees a broken pipe, not the reason."""
-        dropped = 0
-        while dropped <= _DRAIN_BYTES:
-            message = await clock.next(receive, dropped)
+        limit = clock.received + _DRAIN_BYTES
+        while clock.received <= limit:
+            message = await clock.next(receive)
             if message is None or message["type"] != "http.request":
                 return
-            dropped += len(message.get("body", b""))
             if not message.get("more_body", False):
                 return
 
@@ -169,18 +172,15 @@ class RequestLimits:
 
     async def _read_body(self, clock: _BodyClock, receive: Receive) -> bytes:
         chunks: list[bytes] = []
-        size = 0
         while True:
-            message = await clock.next(receive, size)
+            message = await clock.next(receive)
             if message is None:
                 raise _Refused(_too_slow(self.serve), drain=False)
             if message["type"] == "http.disconnect":
                 raise _Refused(Response(status_code=400), drain=False)  # nobody is left to read it
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                raise _Refused(self._too_large(size))
-            chunks.append(chunk)
+            if clock.received > self.max_bytes:
+                raise _Refused(self._too_large(clock.received))
+            chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
