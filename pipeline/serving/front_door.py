@@ -221,8 +221,8 @@ def parse_body(body: bytes, max_rows: int) -> Any:
     bound = _VALUES_PER_ROW * max_rows + _VALUES_OVERHEAD
     if found > bound:
         raise RequestError(
-            f"the body holds {found} JSON commas and brackets; {max_rows} rows (serve.max_rows) "
-            f"need at most {bound}"
+            f"too many rows: the body holds {found} JSON commas and brackets, serve.max_rows is "
+            f"{max_rows} (at most {bound} of them)"
         )
     try:
         return json.loads(text)
