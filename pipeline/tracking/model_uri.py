@@ -11,7 +11,6 @@ so a checkpoint changed in the artifact store is refused with one line wherever 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,8 +52,6 @@ def fetch_model(model: str, workdir: Path, tracking_uri: str | None = None) -> F
         return _checked(model, local.resolve(), None, None)
     import mlflow
 
-    # a bar per download on stderr is noise to a command whose stderr is one line on error
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     if tracking_uri and tracking_uri.startswith("sqlite:///"):
         store = Path(tracking_uri.removeprefix("sqlite:///"))  # four slashes: absolute
         if model.startswith(("models:/", "runs:/")) and not store.is_file():
