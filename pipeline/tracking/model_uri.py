@@ -113,7 +113,9 @@ def _checked(
 
 def _checkpoint_dir(model_dir: Path, pyfunc: dict[str, Any], model: str) -> Path:
     """The folder of the pyfunc's ``checkpoint`` artifact, inside the model folder."""
-    path = ((pyfunc.get("artifacts") or {}).get("checkpoint") or {}).get("path")
+    from pipeline.tracking.pyfunc_model import CHECKPOINT_ARTIFACT
+
+    path = ((pyfunc.get("artifacts") or {}).get(CHECKPOINT_ARTIFACT) or {}).get("path")
     found = (model_dir / str(path)).resolve() if path else None
     if found is None or not found.is_relative_to(model_dir.resolve()) or not found.is_dir():
         raise ModelCheckError(f"{model} holds no checkpoint artifact")
