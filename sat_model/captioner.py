@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -95,9 +96,20 @@ def find_image_files(inputs: Iterable[str | Path]) -> list[Path]:
         for root, dirs, files in os.walk(item):
             dirs.sort()
             out += [
-                Path(root) / f for f in sorted(files) if Path(f).suffix.lower() in IMAGE_EXTENSIONS
+                Path(root) / f
+                for f in sorted(files)
+                if Path(f).suffix.lower() in IMAGE_EXTENSIONS and not _special(Path(root) / f)
             ]
     return out
+
+
+def _special(path: Path) -> bool:
+    """A FIFO, socket or device: not a photo, and opening a FIFO waits for a writer forever.
+    A dangling link is no special file: it is listed and its error said when it is read."""
+    try:
+        return not stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
 
 
 class Captioner:

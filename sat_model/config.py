@@ -24,6 +24,8 @@ from pydantic import (
 )
 from ruamel.yaml import YAMLError
 
+from sat_model.features.formats import REQUEST_FORMATS
+
 __all__ = [
     "ATTENTION_KINDS",
     "BOOLEAN_WORDS",
@@ -609,7 +611,7 @@ class ServeConfig(_Section):
         "any pixel decodes",
     )
     formats: tuple[str, ...] = Field(
-        ("JPEG", "PNG", "WEBP"),
+        REQUEST_FORMATS,
         description="Pillow format names; an image in any other format is refused before it "
         "is decoded",
     )
@@ -643,6 +645,17 @@ class ServeConfig(_Section):
         gt=0,
         description="seconds a connection may stay silent (an incomplete head, a stalled body, "
         "idle between requests) before it is closed",
+    )
+    body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="seconds a request body may take from its head to its last byte (408 after)",
+    )
+    min_body_rate: int = Field(
+        32_768,
+        ge=1,
+        description="bytes per second a body must average after its first second (408 below): "
+        "a slow client cannot hold an admission slot",
     )
     ray: RayServeConfig = RayServeConfig()
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from sat_model.paths import shared_data
+from tests.factories import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 HAS_COMPILER = shutil.which(os.environ.get("CXX") or "c++") is not None
 
 SCRIPT = """

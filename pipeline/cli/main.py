@@ -203,22 +203,26 @@ def _caption_on_ray(args: argparse.Namespace) -> int:
             raise CommandError(f"{source} is not a folder (or an s3:// prefix)")
         source = str(Path(source).resolve())  # Ray's workers run elsewhere
     out = args.out if "://" in args.out else str(Path(args.out).resolve())
+    if "://" not in out and Path(out).is_dir() and any(Path(out).iterdir()):
+        # Ray Data adds its files beside those there: a second run would double the rows
+        raise CommandError(f"--out {args.out} is not empty: name a new folder, or empty it")
     params = params_or_defaults(args)
     options = _captioner_options(params.eval, args.batch_size)
     if args.beam_size:
         options["beam_size"] = args.beam_size
-    with tempfile.TemporaryDirectory() as tmp, ray_session(params.ray, address=args.address):
-        model_dir = _caption_model_dir(args, Path(tmp))
-        _say_what_it_knows(model_source(model_dir))
-        result = caption_with_ray_data(
-            source,
-            out,
-            model_dir,
-            options,
-            max_pixels=params.encoder.max_image_pixels,
-            fmt="parquet" if args.format == "parquet" else "jsonl",
-            actors=args.actors,
-        )
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = _caption_model_dir(args, Path(tmp))  # checked before Ray starts
+        with ray_session(params.ray, address=args.address):
+            _say_what_it_knows(model_source(model_dir))
+            result = caption_with_ray_data(
+                source,
+                out,
+                model_dir,
+                options,
+                max_pixels=params.encoder.max_image_pixels,
+                fmt="parquet" if args.format == "parquet" else "jsonl",
+                actors=args.actors,
+            )
     print(f"captioned {result.rows - result.errors} of {result.rows} images into {result.out}")
     if result.errors:
         print(f"{result.errors} could not be captioned: their rows say why", file=sys.stderr)

@@ -41,6 +41,14 @@ class RayHeadError(RuntimeError):
     """The head did not come up (the message carries the end of its log)."""
 
 
+_PORT_FLAGS = (
+    "ray-client-server-port",
+    "dashboard-agent-listen-port",
+    "metrics-export-port",
+    "runtime-env-agent-port",
+)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -124,6 +132,9 @@ def ray_head(num_cpus: int, temp_root: Path | None = None) -> Iterator[str]:
         "--include-dashboard=false",
         "--disable-usage-stats",
         f"--temp-dir={temp_dir}",
+        # Ray's fixed defaults (client server 10001, agents 52365...) would be shared by two
+        # heads on one machine, two `make run`s say: each gets free ports of its own
+        *(f"--{flag}={_free_port()}" for flag in _PORT_FLAGS),
     ]
     with log.open("wb") as out:
         proc = subprocess.Popen(

@@ -121,6 +121,10 @@ def ray_session(
     if target and target != "local":  # "local" (as in ray.init) forces a fresh local cluster
         ray.init(address=target, logging_level=level, log_to_driver=not quiet)
     else:
+        # its workers' ports (a Serve replica's among them) listen beyond 127.0.0.1 and take
+        # pickles: token authentication, whatever RAY_AUTH_MODE says, as the head runs. Unset,
+        # Ray turns it on for a new local cluster and creates the token if there is none.
+        os.environ.pop("RAY_AUTH_MODE", None)
         ray.init(
             num_cpus=cfg.num_cpus,
             include_dashboard=False,

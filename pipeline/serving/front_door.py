@@ -9,9 +9,11 @@ answer while the server lives. In order, before any image is decoded:
 1. only ``application/json`` (415 otherwise: CSV, Parquet or anything else is never parsed);
 2. at most ``serve.max_queued_requests`` requests admitted at once (503 with ``Retry-After``
    before the body is read), so memory is bounded whatever the clients do;
-3. the body read as a stream and refused past ``serve.max_request_bytes`` (413), a body that
-   stalls for ``serve.read_timeout_s`` answered 408;
-4. the JSON parsed, its rows and params checked (400 with a reason);
+3. the body read as a stream and refused past ``serve.max_request_bytes`` (413); a body that
+   stalls for ``serve.read_timeout_s``, comes slower than ``serve.min_body_rate`` or is not
+   complete within ``serve.body_timeout_s`` answered 408 (:class:`_BodyClock`);
+4. its commas and brackets counted against ``serve.max_rows``, then the JSON parsed, its rows
+   and params checked (400 with a reason);
 5. a turn among ``serve.max_concurrent_requests`` predictions in flight, waited for in order of
    arrival up to ``serve.queue_timeout_s`` (then 503 with ``Retry-After``).
 
@@ -37,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sat_model.caption_request import RequestError
 from sat_model.config import ServeConfig
 
-__all__ = ["Predict", "RequestLimits", "build_app", "rows_of"]
+__all__ = ["Predict", "RequestLimits", "build_app", "parse_body", "rows_of"]
 
 # rows in, one {"caption", "error"[, "attention"]} per row out; RequestError refuses the request
 Predict = Callable[[list[Any], Mapping[str, Any]], Awaitable[list[dict[str, Any]]]]
@@ -48,6 +50,10 @@ _INVOCATIONS = "/invocations"
 # a refused body is read and dropped up to this size before the answer; past it, the connection
 # is closed (its client sees a reset, not the reason)
 _DRAIN_BYTES = 64 * 2**20
+# commas, brackets and braces one row may take (its record or list, a data: URL's comma, its
+# separator, a few columns), and those of the document around the rows
+_VALUES_PER_ROW = 8
+_VALUES_OVERHEAD = 64
 _logger = logging.getLogger(__name__)
 
 
@@ -57,8 +63,41 @@ def _error(status: int, code: str, message: str, retry_after: int | None = None)
 
 
 class _Refused(Exception):
-    def __init__(self, response: Response) -> None:
+    """A request answered before the application: ``drain`` when the client may still be
+    sending a body it should finish first."""
+
+    def __init__(self, response: Response, *, drain: bool = True) -> None:
         self.response = response
+        self.drain = drain
+
+
+class _BodyClock:
+    """When a body being read must have arrived: within ``serve.body_timeout_s`` of its head,
+    and at ``serve.min_body_rate`` on average after a first second; no single wait longer than
+    ``serve.read_timeout_s``. A client that trickles bytes cannot hold its admission slot."""
+
+    GRACE_S = 1.0  # a body's first bytes follow its head within a round trip or two
+
+    def __init__(self, serve: ServeConfig) -> None:
+        self.serve = serve
+        self.start = asyncio.get_running_loop().time()
+        self.received = 0  # body bytes so far
+
+    def wait_s(self) -> float:
+        """How long the next chunk may take (0: it is too late already)."""
+        rate_s = self.GRACE_S + self.received / self.serve.min_body_rate
+        deadline = self.start + min(self.serve.body_timeout_s, rate_s)
+        left = deadline - asyncio.get_running_loop().time()
+        return max(0.0, min(self.serve.read_timeout_s, left))
+
+    async def next(self, receive: Receive) -> Message | None:
+        """The next message, or None when it did not come in time."""
+        try:
+            message = await asyncio.wait_for(receive(), self.wait_s())
+        except TimeoutError:
+            return None
+        self.received += len(message.get("body", b""))
+        return message
 
 
 class RequestLimits:
@@ -74,38 +113,38 @@ class RequestLimits:
         if scope["type"] != "http" or scope["path"] != _INVOCATIONS or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
+        clock = _BodyClock(self.serve)
         try:
             self._check_head(scope)
             if self.admitted >= self.serve.max_queued_requests:
                 raise _Refused(_error(503, "BUSY", "the server is busy; retry shortly", 1))
-        except _Refused as refused:
-            await self._refuse(refused.response, scope, receive, send)
-            return
-        self.admitted += 1
-        try:
+            self.admitted += 1
             try:
-                body = await self._read_body(receive)
-            except _Refused as refused:
-                await self._refuse(refused.response, scope, receive, send)
-                return
+                body = await self._read_body(clock, receive)
+            except BaseException:
+                self.admitted -= 1  # draining a refused body holds no slot
+                raise
+        except _Refused as refused:
+            if refused.drain:
+                await self._drain(clock, receive)
+            await refused.response(scope, receive, send)
+            return
+        try:
             await self.app(scope, _replay(body, receive), send)
         finally:
             self.admitted -= 1
 
-    async def _refuse(self, response: Response, scope: Scope, receive: Receive, send: Send) -> None:
-        """Answer ``response`` once the client has sent its body (read and dropped, up to
-        :data:`_DRAIN_BYTES`): a client that is still writing when the server closes sees a
-        broken pipe, not the reason."""
-        dropped = 0
-        more = True
-        while more and dropped <= _DRAIN_BYTES:
-            try:
-                message = await asyncio.wait_for(receive(), self.serve.read_timeout_s)
-            except TimeoutError:
-                break
-            dropped += len(message.get("body", b""))
-            more = message["type"] == "http.request" and message.get("more_body", False)
-        await response(scope, receive, send)
+    async def _drain(self, clock: _BodyClock, receive: Receive) -> None:
+        """Read and drop the rest of a refused body (up to :data:`_DRAIN_BYTES`, at the body's
+        own pace and deadline) before answering: a client that is still writing when the server
+        closes sees a broken pipe, not the reason."""
+        limit = clock.received + _DRAIN_BYTES
+        while clock.received <= limit:
+            message = await clock.next(receive)
+            if message is None or message["type"] != "http.request":
+                return
+            if not message.get("more_body", False):
+                return
 
     def _check_head(self, scope: Scope) -> None:
         headers = {k.lower(): v for k, v in scope["headers"]}
@@ -131,25 +170,29 @@ class RequestLimits:
             f"serve.max_request_bytes is {self.max_bytes}; split the request",
         )
 
-    async def _read_body(self, receive: Receive) -> bytes:
+    async def _read_body(self, clock: _BodyClock, receive: Receive) -> bytes:
         chunks: list[bytes] = []
-        size = 0
         while True:
-            try:
-                message = await asyncio.wait_for(receive(), self.serve.read_timeout_s)
-            except TimeoutError:
-                raise _Refused(
-                    _error(408, "REQUEST_TIMEOUT", "the request body stopped arriving")
-                ) from None
+            message = await clock.next(receive)
+            if message is None:
+                raise _Refused(_too_slow(self.serve), drain=False)
             if message["type"] == "http.disconnect":
-                raise _Refused(Response(status_code=400))  # nobody is left to read it
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                raise _Refused(self._too_large(size))
-            chunks.append(chunk)
+                raise _Refused(Response(status_code=400), drain=False)  # nobody is left to read it
+            if clock.received > self.max_bytes:
+                raise _Refused(self._too_large(clock.received))
+            chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def _too_slow(serve: ServeConfig) -> Response:
+    return _error(
+        408,
+        "REQUEST_TIMEOUT",
+        f"the request body arrived too slowly (serve.read_timeout_s {serve.read_timeout_s:g}, "
+        f"serve.min_body_rate {serve.min_body_rate} bytes/s, serve.body_timeout_s "
+        f"{serve.body_timeout_s:g})",
+    )
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -163,6 +206,30 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+def parse_body(body: bytes, max_rows: int) -> Any:
+    """The JSON document of a body; :class:`RequestError` for one that is not JSON or holds more
+    values than ``max_rows`` rows can need. Its commas and brackets are counted before it is
+    parsed (none occur in base64), so a small body of millions of empty rows or of a deep
+    nesting is refused in one pass over its bytes, never grown into millions of objects."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RequestError("the body is not UTF-8 text") from None
+    found = text.count(",") + text.count("[") + text.count("{")
+    bound = _VALUES_PER_ROW * max_rows + _VALUES_OVERHEAD
+    if found > bound:
+        raise RequestError(
+            f"too many rows: the body holds {found} JSON commas and brackets, serve.max_rows is "
+            f"{max_rows} (at most {bound} of them)"
+        )
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:  # its position, never its content
+        raise RequestError(f"the body is not JSON: {e.msg} at byte {e.pos}") from None
+    except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, say
+        raise RequestError(f"the body is not JSON this server reads: {str(e)[:80]}") from None
 
 
 def rows_of(doc: Any) -> tuple[list[Any], dict[str, Any]]:
@@ -239,12 +306,7 @@ def build_app(predict: Predict, serve: ServeConfig, describe: Describe) -> ASGIA
 
     async def invocations(request: Request) -> Response:
         try:
-            doc = json.loads(await request.body())
-        except UnicodeDecodeError:
-            return _error(400, "BAD_REQUEST", "the body is not UTF-8 text")
-        except json.JSONDecodeError as e:  # its position, never its content
-            return _error(400, "BAD_REQUEST", f"the body is not JSON: {e.msg} at byte {e.pos}")
-        try:
+            doc = parse_body(await request.body(), serve.max_rows)
             values, params = rows_of(doc)
             rows = await turns.run(lambda: predict(values, params))
         except RequestError as e:

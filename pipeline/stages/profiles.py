@@ -170,6 +170,9 @@ def new_profile(project_root: Path, name: str, images: Path, captions: Path) -> 
     folder = project_root / PROFILES_DIR / name
     if folder.exists():
         raise ProfileError(f"profile {name!r} exists already ({folder}): pick another name")
+    for flag, path in (("--images", images), ("--captions", captions)):
+        if any(ord(c) < 32 or c == "\x7f" for c in str(path)):  # it would break params.yaml
+            raise ProfileError(f"{flag} {str(path)!r}: a newline or control character in a path")
     images, captions = images.expanduser().resolve(), captions.expanduser().resolve()
     if not images.is_dir():
         raise ProfileError(f"--images {images} is not a folder")

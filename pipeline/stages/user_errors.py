@@ -27,6 +27,7 @@ USER_ERRORS = {
     "sat_model.evaluation.metrics": ("MetricError",),
     "sat_model.evaluation.evaluate": ("EvaluationError",),
     "pipeline.tracking.registry": ("RegistryError",),
+    "pipeline.tracking.model_uri": ("ModelCheckError",),
     "pipeline.ray.jobs": ("JobFailedError",),
     "mlflow.exceptions": ("MlflowException",),
 }

@@ -48,6 +48,7 @@ from sat_model.data.tables import (
     VOCAB_FILE,
 )
 from sat_model.data.text import tokenize
+from sat_model.features.formats import FILE_FORMATS
 from sat_model.data.vocab import Vocab, build_vocab, save_vocab
 from sat_model.paths import resolve_inside
 
@@ -103,7 +104,9 @@ def check_image(path: Path, verify: bool, max_pixels: int) -> ImageCheck:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
+            # the photo formats every later stage opens, so no other Pillow plugin (EPS and its
+            # Ghostscript, say) ever reads a user's file
+            with Image.open(path, formats=list(FILE_FORMATS)) as image:
                 width, height = image.size
                 if width * height > max_pixels:
                     reason = f"too many pixels ({width}x{height} > max_image_pixels {max_pixels})"

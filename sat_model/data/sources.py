@@ -18,7 +18,7 @@ import io
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 import numpy as np
@@ -37,14 +37,14 @@ __all__ = [
     "SourceData",
     "SourceError",
     "SourceImage",
+    "image_root",
+    "list_sources",
     "read_coco",
     "read_flickr8k",
     "read_folder",
     "read_karpathy",
     "read_source",
     "read_synthetic",
-    "image_root",
-    "list_sources",
     "register_source",
     "source_needs_root",
 ]
@@ -127,13 +127,13 @@ class _Images:
 
 def _leaves_folder(file: str) -> bool:
     """True for a name that points outside the dataset folder (absolute, ``..``, a drive)."""
-    path = PurePosixPath(file)
+    # string tests, not PurePosixPath/PureWindowsPath objects: called for every caption row
     return (
         not file.strip()
-        or path.is_absolute()
-        or ".." in path.parts
+        or file.startswith("/")
+        or ".." in file.split("/")
         or "\\" in file
-        or bool(PureWindowsPath(file).drive)
+        or (file[1:2] == ":" and file[:1].isascii() and file[:1].isalpha())  # a drive, C:
     )
 
 
@@ -266,8 +266,8 @@ def _coco_splits(
     ids: list[int], val_images: int, test_images: int, seed: int, rest_to_train: bool
 ) -> dict[int, str | None]:
     """Split the held-out pool: ``val_images`` val, ``test_images`` test, the rest train or none."""
-    order = np.random.default_rng(seed).permutation(len(ids))
-    pool = [sorted(ids)[i] for i in order]
+    ordered = sorted(ids)
+    pool = [ordered[i] for i in np.random.default_rng(seed).permutation(len(ids))]
     rest = "train" if rest_to_train else None
     return {
         image_id: "val" if i < val_images else "test" if i < val_images + test_images else rest
@@ -349,7 +349,14 @@ def _csv_rows(path: Path, name: str) -> tuple[list[_Row | Skip], bool]:
             "expected file, caption and optionally split)"
         )
     rows: list[_Row | Skip] = []
-    for record in reader:
+    while True:
+        try:
+            record = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as e:  # a field over csv's size limit, say: that line, not the file
+            rows.append(Skip(f"{name} after line {reader.line_num}", f"malformed line: {e}", "caption"))
+            continue
         item = f"{name} line {reader.line_num}"
         if record.get(None):  # DictReader: the fields beyond the header
             reason = f"malformed line: more fields than the header's {len(columns)} (a comma in "
@@ -401,6 +408,8 @@ def _screen_rows(rows: list[_Row | Skip], has_split: bool) -> tuple[list[_Row], 
         reason = ""
         if not file:
             reason = "no file name"
+        elif "\0" in file:
+            reason = "the file name holds a NUL byte"
         elif key in first_of:
             reason = f"duplicate row (the same file and caption as {first_of[key]})"
         elif has_split and split not in ("train", "val", "test"):
@@ -419,8 +428,8 @@ def _screen_rows(rows: list[_Row | Skip], has_split: bool) -> tuple[list[_Row], 
 
 def _draw_splits(files: list[str], val_images: int, test_images: int, seed: int) -> dict[str, str]:
     """A seeded draw: ``val_images`` files val, ``test_images`` test, the rest train."""
-    order = np.random.default_rng(seed).permutation(len(files))
-    pool = [sorted(files)[i] for i in order]
+    ordered = sorted(files)
+    pool = [ordered[i] for i in np.random.default_rng(seed).permutation(len(files))]
     return {
         file: "val" if i < val_images else "test" if i < val_images + test_images else "train"
         for i, file in enumerate(pool)
@@ -446,8 +455,12 @@ def read_folder(
     rows, has_split = read(path, PurePosixPath(captions_file).name)
     kept, skipped = _screen_rows(rows, has_split)
     files = list(dict.fromkeys(r.file for r in kept))  # first-row order
-    drawn = {} if has_split else _draw_splits(
-        [f for f in files if not _leaves_folder(f)], val_images, test_images, seed
+    drawn = (
+        {}
+        if has_split
+        else _draw_splits(
+            [f for f in files if not _leaves_folder(f)], val_images, test_images, seed
+        )
     )
     images = _Images()
     row_of: dict[str, SourceImage] = {}

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from sat_model.features.formats import FILE_FORMATS
+
 __all__ = [
     "FILE_FORMATS",
     "IMAGENET_MEAN",
@@ -146,11 +148,6 @@ def _decode_opened(
         _draft_for_resize(image, min_side)
     image.load()
     return to_rgb(ImageOps.exif_transpose(image))
-
-
-# the raster formats a photo file may be in: only their parsers ever see a file's bytes (a file
-# of another format, an EPS named .jpg say, is "cannot decode", never handed to Ghostscript)
-FILE_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")  # JPEG covers MPO
 
 
 def load_image(

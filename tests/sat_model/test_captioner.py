@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -148,6 +149,7 @@ def test_find_image_files_walks_folders_and_keeps_files_named_explicitly(tmp_pat
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "a" / "b" / "folder_link").symlink_to(tmp_path / "elsewhere")
     (tmp_path / "elsewhere" / "w.jpg").write_bytes(b"")
+    os.mkfifo(tmp_path / "a" / "fifo.jpg")  # opening it would wait for a writer forever
     found = find_image_files([tmp_path / "a", tmp_path / "a" / "notes.txt", "absent.jpg"])
     names = [p.relative_to(tmp_path).as_posix() if p.is_absolute() else str(p) for p in found]
     assert names == [

@@ -220,6 +220,18 @@ def test_a_user_error_is_one_line_on_stderr_with_status_1_and_leaves_nothing(tmp
     assert list(tmp_path.iterdir()) == []  # no mlflow.db, no folder: reading created nothing
 
 
+def test_caption_on_ray_refuses_an_out_folder_that_holds_an_earlier_run(tmp_path):
+    """Ray Data appends: a second run into the same --out would double its rows."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "earlier.json").write_text("{}\n")
+    done = _sat("caption", "in", "--engine", "ray", "--out", "out", cwd=tmp_path)
+    assert done.returncode == 1
+    (line,) = done.stderr.splitlines()
+    assert line == "sat caption: error: --out out is not empty: name a new folder, or empty it"
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["earlier.json"]
+
+
 def test_booleans_are_read_as_people_write_them(tmp_path):
     (tmp_path / "params.yaml").write_text("encoder: {keep_aspect: Yes}\n")
     done = _sat("models", "-S", "ray.use_gpu=true", "-S", "model.gate=Off", cwd=tmp_path)

@@ -155,3 +155,39 @@ def test_a_sigkilled_wrapper_leaves_no_head_and_no_temp_dir(tmp_path: Path) -> N
         assert not [p for p in head if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     finally:
         os.killpg(wrapper.pid, signal.SIGKILL)  # the stage (sleep) is the test's to end
+
+
+_ANSWER = "import ray; ray.init(); print(ray.get(ray.remote(lambda: 42).remote()))"
+
+
+def _client_server_port(address: str) -> int | None:
+    """The port of the Ray client server that serves the head at ``address``, if one runs."""
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "ray.util.client.server" in cmd and f"--address={address}" in cmd:
+            return int(next(a for a in cmd if a.startswith("--port=")).split("=", 1)[1])
+    return None
+
+
+@pytest.mark.ray
+def test_two_heads_on_one_machine_run_at_once() -> None:
+    """Two `make run`s: each head has ports of its own, none of Ray's fixed defaults (the
+    client server's 10001 was asked for by both heads)."""
+    from pipeline.ray.head import ray_head
+
+    env = loopback_env()
+    env.pop("RAY_ADDRESS", None)
+    with ray_head(1) as first, ray_head(1) as second:  # each in /tmp/sat-ray-<its port>
+        for address in (first, second):
+            out = subprocess.run(
+                [sys.executable, "-c", _ANSWER],
+                env={**env, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"},
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert out.stdout.split()[-1:] == ["42"], out.stderr[-2000:]
+        ports = [_client_server_port(a) for a in (first, second)]
+    assert None not in ports and len(set(ports)) == 2 and 10001 not in ports, ports

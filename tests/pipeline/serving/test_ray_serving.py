@@ -47,6 +47,8 @@ serve:
 class RayServed:
     url: str
     root: Path
+    uri: str  # the tracking store
+    pid: int  # ``sat serve --engine ray``
     models: dict[str, Path]  # version -> its checkpoint folder
 
 
@@ -129,7 +131,7 @@ def ray_served(tmp_path_factory: pytest.TempPathFactory):
                 break
             except OSError:
                 time.sleep(1)
-        yield RayServed(url, root, models)
+        yield RayServed(url, root, uri, process.pid, models)
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -193,3 +195,117 @@ def test_a_promoted_version_reaches_the_running_deployment(ray_served: RayServed
     (expected,) = Captioner.from_dir(ray_served.models["2"], **DECODING).caption_files([photo])
     assert status == 200 and expected.caption is not None
     assert json.loads(body)["predictions"][0]["caption"] == expected.caption.text
+
+
+def _session_logs(pid: int) -> list[Path]:
+    """The log files of the local Ray that ``sat serve`` (process ``pid``) started: Ray names
+    its session folder after the process that started it."""
+    (session,) = Path("/tmp/ray").glob(f"session_*_{pid}")
+    return [p for p in (session / "logs").rglob("*") if p.is_file()]
+
+
+def test_a_champion_that_fails_its_check_is_refused_once(ray_served: RayServed) -> None:
+    """A forged version promoted onto the running deployment: the replicas keep the version
+    they serve, and say why once, not at every reload interval (1 s here)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(ray_served.uri)
+    served_now = _version(ray_served.url)
+    model = write_tiny_model(ray_served.root / "forged", words=WORDS, resize=72, seed=5)
+    forged = log_and_register(
+        client,
+        model_dir=model,
+        model_name=NAME,
+        experiment_id=client.get_experiment_by_name("serving").experiment_id,
+        metrics={"bleu_4": 0.1},
+        params={},
+        tags={"attention": "soft"},
+        decoding=DECODING,
+    )
+    (vocab,) = [
+        p
+        for p in (ray_served.root / "artifacts").rglob("checkpoint/vocab.json")
+        if forged.checkpoint_sha256 in (p.parents[2] / "MLmodel").read_text()
+    ]
+    vocab.write_text(vocab.read_text().replace("circle", "square"))
+    client.set_registered_model_alias(NAME, "champion", forged.version)
+    time.sleep(8)  # eight reload intervals
+    assert _version(ray_served.url) == served_now
+    said = sum(
+        p.read_text(errors="replace").count(f"refusing models:/{NAME}/{forged.version}")
+        for p in _session_logs(ray_served.pid)
+    )
+    assert said == 1, said
+
+
+# another user's Serve application on the same cluster, at "/" behind Serve's own proxy
+NEIGHBOUR = """
+import sys, ray
+from ray import serve
+ray.init(address=sys.argv[1], logging_level="ERROR")
+serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[2])})
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+def neighbour(request):
+    return "neighbour"
+
+serve.run(neighbour.bind(), name="neighbour", route_prefix="/")
+"""
+APPLICATIONS = """
+import json, sys, ray
+from ray import serve
+ray.init(address=sys.argv[1], logging_level="ERROR")
+print(json.dumps({n: a.status.value for n, a in serve.status().applications.items()}))
+"""
+
+
+def _driver(code: str, env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+
+
+def test_on_a_shared_cluster_only_its_own_application_comes_and_goes(
+    ray_served: RayServed, tmp_path: Path
+) -> None:
+    from pipeline.ray.runtime import loopback_env
+    from tests.pipeline.servers import ray_nodes
+
+    env = {**loopback_env(), "RAY_AUTH_MODE": "token"}
+    env = {k: v for k, v in env.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    (photo,) = _photos(1)
+    with ray_nodes(tmp_path, env, {}, head_cpus=3) as nodes:
+        neighbour_port = free_port()
+        _driver(NEIGHBOUR, env, nodes.address, str(neighbour_port))
+        neighbour = f"http://127.0.0.1:{neighbour_port}/"
+        port = free_port()
+        command = [str(SAT), "serve", "--engine", "ray", "--address", nodes.address]
+        command += ["--port", str(port), "--model", f"models:/{NAME}/1"]
+        with (tmp_path / "serve.log").open("wb") as log:
+            process = subprocess.Popen(
+                command, cwd=ray_served.root, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 240
+            while True:
+                assert process.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+                try:
+                    urllib.request.urlopen(f"{url}/ping", timeout=5).close()
+                    break
+                except OSError:
+                    time.sleep(1)
+            assert _post(url, _rows([_b64(photo)]))[0] == 200
+            running = json.loads(_driver(APPLICATIONS, env, nodes.address))
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=90)
+        after = json.loads(_driver(APPLICATIONS, env, nodes.address))
+        with urllib.request.urlopen(neighbour, timeout=30) as answer:
+            assert answer.read() == b"neighbour"
+    ours = [name for name in running if name != "neighbour"]
+    assert len(ours) == 1 and ours[0].startswith("sat-") and ours[0].endswith(f"-{port}")
+    assert after == {"neighbour": "RUNNING"}, after

@@ -319,7 +319,10 @@ def test_beam_size_outside_1_to_10_is_a_clear_400(served, beam):
 def test_a_1000_row_request_is_refused_before_decoding(served):
     status, body = _post(served.url, _split([_png_base64()] * 1000))
     assert status == 400, body
-    assert "too many rows: 1000 images in one request, serve.max_rows is 64" in body["message"]
+    # counted from the body's commas and brackets, before the JSON is parsed
+    assert (
+        body["message"].startswith("too many rows: ") and "serve.max_rows is 64" in body["message"]
+    )
 
 
 def test_an_oversized_request_is_refused(served):
@@ -645,6 +648,18 @@ def test_code_in_the_artifact_is_never_run(served, tmp_path):
     finally:
         _stop(process)
     assert not marker.exists()
+
+
+def test_version_of_a_folder_model_names_no_server_path(served, tmp_path):
+    _, stored = _register_another(served, "folder-model", seed=9)
+    process = _sat_serve(served, str(stored), tmp_path)
+    try:
+        with urllib.request.urlopen(f"{process.url}/version") as answer:  # type: ignore[attr-defined]
+            shown = json.loads(answer.read())
+    finally:
+        _stop(process)
+    assert shown["model"] == stored.name and shown["checkpoint_sha256"], shown
+    assert str(stored.parent) not in json.dumps(shown)
 
 
 def test_a_checkpoint_that_does_not_match_its_record_is_refused(served, tmp_path):

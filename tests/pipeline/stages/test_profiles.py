@@ -2,6 +2,7 @@
 root pipeline, and the Flickr8k profile's prepare stage on the real train and dev photos."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,10 @@ def test_sat_profile_new_writes_a_profile_of_the_folder(
         ),
         (["new", "x", "--images", "{tmp}/photos", "--captions", "{tmp}/photos"], "not a file"),
         (["new", "x", "--images", "{tmp}/photos", "--captions", "{tmp}/bad.csv"], "no column"),
+        (
+            ["new", "x", "--images", "{tmp}/pho\ntos", "--captions", "{tmp}/captions.csv"],
+            "a newline or control character in a path",
+        ),
     ],
 )
 def test_sat_profile_new_refuses_bad_arguments_in_one_line(
@@ -169,6 +174,7 @@ def test_sat_profile_new_refuses_bad_arguments_in_one_line(
 
     project = _own_project(tmp_path)
     (tmp_path / "bad.csv").write_text("name,text\na.jpg,x\n")
+    shutil.copytree(tmp_path / "photos", tmp_path / "pho\ntos")  # a real folder of the photos
     monkeypatch.chdir(project)
     before = sorted(p.name for p in (project / "profiles").iterdir())
     with pytest.raises(SystemExit) as exited:

@@ -170,3 +170,25 @@ def test_prepare_fails_in_one_line_when_too_much_is_bad(tmp_path: Path) -> None:
     with pytest.raises(PrepareError, match=r"3 of 5 images are bad .*missing image file") as e:
         prepare_dataset(folder_data(tmp_path), base_dir=tmp_path)
     assert "\n" not in str(e.value)
+
+
+def test_a_nul_byte_in_a_file_name_and_a_huge_field_skip_their_rows_only(tmp_path: Path) -> None:
+    """Both crashed prepare and ``sat profile new`` (``embedded null byte`` when the file was
+    checked; csv's "field larger than field limit" for the whole file)."""
+    photo(tmp_path / "a.jpg")
+    name = csv_file(
+        tmp_path,
+        "file,caption\n"
+        "a.jpg,a red car\n"  # 2
+        "b\x00.jpg,a nul in the name\n"  # 3
+        f"c.jpg,{'x' * 200_000}\n"  # 4 over csv's 128 KiB field limit
+        "a.jpg,a car that is red\n",  # 5
+    )
+    (tmp_path / "caps.jsonl").write_text(json.dumps({"file": "d\x00.jpg", "caption": "a dog"}))
+    src = read_folder(tmp_path, ".", name, "auto", 0, 0, 0)
+    reasons = sorted(s.reason for s in src.skipped)
+    assert reasons[0].startswith("malformed line: field larger than field limit"), reasons
+    assert reasons[1:] == ["the file name holds a NUL byte"], reasons
+    assert [c.item for c in src.captions] == ["captions.csv line 2", "captions.csv line 5"]
+    jsonl = read_folder(tmp_path, ".", "caps.jsonl", "auto", 0, 0, 0)
+    assert [s.reason for s in jsonl.skipped] == ["the file name holds a NUL byte"]

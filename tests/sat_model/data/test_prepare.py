@@ -381,3 +381,17 @@ def test_flickr8k_and_karpathy_prepare_identical_tables_from_the_sample(tmp_path
     images, captions, _ = tables["flickr8k"]
     assert len(images) == 2250 and sum(r["split"] == "train" for r in images) == 2000
     assert len(captions) > 0.95 * 11_250  # all but the captions over 20 tokens
+
+
+@pytest.mark.parametrize("fmt", ["EPS", "PPM", "ICO"])
+def test_a_photo_in_a_format_no_stage_opens_is_never_parsed(tmp_path: Path, fmt: str) -> None:
+    """An EPS file named .jpg reached Pillow's EPS plugin (and its Ghostscript step); now only
+    the formats extract and captioning open are tried, and the file is a skipped image."""
+    path = tmp_path / "photo.jpg"
+    if fmt == "EPS":  # Pillow reads the size from the bounding box without Ghostscript
+        path.write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n")
+    else:
+        Image.new("RGB", (10, 10)).save(path, format=fmt)
+    with Image.open(path) as image:  # a format Pillow knows: unrestricted, it would open
+        assert image.format == fmt
+    assert check_image(path, verify=False, max_pixels=10_000).status == "not a readable image"
