@@ -74,7 +74,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # a module's weight: its heaviest marker (clusters, then other integrations, then the rest),
-# then how many of its tests are integrations
+# then the share of its tests that are integrations (a module that is one pipeline run, say),
+# then how many tests it has
 WEIGHTS = {"cluster": 0, "slow": 1, "ray": 1, "mlflow": 1, "java": 2}
 
 
@@ -82,13 +83,20 @@ def _heaviest_modules_first(items: list[pytest.Item]) -> None:
     """Order whole modules by weight, keeping each module's tests in their order: xdist's
     ``--dist loadfile`` hands modules out in this order, so the long ones start first and the
     short ones fill the gaps at the end instead of leaving one worker waiting on a cluster."""
-    weight: dict[str, tuple[int, int]] = {}
+    heaviest: dict[str, int] = {}
+    tests: dict[str, list[bool]] = {}
     for item in items:
         marks = [WEIGHTS[m.name] for m in item.iter_markers() if m.name in WEIGHTS]
         module = item.nodeid.partition("::")[0]
-        lightest, integrations = weight.get(module, (3, 0))
-        weight[module] = (min(lightest, *marks, 3), integrations - (min(marks, default=3) < 2))
-    items.sort(key=lambda item: weight[item.nodeid.partition("::")[0]])
+        heaviest[module] = min(heaviest.get(module, 3), *marks, 3)
+        tests.setdefault(module, []).append(min(marks, default=3) < 2)
+
+    def weight(item: pytest.Item) -> tuple[int, float, int]:
+        module = item.nodeid.partition("::")[0]
+        integrations = tests[module]
+        return heaviest[module], -sum(integrations) / len(integrations), -len(integrations)
+
+    items.sort(key=weight)
 
 
 def _cpu_seconds() -> float:

@@ -228,7 +228,10 @@ def test_caption_on_ray_refuses_an_out_folder_that_holds_an_earlier_run(tmp_path
     done = _sat("caption", "in", "--engine", "ray", "--out", "out", cwd=tmp_path)
     assert done.returncode == 1
     (line,) = done.stderr.splitlines()
-    assert line == "sat caption: error: --out out is not empty: name a new folder, or empty it"
+    assert line == (
+        f"sat caption: error: refusing to write captions into {tmp_path / 'out'}: it holds other "
+        "files (earlier.json, ...); name a new folder or prefix with --out"
+    )
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["earlier.json"]
 
 
