@@ -203,9 +203,9 @@ def _caption_on_ray(args: argparse.Namespace) -> int:
             raise CommandError(f"{source} is not a folder (or an s3:// prefix)")
         source = str(Path(source).resolve())  # Ray's workers run elsewhere
     out = args.out if "://" in args.out else str(Path(args.out).resolve())
-    from pipeline.ray.caption import check_destination
+    from pipeline.ray.caption import _check_destination
 
-    check_destination(out)  # before any model loads: an earlier run's files only, or nothing
+    _check_destination(out)  # before any model loads: an earlier run's files only, or nothing
     params = params_or_defaults(args)
     options = _captioner_options(params.eval, args.batch_size)
     if args.beam_size:
