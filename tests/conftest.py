@@ -108,8 +108,8 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+def _cpu_timed(item: pytest.Item) -> Generator[None, None, None]:
+    """Records the CPU-seconds of the phase it wraps (set-up or call) for its report."""
     start = _cpu_seconds()
     try:
         return (yield)
@@ -117,13 +117,8 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
         item.stash[_CPU_S] = _cpu_seconds() - start
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    start = _cpu_seconds()
-    try:
-        return (yield)
-    finally:
-        item.stash[_CPU_S] = _cpu_seconds() - start
+pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_cpu_timed)
+pytest_runtest_call = pytest.hookimpl(wrapper=True)(_cpu_timed)
 
 
 @pytest.hookimpl(wrapper=True)
