@@ -24,7 +24,7 @@ from typing import Any
 
 from pipeline.ray.runtime import without_core_lines
 
-__all__ = ["BatchCaptionResult", "caption_with_ray_data"]
+__all__ = ["BatchCaptionResult", "caption_with_ray_data", "check_destination"]
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
 # a read task fetches bytes only: it reserves a quarter of a CPU, and an actor the rest of its
@@ -114,7 +114,7 @@ def _output_names() -> type:
     return OutputNames
 
 
-def _check_destination(out: str) -> None:
+def check_destination(out: str) -> None:
     """``FileExistsError`` unless ``out`` is absent or holds only an earlier run's output files
     (``captions_NNNNNN.json``, ``captions_NNNNNN-N.parquet``): those are replaced, nothing else
     ever is."""
@@ -212,7 +212,7 @@ def caption_with_ray_data(
         num_cpus=READ_CPUS,
     )
     cpus = cpus_per_actor if cpus_per_actor is not None else _actor_cpus(actors)
-    _check_destination(out)
+    check_destination(out)
     # the names are the same on every run, so an earlier run's files are replaced, not added to
     names = _output_names()(file_format="parquet" if fmt == "parquet" else "json")
     with without_core_lines(RAY_DATA_RESTART_WARNING):
