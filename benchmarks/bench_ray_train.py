@@ -35,9 +35,10 @@ from typing import Any
 import numpy as np
 
 import pipeline.ray.runtime  # noqa: F401  (loopback env before ray is imported)
+from pipeline.ray.fit import ScalingSpec, fit_on_ray
 from pipeline.ray.progress import epoch_progress
 from pipeline.ray.runtime import loopback_env, ray_session
-from pipeline.ray.train import ScalingSpec, TrainJob, fit_on_ray, sat_train_fn
+from pipeline.ray.train import TrainJob, sat_train_fn
 from sat_model.config import Params, RayConfig, load_params
 from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE
 

@@ -1,26 +1,18 @@
-"""Ray Train (V2 API of the pinned Ray) around the plain, single-process training function.
+"""The ``train`` stage on Ray Train: ``train_model`` on every worker of the generic wrapper
+(:mod:`pipeline.ray.fit`), rank 0 logging each epoch to MLflow, the final checkpoint copied into
+``models/<attention>/``.
 
-Every worker of the driver's ``TorchTrainer`` runs ``train_fn(run: WorkerRun)``; :class:`WorkerRun`
-is all the function sees of Ray: rank, world size, device, the checkpoint to resume from, a
-``wrap_model`` hook (DDP: gloo on CPU, NCCL on GPU) and ``report`` (once per epoch; rank 0
-attaches the checkpoint folder). A run started again with the same name and storage resumes from
-its last reported checkpoint, as do Ray's own restarts after a worker failure.
-
-:func:`train_with_ray` is the ``train`` stage's use of it: ``train_model`` on every worker, rank
-0 logging each epoch to MLflow, the final checkpoint copied into ``models/<attention>/``. Runs are
-named after the run's identity (``pipeline.tracking.run_identity``) and an attempt number; an
-invocation trains from epoch 1 unless a run of that identity finished (it hands back that
-model) or ``resume=True`` names an unfinished one (it continues from its last epoch).
+Runs are named after the run's identity (``pipeline.tracking.run_identity``) and an attempt
+number (:mod:`pipeline.ray.attempts`); an invocation trains from epoch 1 unless a run of that
+identity finished (it hands back that model) or ``resume=True`` names an unfinished one (it
+continues from its last epoch).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -28,13 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow.fs as pafs
-import torch
 
-from pipeline.ray.runtime import loopback_env, resolve_use_gpu
-from pipeline.ray.storage import AWS_ENV, Storage, fetch_inputs, upload_inputs, workers_share_files
+from pipeline.ray.attempts import attempts, choose_run, say, write_record
+from pipeline.ray.fit import ScalingSpec, WorkerRun, fit_on_ray
+from pipeline.ray.storage import Storage, fetch_inputs, upload_inputs, workers_share_files
 from pipeline.tracking.run_identity import RunIdentity
 from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir
-from sat_model.config import Params, RayConfig
+from sat_model.config import Params
 from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE
 from sat_model.features.store import store_file
 from sat_model.model.checkpoint import TRAIN_METRICS_FILE, is_checkpoint_dir
@@ -45,183 +37,16 @@ if TYPE_CHECKING:
     from pipeline.tracking.runs import Run
 
 __all__ = [
-    "RUN_RECORD",
-    "RayFitResult",
     "RayTrainResult",
-    "ScalingSpec",
     "StagedInputs",
-    "TrainFn",
     "TrainJob",
     "WorkerHooks",
-    "WorkerRun",
     "copy_checkpoint",
-    "deterministic_run_name",
-    "fit_on_ray",
     "sat_train_fn",
     "stage_worker_inputs",
     "train_with_ray",
     "warn_if_tracking_is_driver_only",
 ]
-
-
-@dataclass(frozen=True)
-class WorkerRun:
-    """One Ray Train worker's view of the run, handed to the train function."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-    resume_dir: Path | None  # local copy of the latest reported checkpoint, None on a fresh run
-    config: Any  # what fit_on_ray was given (a TrainJob for sat_train_fn); absolute paths
-
-    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move to this worker's device; wrap in DDP when there is more than one worker."""
-        import ray.train.torch
-
-        return ray.train.torch.prepare_model(model)
-
-    def report(self, metrics: Mapping[str, float], checkpoint_dir: Path | None = None) -> None:
-        """Report this epoch; every rank must call it (a barrier), rank 0 with the checkpoint.
-
-        The directory is copied to Ray's storage before this returns, so the caller may delete it.
-        """
-        import ray.train
-
-        checkpoint = None
-        if self.rank == 0 and checkpoint_dir is not None:
-            checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir))
-        ray.train.report(dict(metrics), checkpoint=checkpoint)
-
-
-TrainFn = Callable[[WorkerRun], None]
-
-
-def _worker_entry(train_fn: TrainFn, loop_config: dict[str, Any]) -> None:
-    """What Ray runs on each worker: build the :class:`WorkerRun`, call the train function."""
-    import ray.train
-    import ray.train.torch
-
-    context = ray.train.get_context()
-    # intra-op threads = the CPUs Ray reserved for this worker, so workers do not oversubscribe
-    torch.set_num_threads(int(loop_config["torch_threads"]))
-    checkpoint = ray.train.get_checkpoint()
-    with tempfile.TemporaryDirectory(prefix="sat-resume-") as tmp:
-        resume_dir = None
-        if checkpoint is not None:
-            resume_dir = Path(tmp) / "checkpoint"
-            checkpoint.to_directory(str(resume_dir))
-        run = WorkerRun(
-            rank=context.get_world_rank(),
-            world_size=context.get_world_size(),
-            device=ray.train.torch.get_device(),
-            resume_dir=resume_dir,
-            config=loop_config["config"],
-        )
-        train_fn(run)
-
-
-@dataclass(frozen=True)
-class ScalingSpec:
-    """How many workers, what each holds and where they go (``ray.num_workers``, ...)."""
-
-    num_workers: int
-    cpus_per_worker: int
-    use_gpu: bool
-    placement_strategy: str = "PACK"  # STRICT_SPREAD: one worker per node
-
-    @classmethod
-    def from_params(cls, cfg: RayConfig) -> ScalingSpec:
-        use_gpu = resolve_use_gpu(cfg.use_gpu)
-        return cls(cfg.num_workers, cfg.cpus_per_worker, use_gpu, cfg.placement_strategy)
-
-    def to_ray(self) -> Any:
-        from ray.train import ScalingConfig
-
-        return ScalingConfig(
-            num_workers=self.num_workers,
-            use_gpu=self.use_gpu,
-            resources_per_worker={"CPU": self.cpus_per_worker, "GPU": int(self.use_gpu)},
-            placement_strategy=self.placement_strategy,
-        )
-
-
-@dataclass(frozen=True)
-class RayFitResult:
-    """What a finished Ray Train run left behind."""
-
-    run_name: str
-    storage_dir: Storage  # <storage_path>/<run_name>
-    checkpoint: Storage | None  # the last reported checkpoint in storage
-    metrics: dict[str, Any]  # the last report's metrics (rank 0)
-
-    @property
-    def checkpoint_dir(self) -> Path | None:
-        """The last checkpoint's folder when the storage is local (None in an object store)."""
-        if self.checkpoint is None or not self.checkpoint.is_local:
-            return None
-        return Path(self.checkpoint.path)
-
-
-def deterministic_run_name(prefix: str, *parts: Any) -> str:
-    """``<prefix>-<12 hex>`` from the JSON of ``parts``: same inputs, same run, so it resumes."""
-    blob = json.dumps(parts, sort_keys=True, default=str).encode()
-    return f"{prefix}-{hashlib.sha256(blob).hexdigest()[:12]}"
-
-
-def fit_on_ray(
-    train_fn: TrainFn,
-    *,
-    config: Any,
-    run_name: str,
-    storage_path: Path | Storage,
-    scaling: ScalingSpec,
-    max_failures: int,
-    callbacks: Sequence[Any] = (),
-) -> RayFitResult:
-    """Run ``train_fn`` on every worker under a ``TorchTrainer``; Ray must be initialised.
-
-    ``config`` reaches every worker as ``WorkerRun.config`` (picklable: a :class:`TrainJob` for
-    :func:`sat_train_fn`, anything the given ``train_fn`` reads otherwise).
-
-    ``max_failures`` restarts (``FailureConfig``) resume from the last reported checkpoint.
-    ``callbacks`` are Ray Train ``UserCallback`` s (Tune passes its ``TuneReportCallback``).
-    ``storage_path``: a local folder (absolute: Ray workers change cwd) or a :class:`Storage`.
-    """
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig
-    from ray.train.torch import TorchTrainer
-
-    if isinstance(storage_path, Path):
-        if not storage_path.is_absolute():
-            raise ValueError(f"storage_path must be absolute (workers change cwd): {storage_path}")
-        storage_path = Storage(pafs.LocalFileSystem(), str(storage_path), str(storage_path))
-    storage = storage_path
-    trainer = TorchTrainer(
-        functools.partial(_worker_entry, train_fn),
-        train_loop_config={"torch_threads": scaling.cpus_per_worker, "config": config},
-        scaling_config=scaling.to_ray(),
-        run_config=RunConfig(  # type: ignore[call-arg]  # worker_runtime_env: not in its stubs
-            name=run_name,
-            storage_path=storage.path,
-            # Ray resolves a plain path itself; a URI's file system carries its endpoint
-            storage_filesystem=None if storage.is_local else storage.filesystem,
-            failure_config=FailureConfig(max_failures=max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),  # the last and the one before
-            callbacks=list(callbacks) or None,
-            worker_runtime_env={"env_vars": _worker_env()},
-        ),
-    )
-    result = trainer.fit()
-    checkpoint = None
-    if result.checkpoint is not None:
-        path = result.checkpoint.path
-        checkpoint = Storage(storage.filesystem, path, storage.uri + path[len(storage.path) :])
-    return RayFitResult(run_name, storage.child(run_name), checkpoint, dict(result.metrics or {}))
-
-
-def _worker_env() -> dict[str, str]:
-    keys = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED", "MLFLOW_TRACKING_URI")
-    env = loopback_env()
-    return {k: env[k] for k in (*keys, *AWS_ENV) if k in env}
 
 
 def copy_checkpoint(source: Path | Storage, destination: Path) -> None:
@@ -401,79 +226,6 @@ def stage_worker_inputs(
     return StagedInputs(upload_inputs(files, storage), storage)
 
 
-RUN_RECORD = "sat_run.json"  # in a run's storage folder: its identity, status, checkpoint
-
-
-@dataclass(frozen=True)
-class _Attempt:
-    """One earlier run of an identity in Ray's storage, with what the driver recorded of it."""
-
-    number: int
-    folder: Storage  # <storage>/<name>
-    record: dict[str, Any]  # RUN_RECORD's content, {} when unreadable
-
-    @property
-    def name(self) -> str:
-        return self.folder.name
-
-    @property
-    def checkpoint(self) -> Storage | None:
-        """The final checkpoint of a finished run that is still in storage, else None."""
-        relative = self.record.get("checkpoint")
-        if self.record.get("status") != "FINISHED" or not relative:
-            return None
-        path = self.folder.child(*Path(relative).parts)
-        return path if path.is_dir() else None
-
-
-def _attempts(storage: Storage, base: str) -> list[_Attempt]:
-    """The runs called ``<base>-<n>`` under ``storage``, by attempt number."""
-    found = []
-    for folder in storage.subdirs():
-        suffix = folder.name.removeprefix(f"{base}-")
-        if folder.name.startswith(f"{base}-") and suffix.isdigit():
-            found.append(_Attempt(int(suffix), folder, _read_record(folder.child(RUN_RECORD))))
-    return sorted(found, key=lambda a: a.number)
-
-
-def _read_record(file: Storage) -> dict[str, Any]:
-    try:
-        record = json.loads(file.read_text())
-    except (OSError, ValueError):  # missing (FileNotFoundError is an OSError) or not JSON
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-def _write_record(storage: Storage, name: str, record: Mapping[str, Any]) -> None:
-    storage.child(name, RUN_RECORD).write_text(json.dumps(record, indent=1) + "\n")
-
-
-def _choose_run(
-    attempts: Sequence[_Attempt], base: str, attention: str, resume: bool
-) -> tuple[str, _Attempt | None]:
-    """(run name, finished attempt to reuse or None); prints the one line saying which."""
-    stage = f"train@{attention}"
-    done = next((a for a in reversed(attempts) if a.checkpoint is not None), None)
-    if done is not None:
-        _say(f"{stage}: nothing to train: run {done.name} of this identity finished")
-        return done.name, done
-    if resume and attempts:
-        last = attempts[-1]
-        _say(f"{stage}: resuming run {last.name} from its last epoch checkpoint")
-        return last.name, None
-    name = f"{base}-{attempts[-1].number + 1 if attempts else 1}"
-    if not attempts:
-        why = "no earlier run of this identity" + (" to resume" if resume else "")
-    else:
-        why = f"run {attempts[-1].name} of this identity did not finish; --resume continues it"
-    _say(f"{stage}: training from epoch 1 as run {name} ({why})")
-    return name, None
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def train_with_ray(
     params: Any,
     attention: str,
@@ -504,7 +256,7 @@ def train_with_ray(
     identity = train_identity(params, attention, root, inputs=inputs)
     storage = resolve_storage_path(params.ray, root)
     base = f"sat-{attention}-{identity.short}"
-    name, done = _choose_run(_attempts(storage, base), base, attention, resume)
+    name, done = choose_run(attempts(storage, base), base, attention, resume)
     model_dir = output_path(params.train.models_dir, root) / attention
     if done is not None:
         checkpoint, run_id = done.checkpoint, done.record.get("mlflow_run_id")
@@ -551,7 +303,7 @@ def _fit_run(
     run = tracking.start_run(name, tags=tags)
     storage = resolve_storage_path(params.ray, root)
     record = {"identity": identity.digest, "inputs": identity.inputs, "mlflow_run_id": run.run_id}
-    _write_record(storage, name, {**record, "status": "RUNNING"})
+    write_record(storage, name, {**record, "status": "RUNNING"})
     job = replace(
         job,
         run=run,
@@ -583,7 +335,7 @@ def _fit_run(
     # relative to the run's folder: the project (or the bucket's mirror) may move
     checkpoint = os.path.relpath(outcome.checkpoint.path, outcome.storage_dir.path)
     finished = {**record, "status": "FINISHED", "checkpoint": checkpoint}
-    _write_record(storage, name, finished)
+    write_record(storage, name, finished)
     run.finish()
     return outcome.checkpoint, run.run_id
 
@@ -592,7 +344,7 @@ def warn_if_tracking_is_driver_only(tracking_uri: str, workers_elsewhere: bool) 
     """One line on stderr when rank 0 may run on another node than a file-based MLflow store."""
     local = tracking_uri.startswith(("sqlite:", "file:")) or "://" not in tracking_uri
     if workers_elsewhere and local:
-        _say(
+        say(
             f"warning: mlflow tracking URI {tracking_uri} is a file on this machine; workers on "
             "other nodes cannot log to it: a cluster needs an MLflow tracking server "
             "(docs/guide/scaling-out.md)"

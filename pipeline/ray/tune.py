@@ -29,14 +29,12 @@ from typing import Any
 
 import yaml
 
+from pipeline.ray.fit import ScalingSpec, deterministic_run_name, fit_on_ray
 from pipeline.ray.progress import trial_table
 from pipeline.ray.runtime import ray_session, remove_orphaned_placement_groups, resolve_storage_path
 from pipeline.ray.storage import Storage, workers_share_files
 from pipeline.ray.train import (
-    ScalingSpec,
     TrainJob,
-    deterministic_run_name,
-    fit_on_ray,
     sat_train_fn,
     stage_worker_inputs,
     warn_if_tracking_is_driver_only,

@@ -25,19 +25,10 @@ import safetensors.torch
 import torch
 from ray import cloudpickle
 
+from pipeline.ray.attempts import attempts, choose_run, write_record
+from pipeline.ray.fit import ScalingSpec, WorkerRun, deterministic_run_name, fit_on_ray
 from pipeline.ray.storage import resolve_storage
-from pipeline.ray.train import (
-    ScalingSpec,
-    WorkerHooks,
-    WorkerRun,
-    _attempts,
-    _choose_run,
-    _write_record,
-    copy_checkpoint,
-    deterministic_run_name,
-    fit_on_ray,
-    train_with_ray,
-)
+from pipeline.ray.train import WorkerHooks, copy_checkpoint, train_with_ray
 from pipeline.tracking.runs import Tracking, connect
 from sat_model.config import MlflowConfig, Params, load_params
 from sat_model.train.batching import LengthGroupedBatchSampler
@@ -379,12 +370,12 @@ def test_each_invocation_of_an_unfinished_identity_is_a_new_attempt_unless_resum
     storage, base = resolve_storage(str(tmp_path / "ray_results"), tmp_path), "sat-soft-abc"
 
     def choose(resume: bool = False) -> tuple[str, object]:
-        return _choose_run(_attempts(storage, base), base, "soft", resume)
+        return choose_run(attempts(storage, base), base, "soft", resume)
 
     assert choose() == (f"{base}-1", None)
-    _write_record(storage, f"{base}-1", {"status": "RUNNING"})  # it failed in epoch 2
+    write_record(storage, f"{base}-1", {"status": "RUNNING"})  # it failed in epoch 2
     assert choose() == (f"{base}-2", None)  # the next invocation starts over, at epoch 1
-    _write_record(storage, f"{base}-2", {"status": "RUNNING"})
+    write_record(storage, f"{base}-2", {"status": "RUNNING"})
     assert choose(resume=True) == (f"{base}-2", None)  # --resume continues the latest
     said = capsys.readouterr().err
     assert "training from epoch 1 as run sat-soft-abc-1 (no earlier run of this identity)" in said
@@ -392,7 +383,7 @@ def test_each_invocation_of_an_unfinished_identity_is_a_new_attempt_unless_resum
     assert f"train@soft: resuming run {base}-2 from its last epoch" in said
     checkpoint = storage.child(f"{base}-2", "checkpoint_000001")
     checkpoint.child("model.safetensors").write_text("weights")
-    _write_record(storage, f"{base}-2", {"status": "FINISHED", "checkpoint": "checkpoint_000001"})
+    write_record(storage, f"{base}-2", {"status": "FINISHED", "checkpoint": "checkpoint_000001"})
     name, done = choose(resume=True)  # a finished attempt is reused, resume or not
     assert name == f"{base}-2" and done is not None and done.checkpoint == checkpoint
 
