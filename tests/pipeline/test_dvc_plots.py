@@ -20,7 +20,7 @@ import yaml
 from PIL import Image
 
 from sat_model.evaluation.visualize import FIGURES_DIR, AttentionFigures
-from sat_model.train.run import CURVE_COLUMNS
+from sat_model.train.model_dir import CURVE_COLUMNS
 from tests.factories import ROOT
 
 QUANTITIES = [c for c in CURVE_COLUMNS if c != "epoch"]  # each column of curves.csv gets a plot

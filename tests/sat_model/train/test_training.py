@@ -13,6 +13,7 @@ import torch
 
 from sat_model.data.vocab import build_vocab
 from sat_model.model.checkpoint import (
+    LAST_STATE_FILE,
     Checkpoint,
     CheckpointError,
     load_checkpoint,
@@ -477,11 +478,11 @@ def test_train_monitor_picks_the_shipped_epoch_by_its_validation_score(
     import json
 
     from sat_model.config import load_params
-    from sat_model.train import run
+    from sat_model.train import run, validation
 
     by_epoch = [(0.3, 0.1), (0.2, 0.5), (0.1, 0.2)]  # (BLEU-4, CIDEr) of epochs 1, 2, 3
     scores = iter([{"bleu_4": b, "cider": c} for b, c in by_epoch])
-    monkeypatch.setattr(run, "score_captions", lambda *a, **k: next(scores))
+    monkeypatch.setattr(validation, "score_captions", lambda *a, **k: next(scores))
     prepared, features = write_tiny_run(tmp_path)
     (tmp_path / "params.yaml").write_text("{}\n")
     overrides = [*TINY, f"train.monitor={monitor}", "train.soft.max_epochs=3"]
@@ -507,9 +508,9 @@ def test_train_mirror_trains_on_the_mirrored_store_and_nothing_else_changes(
 
     from sat_model.config import ParamsError, load_params
     from sat_model.features.store import FeatureStore, FeatureWriter
-    from sat_model.train import run
+    from sat_model.train import run, validation
 
-    monkeypatch.setattr(run, "score_captions", lambda *a, **k: {"bleu_4": 0.1, "cider": 0.2})
+    monkeypatch.setattr(validation, "score_captions", lambda *a, **k: {"bleu_4": 0.1, "cider": 0.2})
     prepared, features = write_tiny_run(tmp_path)
     (tmp_path / "params.yaml").write_text("{}\n")
     overrides = [*TINY, "train.soft.max_epochs=2", "train.soft.batch_size=8"]
@@ -578,7 +579,7 @@ def _assert_two_self_critical_epochs_followed(whole: Path) -> tuple[dict[str, An
         curves = list(csv.DictReader(f))
     assert [int(r["epoch"]) for r in curves] == [1, 2, 3, 4]
     assert [float(r["lr"]) for r in curves][2] == pytest.approx(0.001)  # scst_lr, cosine
-    state = run.load_training_state(whole / run.LAST_STATE_FILE)
+    state = run.load_training_state(whole / LAST_STATE_FILE)
     assert state["phase"] == "self_critical" and state["epoch"] == 4
     assert json.loads((whole / "train_metrics.json").read_text())["epochs"] == 4
     # the self-critical epochs moved the weights away from the best likelihood epoch's (1)
@@ -598,12 +599,12 @@ def _assert_a_finished_likelihood_run_goes_on_into_them(
     from sat_model.train import run
 
     likelihood = train("likelihood", 0, device="cpu")
-    assert run.load_training_state(likelihood / run.LAST_STATE_FILE)["phase"] == "likelihood"
+    assert run.load_training_state(likelihood / LAST_STATE_FILE)["phase"] == "likelihood"
     # the same folder as the code before safetensors wrote it (format 1: model.pt) resumes alike
     legacy = to_format_1(Path(shutil.copytree(likelihood, tmp_path / "legacy" / "soft")))
     for folder, name in ((likelihood, "likelihood"), (legacy, "legacy")):
         train(name, 2, device="cpu", resume_from=folder)
-        resumed = run.load_training_state(folder / run.LAST_STATE_FILE)
+        resumed = run.load_training_state(folder / LAST_STATE_FILE)
         assert resumed["phase"] == "self_critical" and resumed["epoch"] == 4
         for key, value in state["model_state"].items():
             torch.testing.assert_close(resumed["model_state"][key], value, msg=key)
@@ -618,9 +619,9 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
     run ends; a likelihood run that had finished goes on into them; a self-critical state is
     refused by a run without them; `scst_bleu_weight` reaches the reward."""
     from sat_model.config import load_params
-    from sat_model.train import run
+    from sat_model.train import run, validation
 
-    monkeypatch.setattr(run, "score_captions", lambda *a, **k: {"bleu_4": 0.1, "cider": 0.2})
+    monkeypatch.setattr(validation, "score_captions", lambda *a, **k: {"bleu_4": 0.1, "cider": 0.2})
     prepared, features = write_tiny_run(tmp_path)
     (tmp_path / "params.yaml").write_text("{}\n")
 
@@ -635,7 +636,7 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
 
     # BLEU-4 in the reward changes the self-critical gradient, not the likelihood epochs
     mixed = train("mixed", 2, ("train.soft.scst_bleu_weight=1.0",), device="cpu")
-    mixed_state = run.load_training_state(mixed / run.LAST_STATE_FILE)["model_state"]
+    mixed_state = run.load_training_state(mixed / LAST_STATE_FILE)["model_state"]
     assert any(not torch.equal(mixed_state[k], v) for k, v in state["model_state"].items())
     assert load_checkpoint(mixed, training=True).training.epoch == 1
     for name, value in best.model_state.items():
@@ -644,9 +645,9 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
     with pytest.raises(_Killed):
         train("killed", 2, device="cpu", callbacks=[_KillAfter(3)])
     killed = tmp_path / "killed" / "soft"
-    assert run.load_training_state(killed / run.LAST_STATE_FILE)["phase"] == "self_critical"
+    assert run.load_training_state(killed / LAST_STATE_FILE)["phase"] == "self_critical"
     train("killed", 2, device="cpu", resume_from=killed)
-    final = run.load_training_state(killed / run.LAST_STATE_FILE)["model_state"]
+    final = run.load_training_state(killed / LAST_STATE_FILE)["model_state"]
     for name, value in state["model_state"].items():
         torch.testing.assert_close(final[name], value, msg=name)
 
