@@ -35,9 +35,6 @@ import dataclasses
 import hashlib
 import io
 import json
-import math
-import pickle
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +47,17 @@ from torch import nn
 
 from sat_model.atomic import write_bytes_atomic, write_text_atomic
 from sat_model.data.vocab import Vocab, VocabError, load_vocab, save_vocab
+from sat_model.model.checkpoint_checks import (
+    NONE,
+    CheckpointError,
+    check_archive,
+    check_shapes,
+    check_tensors,
+    check_types,
+    check_version,
+    load_pt,
+    model_config,
+)
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
 from sat_model.model.kernels import build_backend
 
@@ -85,27 +93,18 @@ BEST_STATE_FILE = "best_state.pt"  # what resuming from model.safetensors needs 
 LEGACY_MODEL_FILE = "model.pt"  # format 1: weights and training state in one torch.save
 TRAIN_METRICS_FILE, CURVES_FILE = "train_metrics.json", "curves.csv"  # training summary, curves
 LAST_STATE_FILE = "last_state.pt"  # the last epoch's training state, to resume from
-# Bounds far above the paper's sizes (n = 1800, K ≈ 10k words, L = 196): a config beyond them is
-# malformed, not large, and is refused before anything is sized from it.
-MAX_DIM = 1 << 16
-MAX_VOCAB = 1 << 22
-_NONE = type(None)
 # what a training state holds (extra keys are allowed: later formats add sections)
 _TRAINING_TYPES: dict[str, tuple[type, ...]] = {
     "criterion_state": (dict,),
-    "optimizer_state": (dict, _NONE),
-    "scheduler_state": (dict, _NONE),
+    "optimizer_state": (dict, NONE),
+    "scheduler_state": (dict, NONE),
     "epoch": (int,),
-    "best_score": (float, int, _NONE),
-    "best_epoch": (int, _NONE),
+    "best_score": (float, int, NONE),
+    "best_epoch": (int, NONE),
 }
 # format 1's model.pt: the training state beside the weights, config and vocabulary
 _LEGACY_TYPES = {"model_state": (dict,), **_TRAINING_TYPES, "config": (dict,), "itos": (list,)}
 _METADATA_KEYS = ("format_version", "config", "itos", "weights_sha256")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, corrupted, from another vocabulary, or carries pickled code."""
 
 
 @dataclass(frozen=True)
@@ -248,8 +247,8 @@ def _load_best_state(
 ) -> TrainingState:
     """``best_state.pt``, which must name the digest of the weights beside it."""
     path = directory / BEST_STATE_FILE
-    payload = _load_pt(path, map_location, "training state")
-    _check_version(payload.get("format_version"), FORMAT_VERSION, path)
+    payload = load_pt(path, map_location, "training state")
+    check_version(payload.get("format_version"), FORMAT_VERSION, path)
     if payload.get("weights_sha256") != digest:
         raise CheckpointError(
             f"{path} belongs to other weights than {MODEL_FILE} (a crash between writes, or "
@@ -263,11 +262,11 @@ def _load_legacy(
 ) -> Checkpoint:
     """A format-1 folder: weights, training state, config and vocabulary in one ``model.pt``."""
     path = directory / LEGACY_MODEL_FILE
-    payload = _load_pt(path, map_location, "checkpoint")
+    payload = load_pt(path, map_location, "checkpoint")
     if "model_state" not in payload:
         raise CheckpointError(f"{path} is not a sat checkpoint (no model_state)")
-    _check_version(payload.get("format_version"), LEGACY_FORMAT_VERSION, path)
-    _check_types(payload, path, _LEGACY_TYPES)
+    check_version(payload.get("format_version"), LEGACY_FORMAT_VERSION, path)
+    check_types(payload, path, _LEGACY_TYPES)
     state = payload["model_state"]
     model_config, file_vocab = _cross_check(
         directory, path, payload["config"], payload["itos"], state, vocab
@@ -286,12 +285,12 @@ def _read_metadata(
     missing = [key for key in _METADATA_KEYS if key not in metadata]
     if missing:
         raise CheckpointError(f"{path} is not a sat checkpoint: no {missing[0]!r} in its metadata")
-    _check_version(metadata["format_version"], FORMAT_VERSION, path)
+    check_version(metadata["format_version"], FORMAT_VERSION, path)
     try:
         sections = {key: json.loads(metadata[key]) for key in ("config", "itos")}
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: its metadata is not JSON: {e}") from None
-    _check_types(sections, path, {"config": (dict,), "itos": (list,)})
+    check_types(sections, path, {"config": (dict,), "itos": (list,)})
     return sections["config"], sections["itos"], metadata["weights_sha256"]
 
 
@@ -305,20 +304,20 @@ def _cross_check(
 ) -> tuple[ModelConfig, Vocab]:
     """The model config, checked against the weights' shapes, and the vocabulary, checked
     against ``vocab.json``, ``vocab`` and the config; ``config.json`` must equal ``config``."""
-    model_config = _model_config(config.get("model"), directory)
-    _check_shapes(model_config, state, path, "model_state")
-    file_vocab = _check_vocab(directory, path.name, itos, model_config, vocab)
+    checked = model_config(config.get("model"), directory)
+    check_shapes(checked, state, path, "model_state")
+    file_vocab = _check_vocab(directory, path.name, itos, checked, vocab)
     _check_config_json(directory, path.name, config)
-    return model_config, file_vocab
+    return checked, file_vocab
 
 
 def _training_state(payload: dict[str, Any], path: Path, config: ModelConfig) -> TrainingState:
     """The checked :class:`TrainingState` of a ``best_state.pt`` or format-1 ``model.pt``."""
-    _check_types(payload, path, _TRAINING_TYPES)
+    check_types(payload, path, _TRAINING_TYPES)
     train_state = payload.get("train_state")
     if train_state is not None:
-        _check_tensors(train_state, path, "train_state")
-        _check_shapes(config, train_state, path, "train_state")
+        check_tensors(train_state, path, "train_state")
+        check_shapes(config, train_state, path, "train_state")
     return TrainingState(
         criterion_state=payload["criterion_state"],
         optimizer_state=payload["optimizer_state"],
@@ -366,142 +365,6 @@ def _cpu(state: Mapping[str, Any]) -> dict[str, Any]:
 
     moved: dict[str, Any] = move(state)
     return moved
-
-
-def _load_pt(path: Path, map_location: str, what: str) -> dict[str, Any]:
-    """A ``torch.save`` dict of plain containers and tensors (``best_state.pt``, format 1's
-    ``model.pt``), its zip CRCs checked first; pickled code is refused."""
-    if not path.is_file():
-        raise CheckpointError(f"no {what} at {path}")
-    check_archive(path)
-    try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "Unsupported global" in str(e):
-            raise CheckpointError(
-                f"refusing to unpickle code from {path}: it holds objects other than tensors "
-                f"and plain containers (e.g. a pickled nn.Module or custom class); "
-                f"only state_dict checkpoints are loaded"
-            ) from None
-        raise CheckpointError(f"{path} is corrupted: {e}") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is corrupted: {e}") from None
-    if not isinstance(payload, dict):
-        raise CheckpointError(f"{path} is not a sat {what} (not a dict)")
-    return payload
-
-
-def check_archive(path: Path) -> None:
-    """Refuse a file that is not an intact torch zip archive (:class:`CheckpointError`).
-
-    torch.load does not verify the archive's CRCs: a flipped byte inside a tensor would load
-    silently as a different weight, so every member is checked first."""
-    if not zipfile.is_zipfile(path):  # torch.save always writes a zip archive
-        raise CheckpointError(f"{path} is corrupted: not a torch zip archive")
-    try:
-        with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{path} is corrupted: {e}") from None
-    if bad is not None:
-        raise CheckpointError(f"{path} is corrupted: checksum mismatch in {bad}")
-
-
-def _check_version(found: Any, expected: int, path: Path) -> None:
-    # safetensors metadata holds strings: "2" there is 2 in a torch.save payload
-    if found not in (expected, str(expected)) or isinstance(found, bool):
-        raise CheckpointError(f"{path}: format_version {found!r}, this code reads {expected}")
-
-
-def _check_types(
-    payload: Mapping[str, Any], path: Path, types: dict[str, tuple[type, ...]]
-) -> None:
-    """Every key of ``types`` is in ``payload`` with one of its types (bool is not an int)."""
-    for key, allowed in types.items():
-        if key not in payload:
-            raise CheckpointError(f"{path} is not a sat checkpoint: no {key!r}")
-        value = payload[key]
-        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-            names = " or ".join("None" if t is _NONE else t.__name__ for t in allowed)
-            raise CheckpointError(f"{path}: {key} is {type(value).__name__}, expected {names}")
-    if "itos" in types and not all(isinstance(w, str) for w in payload["itos"]):
-        raise CheckpointError(f"{path}: itos holds a non-string word")
-    if "model_state" in types:
-        _check_tensors(payload["model_state"], path, "model_state")
-
-
-def _check_tensors(state: Any, path: Path, what: str) -> None:
-    if not (
-        isinstance(state, dict)
-        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
-    ):
-        raise CheckpointError(f"{path}: {what} is not a mapping of names to tensors")
-
-
-def _field_error(name: str, kind: str, value: Any) -> str:
-    """Why ``value`` cannot be the ``ModelConfig`` field ``name`` of type ``kind``, or ""."""
-    if kind == "bool":
-        return "" if isinstance(value, bool) else "must be true or false"
-    if kind == "str":
-        return "" if isinstance(value, str) else "must be a string"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return f"must be a number, not {type(value).__name__}"
-    if kind == "float":
-        return "" if math.isfinite(value) else "must be finite"
-    if not isinstance(value, int):
-        return "must be an integer"
-    low = 0 if name == "grid_w" else 1
-    high = MAX_VOCAB if name == "vocab_size" else MAX_DIM
-    return "" if low <= value <= high else f"must be in [{low}, {high}]"
-
-
-def _model_config(raw: Any, directory: Path) -> ModelConfig:
-    """A ``ModelConfig`` from the saved dict, every field type- and bound-checked first."""
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{directory}: the model config is {type(raw).__name__}, not a dict")
-    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(raw) - set(fields))
-    missing = [n for n, f in fields.items() if n not in raw and _required(f)]
-    if unknown or missing:
-        raise CheckpointError(
-            f"{directory}: invalid model config: unknown keys {unknown}, missing keys {missing}"
-        )
-    for name, value in raw.items():
-        kind = fields[name].type
-        why = _field_error(name, kind if isinstance(kind, str) else kind.__name__, value)
-        if why:
-            raise CheckpointError(f"{directory}: invalid model config: {name}={value!r} {why}")
-    try:
-        return ModelConfig(**raw)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{directory}: invalid model config {raw!r}: {e}") from e
-
-
-def _required(f: dataclasses.Field[Any]) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-
-
-def _check_shapes(
-    config: ModelConfig, state: Mapping[str, torch.Tensor], path: Path, what: str
-) -> None:
-    """Every tensor of ``state`` has the name and shape ``config`` implies, checked on a model
-    built on the meta device (shapes only: nothing is allocated, whatever the config says)."""
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in ShowAttendTell(config).state_dict().items()}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = [
-        f"{k} {tuple(state[k].shape)} != {expected[k]}"
-        for k in expected
-        if k in state and tuple(state[k].shape) != expected[k]
-    ]
-    problems = [f"missing {missing[:5]}"] if missing else []
-    problems += [f"unexpected {unexpected[:5]}"] if unexpected else []
-    problems += [f"shapes {wrong[:5]}"] if wrong else []
-    if problems:
-        raise CheckpointError(
-            f"{path}: {what} does not fit the saved model config: {'; '.join(problems)}"
-        )
 
 
 def _check_vocab(
