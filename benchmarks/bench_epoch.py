@@ -45,6 +45,7 @@ from sat_model.model.decoding import greedy
 from sat_model.model.factory import build_model
 from sat_model.model.losses import SelfCriticalLoss, build_criterion
 from sat_model.train.batching import CaptionDataset, LengthGroupedBatchSampler
+from sat_model.train.optim import build_optimizer
 from sat_model.train.run import semi_sampling_options
 from sat_model.train.self_critical import (
     ImageBatches,
@@ -52,7 +53,7 @@ from sat_model.train.self_critical import (
     references_by_image,
     self_critical_step,
 )
-from sat_model.train.trainer import FitOptions, build_optimizer, fit
+from sat_model.train.trainer import FitOptions, Objective, fit
 
 __all__ = ["RandomFeatures", "bench_epoch", "main"]
 
@@ -188,9 +189,10 @@ def _likelihood_epoch(
     timed = batches[:max_batches]
     likelihood = fit(
         model,
-        build_criterion(attention, cfg),
-        build_optimizer(model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay),
-        None,
+        Objective(
+            build_criterion(attention, cfg),
+            build_optimizer(model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay),
+        ),
         lambda epoch: (dataset.collate(b) for b in timed),
         None,
         options,
@@ -228,13 +230,14 @@ def _self_critical_epoch(
     images.batches = images.batches[:max_batches]
     scst = fit(
         model,
-        SelfCriticalLoss(),
-        build_optimizer(model.parameters(), cfg.optimizer, cfg.scst_lr),
-        None,
+        Objective(
+            SelfCriticalLoss(),
+            build_optimizer(model.parameters(), cfg.optimizer, cfg.scst_lr),
+            step_loss=self_critical_step,
+        ),
         lambda epoch: images,
         None,
         options,
-        step_loss=self_critical_step,
     ).history[0]
     return {
         "self_critical_epoch_s": scst.train_seconds * total / len(images.batches),

@@ -108,8 +108,8 @@ def _train_on_ray(
 
 
 def _train_here(ctx: StageContext, attention: str, resume_from: Path | None, progress: bool) -> int:
+    from sat_model.train.progress import ProgressBar
     from sat_model.train.run import train_model
-    from sat_model.train.trainer import ProgressBar
 
     params, started = ctx.params, time.perf_counter()
     result = train_model(

@@ -32,6 +32,7 @@ from sat_model.train.batching import (
     load_caption_dataset,
     mirror_draws,
 )
+from sat_model.train.optim import build_optimizer, build_scheduler
 from sat_model.train.self_critical import (
     ImageBatches,
     Reward,
@@ -41,9 +42,8 @@ from sat_model.train.self_critical import (
 from sat_model.train.trainer import (
     Callback,
     FitOptions,
+    Objective,
     ResumeState,
-    build_optimizer,
-    build_scheduler,
     fit,
 )
 
@@ -266,16 +266,13 @@ def run_phases(
             writer.phase = phase.name
         result = fit(
             setup.model,
-            phase.criterion,
-            phase.optimizer,
-            phase.scheduler,
+            Objective(phase.criterion, phase.optimizer, phase.scheduler, phase.step_loss),
             phase.batches,
             validate,
             options(phase.max_epochs),
             [*writers, *callbacks],
             resume=resume,
             wrap_model=wrap_model,
-            step_loss=phase.step_loss,
         )
         # the next phase starts from the best weights, which fit leaves in the model
         resume = ResumeState(

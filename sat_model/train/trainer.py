@@ -35,11 +35,9 @@ __all__ = [
     "FitOptions",
     "FitResult",
     "NonFiniteLossError",
-    "ProgressBar",
+    "Objective",
     "ResumeState",
     "TrainBatch",
-    "build_optimizer",
-    "build_scheduler",
     "fit",
 ]
 
@@ -111,33 +109,17 @@ class FitResult:
     history: list[EpochState]
 
 
-def build_optimizer(
-    parameters: Iterable[nn.Parameter], name: str, lr: float, weight_decay: float = 0.0
-) -> torch.optim.Optimizer:
-    """Adam (Flickr30k, COCO) or RMSProp (Flickr8k), as in Sec. 5."""
-    params = [p for p in parameters if p.requires_grad]
-    if name == "adam":
-        # one fused kernel for all parameters rather than a loop over them, faster on CPU and
-        # GPU alike: the same update up to float rounding
-        fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
-    if name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=lr, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r}; expected 'adam' or 'rmsprop'")
+@dataclass(frozen=True)
+class Objective:
+    """What one :func:`fit` minimises and how: the criterion, the optimiser and its per-epoch
+    schedule; ``step_loss(model, criterion, batch)``, when given, replaces each step's
+    ``criterion(model(batch.annotations, batch.captions), batch.captions)`` (self-critical
+    batches carry their advantages)."""
 
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, schedule: str, max_epochs: int, lr_decay: float
-) -> torch.optim.lr_scheduler.LRScheduler:
-    """A learning-rate schedule stepped once per epoch."""
-    sched = torch.optim.lr_scheduler
-    if schedule == "constant":
-        return sched.ConstantLR(optimizer, factor=1.0, total_iters=0)
-    if schedule == "cosine":
-        return sched.CosineAnnealingLR(optimizer, T_max=max_epochs)
-    if schedule == "step":
-        return sched.StepLR(optimizer, step_size=1, gamma=lr_decay)
-    raise ValueError(f"unknown lr_schedule {schedule!r}; expected constant, cosine or step")
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    step_loss: Callable[[nn.Module, nn.Module, Any], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -193,12 +175,9 @@ class _Loop:
     train_model: nn.Module  # ``model`` as wrapped for the forward pass (e.g. DDP)
     eval_model: nn.Module  # what is validated and saved as model_state: the average, if any
     average: AveragedModel | None
-    criterion: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    objective: Objective
     callbacks: Sequence[Callback]
     options: FitOptions
-    step_loss: Callable[[nn.Module, nn.Module, Any], Any] | None  # see ``fit``
 
 
 @dataclass(frozen=True)
@@ -217,9 +196,7 @@ class _EpochTotals:
 
 def fit(
     model: nn.Module,
-    criterion: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    objective: Objective,
     batches: Callable[[int], Iterable[TrainBatch]],
     validate: Callable[[nn.Module], Mapping[str, float]] | None,
     options: FitOptions,
@@ -227,7 +204,6 @@ def fit(
     *,
     resume: ResumeState = ResumeState(),
     wrap_model: Callable[[nn.Module], nn.Module] | None = None,
-    step_loss: Callable[[nn.Module, nn.Module, Any], Any] | None = None,
 ) -> FitResult:
     """Train from epoch ``resume.epoch`` (epochs already done) to at most ``options.max_epochs``.
 
@@ -236,13 +212,9 @@ def fit(
     the training forward pass; ``validate`` and the saved states use the unwrapped ``model``.
     When ``torch.distributed`` is initialised, rank 0's stop decision is broadcast so every rank
     leaves the loop together. ``resume`` continues a run from its best score, state and moving
-    average (``model`` then holds the saved ``train_state``). ``step_loss(model, criterion,
-    batch)``, when given, replaces each step's ``criterion(model(batch.annotations,
-    batch.captions), batch.captions)`` (self-critical batches carry their advantages).
+    average (``model`` then holds the saved ``train_state``).
     """
-    loop = _start(
-        model, criterion, optimizer, scheduler, callbacks, options, resume, wrap_model, step_loss
-    )
+    loop = _start(model, objective, callbacks, options, resume, wrap_model)
     resumed_best = dict(resume.best_state) if resume.best_state else None
     progress = _Progress(resume.best_score, resume.best_epoch, resumed_best)
     completed, stopped_early = resume.epoch, False
@@ -270,28 +242,22 @@ def fit(
 
 def _start(
     model: nn.Module,
-    criterion: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    objective: Objective,
     callbacks: Sequence[Callback],
     options: FitOptions,
     resume: ResumeState,
     wrap_model: Callable[[nn.Module], nn.Module] | None,
-    step_loss: Callable[[nn.Module, nn.Module, Any], Any] | None,
 ) -> _Loop:
     """Move to the device, wrap, and set up the moving average."""
     model.to(options.device)
-    criterion.to(options.device)
+    objective.criterion.to(options.device)
     average = _moving_average(model, options.ema_decay, resume.average_state)
     return _Loop(
         model=model,
         train_model=wrap_model(model) if wrap_model is not None else model,
-        step_loss=step_loss,
         eval_model=average.module if average is not None else model,
         average=average,
-        criterion=criterion,
-        optimizer=optimizer,
-        scheduler=scheduler,
+        objective=objective,
         callbacks=callbacks,
         options=options,
     )
@@ -307,11 +273,11 @@ def _run_epoch(
     total = len(epoch_batches) if isinstance(epoch_batches, Sized) else None
     for cb in loop.callbacks:
         cb.on_epoch_start(epoch, total)
-    lr = loop.optimizer.param_groups[0]["lr"]
+    lr = loop.objective.optimizer.param_groups[0]["lr"]
     start = time.perf_counter()
     work = _train_epoch(loop, epoch_batches, epoch)
-    if loop.scheduler is not None:
-        loop.scheduler.step()
+    if loop.objective.scheduler is not None:
+        loop.objective.scheduler.step()
     return _EpochTotals(
         epoch=epoch + 1,
         loss=work.loss,
@@ -349,9 +315,9 @@ class _EpochWork:
 
 def _train_epoch(loop: _Loop, batches: Iterable[TrainBatch], epoch: int) -> _EpochWork:
     """One pass of teacher forcing."""
-    model, opts = loop.train_model, loop.options
+    model, opts, objective = loop.train_model, loop.options, loop.objective
     model.train()
-    loop.criterion.train()
+    objective.criterion.train()
     total = torch.zeros(2, device=opts.device)  # (loss, nll) summed on the device: no sync
     window = torch.zeros((), device=opts.device)
     device_type = torch.device(opts.device).type
@@ -360,17 +326,17 @@ def _train_epoch(loop: _Loop, batches: Iterable[TrainBatch], epoch: int) -> _Epo
     for steps, batch in enumerate(batches, start=1):
         batch = batch.to(opts.device)
         captions += batch.captions.size(0)  # (B, T+1)
-        loop.optimizer.zero_grad(set_to_none=True)
+        objective.optimizer.zero_grad(set_to_none=True)
         # bf16 needs no loss scaling (float32's exponent range); backward runs outside autocast
         with torch.autocast(device_type, opts.autocast_dtype or torch.bfloat16, autocast):
-            if loop.step_loss is not None:
-                out = loop.step_loss(model, loop.criterion, batch)
+            if objective.step_loss is not None:
+                out = objective.step_loss(model, objective.criterion, batch)
             else:
-                out = loop.criterion(model(batch.annotations, batch.captions), batch.captions)
+                out = objective.criterion(model(batch.annotations, batch.captions), batch.captions)
         out.loss.backward()
         if opts.grad_clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip)
-        loop.optimizer.step()
+        objective.optimizer.step()
         if loop.average is not None:
             loop.average.update_parameters(model)
         loss = out.loss.detach()
@@ -437,12 +403,13 @@ def _snapshot(
 ) -> dict[str, Any]:
     """The state dicts as they are now (``EpochState.checkpoint``)."""
     trained = loop.model if loop.average is not None else None
+    scheduler = loop.objective.scheduler
     return {
         "model_state": state_of(loop.eval_model),
         "train_state": state_of(trained) if trained is not None else None,
-        "criterion_state": state_of(loop.criterion),
-        "optimizer_state": loop.optimizer.state_dict(),
-        "scheduler_state": loop.scheduler.state_dict() if loop.scheduler is not None else None,
+        "criterion_state": state_of(loop.objective.criterion),
+        "optimizer_state": loop.objective.optimizer.state_dict(),
+        "scheduler_state": scheduler.state_dict() if scheduler is not None else None,
         "epoch": epoch,
         "best_score": best_score,
         "best_epoch": best_epoch,
@@ -463,33 +430,3 @@ def _agree(stop: bool, loop: _Loop) -> bool:
     flag = torch.tensor([int(stop)], device=loop.options.device)
     torch.distributed.broadcast(flag, src=0)
     return bool(flag.item())
-
-
-class ProgressBar(Callback):
-    """A tqdm bar per epoch on a terminal (none in a log), moved after every batch; the loss
-    shown is the last ``on_log`` mean, so the bar adds no per-step sync."""
-
-    def __init__(self, desc: str = "train") -> None:
-        self.desc = desc
-        self._bar: Any = None
-
-    def on_epoch_start(self, epoch: int, num_batches: int | None) -> None:
-        from tqdm.auto import tqdm
-
-        self._bar = tqdm(
-            total=num_batches, desc=f"{self.desc} epoch {epoch + 1}", unit="batch", disable=None
-        )
-
-    def on_batch_end(self, epoch: int, step: int, captions: int) -> None:
-        self._bar.update(step - self._bar.n)
-
-    def on_log(self, epoch: int, step: int, loss: float) -> None:
-        self._bar.set_postfix(loss=f"{loss:.3f}")
-
-    def on_epoch_end(self, state: EpochState) -> None:
-        self._bar.update(state.steps - self._bar.n)
-        post = {"loss": f"{state.train_loss:.3f}"}
-        if state.val_metrics:
-            post.update({k: f"{v:.4f}" for k, v in state.val_metrics.items() if k == "bleu_4"})
-        self._bar.set_postfix(post)
-        self._bar.close()

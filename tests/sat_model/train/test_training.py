@@ -22,14 +22,14 @@ from sat_model.model.checkpoint import (
 from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.losses import SoftAttentionLoss
 from sat_model.train.batching import Batch
+from sat_model.train.optim import build_optimizer, build_scheduler
 from sat_model.train.trainer import (
     Callback,
     EpochState,
     FitOptions,
     NonFiniteLossError,
+    Objective,
     ResumeState,
-    build_optimizer,
-    build_scheduler,
     fit,
 )
 from tests.factories import model_config, to_format_1, write_captions
@@ -103,9 +103,9 @@ def _fit(
     optimizer = build_optimizer(model.parameters(), "adam", lr)
     return fit(
         model,
-        SoftAttentionLoss(1.0),
-        optimizer,
-        build_scheduler(optimizer, schedule, max_epochs, 0.5),
+        Objective(
+            SoftAttentionLoss(1.0), optimizer, build_scheduler(optimizer, schedule, max_epochs, 0.5)
+        ),
         batches or _batches(),
         validate,
         FitOptions(
@@ -261,9 +261,7 @@ def _fit_ema(model, epochs, *, start_epoch=0, average_state=None, optimizer_stat
     )
     result = fit(
         model,
-        SoftAttentionLoss(1.0),
-        optimizer,
-        None,
+        Objective(SoftAttentionLoss(1.0), optimizer),
         _batches(),
         None,
         FitOptions(max_epochs=epochs, patience=3, seed=7, ema_decay=0.8),
