@@ -30,13 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sat_model.config import (
-    ATTENTION_KINDS,
-    HardTrainConfig,
-    Params,
-    SoftTrainConfig,
-    load_params,
-)
+from pipeline.settings import Params, load_params
+from sat_model.config import ATTENTION_KINDS, HardTrainConfig, SoftTrainConfig
 from sat_model.data.tables import read_caption_rows
 from sat_model.data.vocab import END_ID, Vocab, load_vocab
 from sat_model.features.store import FeatureStore

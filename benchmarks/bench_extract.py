@@ -38,7 +38,8 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from sat_model.config import EncoderConfig, load_params
+from pipeline.settings import load_params
+from sat_model.config import EncoderConfig
 from sat_model.data.tables import IMAGES_FILE
 from sat_model.features.encoders import build_encoder, encoder_layers
 from sat_model.features.extract import extract_features, read_image_table

@@ -33,13 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from sat_model.config import (
-    ATTENTION_KINDS,
-    HardTrainConfig,
-    ModelParams,
-    SoftTrainConfig,
-    load_params,
-)
+from pipeline.settings import load_params
+from sat_model.config import ATTENTION_KINDS, HardTrainConfig, ModelParams, SoftTrainConfig
 from sat_model.data.vocab import END_ID, PAD_ID, START_ID
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
 from sat_model.model.decoding import Caption, beam_search

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             # the same dotted syntax as `dvc exp run -S`, written into the clone's params.yaml
             import yaml
 
-            from sat_model.config import apply_overrides, read_yaml
+            from sat_model.params import apply_overrides, read_yaml
 
             raw = read_yaml((project / "params.yaml").read_text())
             (project / "params.yaml").write_text(

@@ -39,7 +39,7 @@ from pipeline.ray.fit import ScalingSpec, fit_on_ray
 from pipeline.ray.progress import epoch_progress
 from pipeline.ray.runtime import loopback_env, ray_session
 from pipeline.ray.train import TrainJob, sat_train_fn
-from sat_model.config import Params, RayConfig, load_params
+from pipeline.settings import Params, RayConfig, load_params, validate_params
 from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base = load_params(ROOT / "params.yaml").model_dump(mode="json")
     base["train"]["val_images"], base["train"]["val_max_length"] = 1, 4
     base["train"]["soft"].update(max_epochs=args.epochs, patience=args.epochs)
-    params = Params.model_validate_json(json.dumps(base))
+    params = validate_params(base)
     load = round(os.getloadavg()[0], 2)
     os.environ["RAY_AUTH_MODE"] = "token"  # `ray start` turns token authentication on
     env = loopback_env()

@@ -1,5 +1,5 @@
 """Reading a ``folder`` dataset whose captions file has no split column, where the images'
-splits are drawn (``sat_model.data.sources.read_folder``), measured side by side in one run.
+splits are drawn (``sat_model.data.sources.folder.read_folder``), measured side by side in one run.
 
 Writes JSON to stdout and ``benchmarks/results/splits.json``:
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 import sat_model.config  # noqa: F401  (before sources: config and sources import each other)
-from sat_model.data.sources import _draw_splits, read_folder
+from sat_model.data.sources.folder import FolderConfig, _draw_splits, read_folder
 
 __all__ = ["main"]
 
@@ -54,7 +54,19 @@ def _read_folder_s(rows: int) -> float:
         (root / "photos").mkdir()
         lines = ["file,caption"] + [f"img_{i:06d}.jpg,a dog runs on the grass" for i in range(rows)]
         (root / "captions.csv").write_text("\n".join(lines) + "\n")
-        return _timed(lambda: read_folder(root, "photos", "captions.csv", "csv", 100, 100, 0))
+        return _timed(
+            lambda: read_folder(
+                root,
+                FolderConfig(
+                    images_dir="photos",
+                    captions_file="captions.csv",
+                    format="csv",
+                    val_images=100,
+                    test_images=100,
+                    seed=0,
+                ),
+            )
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,25 +17,49 @@ import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from sat_model.captioner import Captioner, ImageCaption
-from sat_model.config import ServeConfig
 from sat_model.features.images import ImageError
 from sat_model.features.request_images import request_pixels, value_size
 
-__all__ = ["CaptionService", "PreparedRequest", "RequestError", "check_rows", "parse_beam_size"]
+__all__ = [
+    "CaptionService",
+    "PreparedRequest",
+    "RequestError",
+    "RequestLimits",
+    "check_rows",
+    "parse_beam_size",
+]
 
 _SHOWN_ERRORS = 10  # row reasons quoted when a request is refused; the rest are counted
+
+
+class RequestLimits(Protocol):
+    """The limits a request is held to: the serving settings (``pipeline.settings.RequestLimits``,
+    the ``serve`` section of params) carry them."""
+
+    @property
+    def max_rows(self) -> int: ...
+    @property
+    def max_request_bytes(self) -> int: ...
+    @property
+    def max_image_pixels(self) -> int: ...
+    @property
+    def formats(self) -> tuple[str, ...]: ...
+    @property
+    def max_beam_size(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
 
 
 class RequestError(ValueError):
     """The request as a whole is refused (HTTP 400); the message is meant for the client."""
 
 
-def check_rows(values: Sequence[Any], serve: ServeConfig) -> None:
+def check_rows(values: Sequence[Any], serve: RequestLimits) -> None:
     """Refuse a request over the row or byte limits before any image is decoded."""
     if not values:
         raise RequestError("the request holds no rows")
@@ -86,7 +110,7 @@ class PreparedRequest:
 class CaptionService:
     """A loaded model and the ``serve`` limits it answers requests under."""
 
-    def __init__(self, captioner: Captioner, serve: ServeConfig) -> None:
+    def __init__(self, captioner: Captioner, serve: RequestLimits) -> None:
         self.captioner = captioner
         self.serve = serve
         self.preprocessing = replace(
@@ -98,7 +122,7 @@ class CaptionService:
 
     @classmethod
     def from_dir(
-        cls, checkpoint_dir: str | Path, serve: ServeConfig, decode: Mapping[str, Any]
+        cls, checkpoint_dir: str | Path, serve: RequestLimits, decode: Mapping[str, Any]
     ) -> CaptionService:
         """The checkpoint folder's model, decoding as ``decode`` says (as it was evaluated)."""
         captioner = Captioner.from_dir(checkpoint_dir, batch_size=serve.batch_size, **decode)

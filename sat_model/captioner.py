@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 
 from sat_model.data.vocab import Vocab
-from sat_model.features.encoders import Encoder, EncoderError
+from sat_model.features.encoders import Encoder, EncoderError, rebuild_encoder
 from sat_model.features.images import ImageError, Preprocessing, to_picture
 from sat_model.features.spec import EncoderSpec
 from sat_model.model.checkpoint import (
@@ -162,7 +162,7 @@ class Captioner:
         spec = EncoderSpec.from_config(checkpoint.config, model_dir)
         assert spec.resize is not None  # from_config records the paper's when absent
         model, vocab, _ = model_from_checkpoint(checkpoint, device, source=model_dir)
-        encoder = spec.build(encoder_weights)
+        encoder = rebuild_encoder(spec, encoder_weights)
         if encoder.spec.num_locations != model.config.num_locations:
             raise EncoderError(
                 f"{model_dir}: encoder gives L={encoder.spec.num_locations} locations, "

@@ -1,7 +1,8 @@
 """Where files may be read from and written to: roots come from params, never from data files.
 
-A data file (``images.parquet``) lists image names; the folder they are read from is the one the
-params name (:func:`image_root`), so editing a table cannot widen what is read.
+A data file (``images.parquet``) lists image names; the folder they are read from is the one
+the params name (:func:`sat_model.data.sources.image_root`), so editing a table cannot widen
+what is read.
 Output folders named by params resolve against the project root; a relative path may not climb
 out of it (``../elsewhere``), an absolute one (or ``~/...``) is the user's explicit choice.
 """
@@ -10,16 +11,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from sat_model.config import DataConfig
 
 __all__ = [
     "SHARED_DATA_ENV",
     "PathError",
     "absolute",
-    "image_root",
     "output_path",
     "resolve_inside",
     "shared_data",
@@ -68,14 +64,6 @@ def output_path(value: str, project_root: Path) -> Path:
             f"name an absolute path to write outside the project"
         )
     return path
-
-
-def image_root(data: DataConfig, base_dir: Path) -> Path:
-    """The folder images are read from, from params alone: the data source's
-    (:func:`sat_model.data.sources.image_root`)."""
-    from sat_model.data.sources import image_root as source_image_root
-
-    return source_image_root(data, base_dir)
 
 
 def shared_data(name: str = "") -> Path:

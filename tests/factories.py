@@ -177,10 +177,10 @@ def registered_project(root: Path) -> Path:
     serve``: ``params.yaml``, the SQLite store ``mlflow.db`` and ``mlartifacts/`` holding a
     tiny soft model (:func:`write_tiny_model`, words "a dog runs") registered and promoted
     ``champion`` the way the register stage does it."""
+    from pipeline.settings import load_params
     from pipeline.tracking.packaging import log_and_register
     from pipeline.tracking.registry import promote_if_better
     from pipeline.tracking.runs import connect
-    from sat_model.config import load_params
 
     root.mkdir()
     (root / "params.yaml").write_text(REGISTERED_PARAMS)

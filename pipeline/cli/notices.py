@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sat_model.config import Params
+    from pipeline.settings import Params
 
 __all__ = ["PHOTOS_HOW", "SCENES_SOURCE", "example_image", "model_source", "scenes_notice"]
 

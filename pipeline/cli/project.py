@@ -16,7 +16,7 @@ from pipeline.cli.commands import CommandError
 from pipeline.stages import StageContext, load_context, params_given, project_root
 
 if TYPE_CHECKING:
-    from sat_model.config import MlflowConfig, Params
+    from pipeline.settings import MlflowConfig, Params
 
 __all__ = ["context", "model_name", "params_or_defaults", "store_uri", "tracking_uri"]
 
@@ -30,7 +30,7 @@ def params_or_defaults(args: argparse.Namespace) -> Params:
     """``--params`` with ``-S``; outside a project (no ``params.yaml`` here, no ``--params``,
     no ``-S``) the defaults. A ``--params`` file that does not exist is an error: a mistyped
     profile path would otherwise run with the defaults."""
-    from sat_model.config import Params, load_params
+    from pipeline.settings import Params, load_params
 
     if not Path(args.params).exists() and not args.overrides and not params_given(args):
         return Params()

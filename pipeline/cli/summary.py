@@ -73,7 +73,7 @@ def _try_it(reports: Path, attentions: list[str]) -> list[str]:
     """What the models know (from their checkpoints) and a command captioning an image of the
     project's own data with the champion."""
     from pipeline.cli.notices import example_image, model_source, scenes_notice
-    from sat_model.config import Params, load_params
+    from pipeline.settings import Params, load_params
 
     params_file = reports.parent / "params.yaml"  # a profile's reports sit beside its params
     root = params_file.resolve().parent

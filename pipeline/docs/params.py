@@ -16,7 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sat_model.config import Params
+from pipeline.settings import Params
+from sat_model.params import full_schema
 
 __all__ = ["MissingDescriptionError", "params_page", "params_rows"]
 
@@ -55,11 +56,12 @@ def _type(node: dict[str, Any], defs: dict[str, Any]) -> str:
 
 
 def params_rows(
-    model: type[BaseModel] = Params,
+    model: type[BaseModel] | None = None,
 ) -> Iterator[tuple[str, str, list[tuple[str, str, str, str]]]]:
     """Yield ``(section key, section description, rows)`` for every section, depth first;
-    each row is ``(key, type, default, description)``."""
-    schema = model.model_json_schema()
+    each row is ``(key, type, default, description)``. The default model is the whole of
+    params with every registered source's section (:func:`sat_model.params.full_schema`)."""
+    schema = (model or full_schema(Params)).model_json_schema()
     defs = schema.get("$defs", {})
 
     def walk(prefix: str, node: dict[str, Any]) -> Iterator[Any]:
@@ -89,14 +91,16 @@ def _cell(text: str) -> str:
     return re.sub(r"(?<!\\)\|", r"\\|", " ".join(text.split()))
 
 
-def params_page(model: type[BaseModel] = Params) -> str:
+def params_page(model: type[BaseModel] | None = None) -> str:
     """The markdown page: one table per section, every leaf key a row."""
     lines = [
         "# Params reference",
         "",
         "`params.yaml` has one section per concern. It is loaded into frozen, typed models "
-        "(`sat_model/config.py`) that reject unknown keys and wrong types and name the dotted "
-        "key (`train.soft.lr: Input should be a valid number`). Override any key the DVC way, "
+        "(`sat_model/config.py`, the pipeline's sections in `pipeline/settings.py`, each data "
+        "source's in its module of `sat_model/data/sources/`) that reject unknown keys and "
+        "wrong types and name the dotted key (`train.soft.lr: Input should be a valid "
+        "number`). Override any key the DVC way, "
         "`dvc exp run -S train.soft.lr=2e-4`, or on a `sat` command, `sat train -S "
         "train.soft.lr=2e-4`.",
         "",

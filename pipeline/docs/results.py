@@ -163,7 +163,7 @@ def _profile_table(folder: Path) -> str | None:
     """A dataset profile's scores, on the split its params evaluate."""
     if not any((folder / "reports" / a / "metrics.json").is_file() for a in ATTENTION_KINDS):
         return None
-    from sat_model.config import load_params
+    from pipeline.settings import load_params
 
     split = load_params(folder / "params.yaml").eval.split
     name = folder.name

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from sat_model.features.encoders import Encoder
+from sat_model.features.encoders import Encoder, rebuild_encoder
 from sat_model.features.extract import (
     DecodedBatch,
     ImageItem,
@@ -51,7 +51,7 @@ class _BatchEncoder:
         torch.set_num_threads(torch_threads)
         self.device = torch.device("cuda" if use_gpu else "cpu")
         # the driver's encoder, checked: another weights file on this node is refused
-        self.encoder = spec.build(weights).to(self.device)
+        self.encoder = rebuild_encoder(spec, weights).to(self.device)
         self.prep = prep
 
     def __call__(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -24,7 +24,7 @@ import torch
 
 from pipeline.ray.runtime import loopback_env, resolve_use_gpu
 from pipeline.ray.storage import AWS_ENV, Storage
-from sat_model.config import RayConfig
+from pipeline.settings import RayConfig
 
 __all__ = [
     "RayFitResult",

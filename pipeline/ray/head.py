@@ -26,7 +26,8 @@ from types import FrameType
 
 from pipeline.ray.reaper import start_reaper, stop_group
 from pipeline.ray.runtime import loopback_env, resolve_address
-from sat_model.config import ParamsError, load_params
+from pipeline.settings import load_params
+from sat_model.config import ParamsError
 
 __all__ = ["RayHeadError", "main", "ray_head", "run_with_head"]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.ray.storage import Storage, resolve_storage
-from sat_model.config import RayConfig
+from pipeline.settings import RayConfig
 
 __all__ = [
     "RaySession",

@@ -24,9 +24,9 @@ import pyarrow.fs as pafs
 from pipeline.ray.attempts import attempts, choose_run, say, write_record
 from pipeline.ray.fit import ScalingSpec, WorkerRun, fit_on_ray
 from pipeline.ray.storage import Storage, fetch_inputs, upload_inputs, workers_share_files
+from pipeline.settings import Params
 from pipeline.tracking.run_identity import RunIdentity
 from sat_model.atomic import remove_dead_temps, replace_dir, temp_dir
-from sat_model.config import Params
 from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE
 from sat_model.features.store import store_file
 from sat_model.model.checkpoint import TRAIN_METRICS_FILE, is_checkpoint_dir

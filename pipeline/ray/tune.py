@@ -19,7 +19,6 @@ one row per trial result and per trial end, with the searched values and val BLE
 
 from __future__ import annotations
 
-import json
 import logging
 import shlex
 import time
@@ -39,10 +38,10 @@ from pipeline.ray.train import (
     stage_worker_inputs,
     warn_if_tracking_is_driver_only,
 )
+from pipeline.settings import Params, TuneConfig, validate_params
 from pipeline.tracking.lineage import lineage_tags
 from pipeline.tracking.runs import Run, connect
 from sat_model.atomic import write_text_atomic
-from sat_model.config import Params, TuneConfig
 from sat_model.paths import absolute
 
 __all__ = [
@@ -93,7 +92,7 @@ def _with_overrides(params: Params, values: dict[str, Any], max_epochs: int) -> 
         for part in parents:
             node = node[part]
         node[leaf] = value
-    return Params.model_validate_json(json.dumps(raw))
+    return validate_params(raw)
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pipeline.settings import ServeConfig
 from sat_model.caption_request import RequestError
-from sat_model.config import ServeConfig
 
 __all__ = ["Predict", "RequestLimits", "build_app", "parse_body", "rows_of"]
 

@@ -32,8 +32,8 @@ from ray import serve
 from pipeline.serving.front_door import build_app
 from pipeline.serving.http_server import run_server
 from pipeline.serving.registered import ServedModel, ServeError, load_served_model
+from pipeline.settings import ServeConfig
 from sat_model.caption_request import PreparedRequest, RequestError
-from sat_model.config import ServeConfig
 
 __all__ = ["CaptionModel", "application", "run"]
 

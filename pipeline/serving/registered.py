@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.settings import ServeConfig
 from pipeline.tracking.model_uri import FetchedModel, ModelCheckError, fetch_model, is_model_uri
 from pipeline.tracking.runs import redact
 from sat_model.caption_request import CaptionService
-from sat_model.config import ServeConfig
 
 __all__ = ["ServeError", "ServedModel", "load_served_model"]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sat_model.config import Params
+    from pipeline.settings import Params
 
 __all__ = [
     "DEFAULT_PARAMS",
@@ -99,7 +99,7 @@ class StageContext:
 
 def load_context(params_file: str | Path, overrides: Sequence[str] = ()) -> StageContext:
     """Load and validate ``params_file`` with ``-S`` overrides (``ParamsError`` if invalid)."""
-    from sat_model.config import load_params
+    from pipeline.settings import load_params
 
     params = load_params(params_file, list(overrides))
     return StageContext(params, Path(params_file).resolve(), tuple(overrides))

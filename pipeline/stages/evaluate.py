@@ -145,10 +145,10 @@ def _evaluate(
 ) -> int:
     import torch
 
+    from sat_model.data.sources import image_root
     from sat_model.data.tables import CAPTIONS_FILE, IMAGES_FILE
     from sat_model.evaluation.evaluate import evaluate_model, read_image_records, write_reports
     from sat_model.features.store import store_file
-    from sat_model.paths import image_root
 
     params, ev, started = ctx.params, ctx.params.eval, time.perf_counter()
     prepared = ctx.path(params.data.prepared_dir)

@@ -25,16 +25,17 @@ from typing import Any
 
 import torch
 
+from pipeline.settings import Params
 from pipeline.stages import StageContext, cli_context, finished, stage_parser
 from pipeline.stages.user_errors import user_errors_in_one_line
 from sat_model.atomic import write_text_atomic
-from sat_model.config import Params
+from sat_model.data.sources import image_root
 from sat_model.data.tables import IMAGES_FILE
 from sat_model.evaluation.reports import EXTRACT_TIMING_FILE
 from sat_model.features.encoders import build_encoder
 from sat_model.features.extract import ExtractReport, extract_features
 from sat_model.features.store import REPORT_FILE
-from sat_model.paths import absolute, image_root
+from sat_model.paths import absolute
 
 __all__ = ["main", "run", "run_extract", "summary", "write_report", "write_timing"]
 

@@ -139,10 +139,13 @@ def _block_value(indent: str, key: str, value: Any, note: str) -> list[str]:
 def _folder_size(images: Path, captions: Path) -> int:
     """How many images the captions file names, by the folder source's own reader (so a file
     it cannot read fails here with the error prepare would give)."""
-    from sat_model.data.sources import SourceError, read_folder
+    from sat_model.data.sources import SourceError
+    from sat_model.data.sources.folder import FolderConfig, read_folder
 
+    captions_file = os.path.relpath(captions, images)
+    settings = FolderConfig(captions_file=captions_file, val_images=0, test_images=0)
     try:
-        src = read_folder(images, ".", os.path.relpath(captions, images), "auto", 0, 0, 0)
+        src = read_folder(images, settings)
     except SourceError as e:
         raise ProfileError(str(e)) from None
     return len(src.images)

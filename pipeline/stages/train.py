@@ -21,7 +21,7 @@ from pipeline.stages import StageContext, cli_context, finished, run_locked, sta
 from sat_model.config import ATTENTION_KINDS
 
 if TYPE_CHECKING:
-    from sat_model.config import Params
+    from pipeline.settings import Params
 
 __all__ = ["main", "run", "summary"]
 

@@ -128,7 +128,7 @@ def _serve_model_config(decoding: Mapping[str, Any]) -> dict[str, Any]:
     the decoding the model was evaluated with, so the served model captions as it scored. MLflow
     lets a load override only keys logged here; ``sat serve`` replaces ``serve`` with the
     project's params and keeps ``decode``."""
-    from sat_model.config import ServeConfig
+    from pipeline.settings import ServeConfig
 
     return {"serve": ServeConfig().model_dump(mode="json"), "decode": dict(decoding)}
 

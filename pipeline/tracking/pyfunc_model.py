@@ -35,7 +35,7 @@ _logger = logging.getLogger(__name__)
 
 
 def _serve_limits(model_config: dict[str, Any] | None) -> Any:
-    from sat_model.config import ServeConfig
+    from pipeline.settings import ServeConfig
 
     raw = dict((model_config or {}).get("serve") or {})
     raw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}  # JSON has no tuple

@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pipeline.settings import Params
 from pipeline.tracking.lineage import (
     dataset_inputs,
     dvc_experiment,
@@ -41,7 +42,7 @@ from pipeline.tracking.runs import (
     flatten,
     with_retries,
 )
-from sat_model.config import ATTENTION_KINDS, EvalConfig, Params
+from sat_model.config import ATTENTION_KINDS, EvalConfig
 from sat_model.evaluation.reports import CAPTIONS_FILE, GALLERY_DIR, METRICS_FILE
 from sat_model.model.checkpoint import (
     CONFIG_FILE,

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from sat_model.config import Params
+from pipeline.settings import Params
 
 __all__ = ["RunIdentity", "train_identity"]
 

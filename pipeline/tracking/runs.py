@@ -29,8 +29,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 
+from pipeline.settings import MlflowConfig
 from pipeline.tracking.relocation import follow_project
-from sat_model.config import MlflowConfig
 
 __all__ = [
     "ATTENTION_TAG",

@@ -6,7 +6,7 @@ only through this module, so a column or a file name changes in one place
 
 - ``images.parquet`` (:data:`IMAGES_SCHEMA`): one row per source image, ``status`` ``"ok"`` or
   why it is unusable; ``file`` is relative to the image root, which comes from params alone
-  (:func:`sat_model.paths.image_root`): the table's own ``image_root`` metadata is only a record
+  (:func:`sat_model.data.sources.image_root`): the table's own ``image_root`` metadata is only a record
   of where prepare read (relative to the table's folder, so the table is the same bytes in every
   checkout), never trusted, so editing the table cannot open other files.
 - ``captions.parquet`` (:data:`CAPTIONS_SCHEMA`): the kept captions, raw and tokenised.

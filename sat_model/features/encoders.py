@@ -59,6 +59,7 @@ __all__ = [
     "fold_batch_norms",
     "list_encoders",
     "map_state_dict_by_order",
+    "rebuild_encoder",
     "register_encoder",
 ]
 
@@ -401,3 +402,28 @@ def build_encoder(
     built = _ENCODERS[name].build(layer, Path(weights) if weights else None, seed)
     trunk, sha, mean, std = built.module, built.weights_sha256, built.mean, built.std
     return Encoder(trunk, _describe(trunk, name, layer, input_size, sha, mean, std))
+
+
+def rebuild_encoder(spec: EncoderSpec, weights: str | Path | None = None) -> Encoder:
+    """Rebuild the encoder ``spec`` records from ``weights`` (its weights file; None: the
+    installed or cached one) and check that it is the recorded one: same weights checksum, same
+    shape.
+
+    Raises:
+        EncoderError: unknown name or layer, unusable weights, or another network.
+    """
+    encoder = build_encoder(
+        spec.name, spec.layer, weights, input_size=spec.input_size, seed=spec.seed
+    )
+    built = encoder.spec
+    if built.weights_sha256 != spec.weights_sha256:
+        raise EncoderError(
+            f"encoder {spec.name!r} weights {built.weights_sha256[:12]}… are not the ones "
+            f"recorded ({spec.weights_sha256[:12]}…)"
+        )
+    if built.to_fields() != spec.to_fields():
+        raise EncoderError(
+            f"encoder {spec.name!r} rebuilt gives {built.to_fields()}, not the recorded "
+            f"{spec.to_fields()}"
+        )
+    return encoder

@@ -8,11 +8,11 @@ The encoder is three types: ``sat_model.config.EncoderConfig`` (the params),
 carrying its spec). A spec is what a built encoder says about itself, what a feature store's
 metadata records (``sat_model.features.store``), what a model folder's ``config.json``
 ``encoder`` section records (with the photos' preprocessing) and what a Ray actor rebuilds the
-driver's encoder from: :meth:`EncoderSpec.build` rebuilds it and checks that the rebuilt network
-is the recorded one, weights checksum included.
+driver's encoder from: ``sat_model.features.encoders.rebuild_encoder`` rebuilds it and checks
+that the rebuilt network is the recorded one, weights checksum included.
 
-The module holds no network code (``build`` imports the registry when called), so the store can
-read a spec without the encoders' module importing the store.
+The module holds no network code and imports no other module of sat_model, so the store can
+read a spec without the encoders' module.
 """
 
 from __future__ import annotations
@@ -20,10 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from sat_model.features.encoders import Encoder
+from typing import Any
 
 __all__ = ["EncoderError", "EncoderSpec"]
 
@@ -159,28 +156,3 @@ class EncoderSpec:
         if not isinstance(keep_aspect, bool):
             raise EncoderError(f"{source}: config.json 'encoder' keep_aspect is not true/false")
         return replace(spec, resize=resize, keep_aspect=keep_aspect)
-
-    def build(self, weights: str | Path | None = None) -> Encoder:
-        """Rebuild this encoder from ``weights`` (its weights file; None: the installed or
-        cached one) and check that it is the recorded one: same weights checksum, same shape.
-
-        Raises:
-            EncoderError: unknown name or layer, unusable weights, or another network.
-        """
-        from sat_model.features.encoders import build_encoder  # which imports this module
-
-        encoder = build_encoder(
-            self.name, self.layer, weights, input_size=self.input_size, seed=self.seed
-        )
-        built = encoder.spec
-        if built.weights_sha256 != self.weights_sha256:
-            raise EncoderError(
-                f"encoder {self.name!r} weights {built.weights_sha256[:12]}… are not the ones "
-                f"recorded ({self.weights_sha256[:12]}…)"
-            )
-        if built.to_fields() != self.to_fields():
-            raise EncoderError(
-                f"encoder {self.name!r} rebuilt gives {built.to_fields()}, not the recorded "
-                f"{self.to_fields()}"
-            )
-        return encoder

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from sat_model.config import Params
+from sat_model.config import LibraryParams
 from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE
 from sat_model.data.vocab import Vocab, load_vocab
 from sat_model.features.store import (
@@ -109,7 +109,7 @@ class Setup:
 
 
 def set_up(
-    params: Params,
+    params: LibraryParams,
     attention: str,
     prepared_dir: Path,
     features_dir: Path,
@@ -201,7 +201,7 @@ def likelihood_phase(setup: Setup) -> Phase:
     )
 
 
-def self_critical_phase(params: Params, setup: Setup) -> Phase:
+def self_critical_phase(params: LibraryParams, setup: Setup) -> Phase:
     """REINFORCE on CIDEr-D, plus BLEU-4 and BLEU-1 if asked (``sat_model.train.self_critical``),
     with a new optimiser."""
     cfg = setup.cfg
@@ -234,7 +234,7 @@ def self_critical_phase(params: Params, setup: Setup) -> Phase:
 
 
 def fit_options(
-    params: Params, setup: Setup, rank: int, log_every: int, max_epochs: int
+    params: LibraryParams, setup: Setup, rank: int, log_every: int, max_epochs: int
 ) -> FitOptions:
     return FitOptions(
         max_epochs=max_epochs,

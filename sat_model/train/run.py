@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sat_model.config import ATTENTION_KINDS, Params
+from sat_model.config import ATTENTION_KINDS, LibraryParams
 from sat_model.data.tables import CAPTIONS_FILE, load_references
 from sat_model.features.store import FeatureStore, store_file
 from sat_model.model.checkpoint import CURVES_FILE
@@ -72,7 +72,7 @@ class TrainResult:
 
 
 def train_model(
-    params: Params,
+    params: LibraryParams,
     attention: str,
     prepared_dir: str | Path,
     features_dir: str | Path,
@@ -120,7 +120,7 @@ def train_model(
 
 
 def _rank_zero(
-    params: Params,
+    params: LibraryParams,
     setup: Setup,
     prepared_dir: Path,
     features_dir: Path,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from sat_model.config import load_params
+from pipeline.settings import load_params
 from sat_model.data.vocab import build_vocab, save_vocab
 from tests.factories import ROOT, write_captions
 

@@ -20,7 +20,7 @@ def ray_local() -> Iterator[Any]:
     Yields the ``ray`` module. Ray is started once: start-up costs seconds on two cores.
     """
     from pipeline.ray.runtime import ray_session
-    from sat_model.config import RayConfig
+    from pipeline.settings import RayConfig
 
     with ray_session(RayConfig(num_cpus=2), address="local"):
         import ray

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline.settings import Params, load_params
 from pipeline.tracking.runs import PARENT_TAG, connect
-from sat_model.config import Params, load_params
 
 METRIC_KEYS = {"bleu_1", "bleu_2", "bleu_3", "bleu_4", "meteor", "rouge_l", "cider"}
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sat_model.config import apply_overrides, read_yaml
+from sat_model.params import apply_overrides, read_yaml
 from tests.factories import ROOT, copy_project
 from tests.pipeline.projects import (
     METRIC_KEYS,

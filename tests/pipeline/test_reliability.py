@@ -361,7 +361,7 @@ def test_sat_caption_refuses_a_bad_checkpoint_and_runs_no_code(
 def test_training_on_a_truncated_feature_store_names_the_file(
     tiny_project: Path, tmp_path: Path
 ) -> None:
-    from sat_model.config import load_params
+    from pipeline.settings import load_params
     from sat_model.features.store import FeatureStoreError
     from sat_model.train.run import train_model
 

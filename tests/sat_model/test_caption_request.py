@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from pipeline.settings import ServeConfig
 from sat_model.caption_request import CaptionService, RequestError
-from sat_model.config import ServeConfig
 from tests.factories import write_tiny_model
 
 WORDS = ("a", "red", "circle", "blue", "square")

@@ -10,13 +10,15 @@ import pytest
 from PIL import Image
 from torch import nn
 
-from sat_model.config import DataConfig, EncoderConfig, ParamsError, load_params
+from sat_model.config import ParamsError
 from sat_model.data import sources
 from sat_model.data.prepare import prepare_dataset
+from sat_model.data.sources.registry import SOURCES
 from sat_model.evaluation import metrics
 from sat_model.features import encoders
 from sat_model.features.extract import extract_features
 from sat_model.features.store import FeatureStore
+from sat_model.params import load_params, validate_params
 
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
 
@@ -24,9 +26,8 @@ COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
 @pytest.fixture
 def registries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fresh copies of the three tables, so the toy entries leave with the test."""
-    monkeypatch.setattr(encoders, "_ENCODERS", encoders._ENCODERS.copy())
-    monkeypatch.setattr(sources, "_SOURCES", sources._SOURCES.copy())
-    monkeypatch.setattr(metrics, "_METRICS", metrics._METRICS.copy())
+    for table in (encoders._ENCODERS, SOURCES, metrics._METRICS):
+        monkeypatch.setattr(table, "_entries", dict(table._entries))
 
 
 def _register_toys() -> None:
@@ -35,7 +36,7 @@ def _register_toys() -> None:
         return encoders.Trunk(nn.AdaptiveAvgPool2d(4), "toy-pool")  # (B, 3, 4, 4): L=16, D=3
 
     @sources.register_source("toy_lines")
-    def toy_lines(data, root, prepared_dir, workers):  # type: ignore[no-untyped-def]
+    def toy_lines(settings, root, prepared_dir, workers):  # type: ignore[no-untyped-def]
         images, captions = [], []
         for n, line in enumerate((root / "captions.txt").read_text().splitlines()):
             file, split, caption = line.split("\t")
@@ -102,9 +103,9 @@ def test_a_toy_encoder_source_and_metric_run_through_their_registries(
 
 def test_an_unregistered_name_is_refused_with_the_registered_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown encoder 'nope'; registered: \['efficientnet"):
-        EncoderConfig(name="nope")
+        validate_params({"encoder": {"name": "nope"}})
     with pytest.raises(ValueError, match=r"unknown data source 'nope'; registered: \["):
-        DataConfig(source="nope")
+        validate_params({"data": {"source": "nope"}})
     with pytest.raises(ValueError, match=r"unknown metric\(s\) \['nope'\]"):
         metrics.score_captions({"a": "x"}, {"a": ["x"]}, metrics=["nope"])
 

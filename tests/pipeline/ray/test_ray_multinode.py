@@ -34,8 +34,8 @@ import pytest
 import yaml
 
 from pipeline.ray.runtime import loopback_env
+from pipeline.settings import load_params
 from pipeline.tracking.runs import PARENT_TAG, connect
-from sat_model.config import load_params
 from tests.factories import ROOT
 from tests.pipeline.servers import (
     RayNodes,
@@ -57,7 +57,7 @@ DRIVER = """
 import json, os, sys, time
 from pathlib import Path
 from pipeline.ray.train import WorkerHooks, train_with_ray
-from sat_model.config import load_params
+from pipeline.settings import load_params
 
 params_file, address, log = sys.argv[1:4]
 

@@ -45,7 +45,7 @@ _SESSION = """
 import os, subprocess, sys
 import ray
 from pipeline.ray.runtime import ray_session
-from sat_model.config import RayConfig
+from pipeline.settings import RayConfig
 with ray_session(RayConfig(num_cpus=1)):
     gcs = ray.get_runtime_context().gcs_address
     probe = "import ray; ray.init(address=%r, logging_level='ERROR'); print('in')" % gcs

@@ -29,8 +29,8 @@ from pipeline.ray.attempts import attempts, choose_run, write_record
 from pipeline.ray.fit import ScalingSpec, WorkerRun, deterministic_run_name, fit_on_ray
 from pipeline.ray.storage import resolve_storage
 from pipeline.ray.train import WorkerHooks, copy_checkpoint, train_with_ray
+from pipeline.settings import MlflowConfig, Params, load_params
 from pipeline.tracking.runs import Tracking, connect
-from sat_model.config import MlflowConfig, Params, load_params
 from sat_model.train.batching import LengthGroupedBatchSampler
 from sat_model.train.run import TrainResult, load_training_state, train_model
 

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.ray.tune import _search_alg, _with_overrides, search_space
+from pipeline.settings import Params, TuneConfig, load_params
 from pipeline.stages import tune as tune_stage
-from sat_model.config import Params, ParamsError, TuneConfig, apply_overrides, load_params
+from sat_model.config import ParamsError
+from sat_model.params import apply_overrides
 
 
 def test_search_space_covers_lambda_for_soft_and_the_reinforce_weights_for_hard() -> None:

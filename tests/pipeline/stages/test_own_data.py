@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sat_model.config import apply_overrides, read_yaml
+from sat_model.params import apply_overrides, read_yaml
 from sat_model.paths import shared_data
 from tests.factories import copy_project
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline.settings import load_params
 from pipeline.stages import load_context
 from pipeline.stages.prepare import run as prepare
 from pipeline.stages.profiles import main, profile_dvc, profile_dvc_text, profiles
-from sat_model.config import load_params
 from sat_model.paths import shared_data
 from tests.factories import ROOT
 

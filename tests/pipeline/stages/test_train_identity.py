@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from pipeline.ray.head import ray_head
 from pipeline.tracking.registry import checkpoint_sha256
-from sat_model.config import apply_overrides, read_yaml
+from sat_model.params import apply_overrides, read_yaml
 from tests.factories import ROOT
 
 pytestmark = [

@@ -75,9 +75,9 @@ def test_a_store_shared_through_the_environment_is_not_rebased(tmp_path: Path, m
     """Project ``b`` logs to project ``a``'s store (``MLFLOW_TRACKING_URI``), its artifacts in
     its own folder: opening the store from ``a`` leaves ``b``'s locations as they are, and so
     does a profile inside ``a`` whose artifacts ``a``'s store records."""
+    from pipeline.settings import MlflowConfig
     from pipeline.tracking.relocation import follow_project
     from pipeline.tracking.runs import connect
-    from sat_model.config import MlflowConfig
 
     a, b, profile = tmp_path / "a", tmp_path / "b", tmp_path / "a" / "profiles" / "mine"
     for root in (a, b, profile):

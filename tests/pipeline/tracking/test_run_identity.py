@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline.settings import load_params
 from pipeline.tracking.run_identity import train_identity
-from sat_model.config import load_params
 from tests.factories import ROOT
 
 

@@ -25,8 +25,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from sat_model.config import apply_overrides, read_yaml
 from sat_model.data.vocab import load_vocab
+from sat_model.params import apply_overrides, read_yaml
 from tests.factories import ROOT
 from tests.pipeline.projects import METRIC_KEYS, TINY, assert_repro_ran
 from tests.pipeline.servers import S3Server, mlflow_server, postgres_server, s3_server

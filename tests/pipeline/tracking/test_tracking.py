@@ -9,6 +9,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
 
+from pipeline.settings import MlflowConfig
 from pipeline.tracking.lineage import dvc_experiment, lineage_tags
 from pipeline.tracking.runs import (
     PARENT_TAG,
@@ -19,7 +20,6 @@ from pipeline.tracking.runs import (
     resolve_tracking_uri,
     with_retries,
 )
-from sat_model.config import MlflowConfig
 
 
 @pytest.fixture(scope="module")

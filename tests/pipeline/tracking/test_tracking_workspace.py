@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.settings import MlflowConfig
 from pipeline.tracking.runs import artifact_location, resolve_tracking_uri, tracking_root
-from sat_model.config import MlflowConfig
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +55,7 @@ _STAGE = textwrap.dedent(
     """
     from pathlib import Path
     from pipeline.tracking.runs import connect
-    from sat_model.config import MlflowConfig
+    from pipeline.settings import MlflowConfig
     tracking = connect(MlflowConfig(), Path.cwd())
     tracking.start_run("temp-workspace-run")
     Path("out.txt").write_text(tracking.tracking_uri)

@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from sat_model.config import DataConfig, FolderConfig, VocabConfig
+from sat_model.config import DataConfig, VocabConfig
+from sat_model.data.sources.folder import FolderConfig
 from sat_model.data.prepare import PrepareError, prepare_dataset
-from sat_model.data.sources import LEAVES_FOLDER, OK, SourceError, read_folder, read_source
-from sat_model.paths import image_root
+from sat_model.data.sources import LEAVES_FOLDER, OK, SourceError, image_root, read_source
+from sat_model.data.sources.folder import FolderConfig, read_folder
+
 
 
 def photo(path: Path, colour: str = "red") -> None:
@@ -31,7 +33,7 @@ def test_csv_with_a_split_column_gives_one_image_per_file(tmp_path: Path) -> Non
         './a.jpg,"a car, red",train\n'
         "sub/b.jpg,a blue boat,VAL\n",
     )
-    src = read_folder(tmp_path, "photos", name, "auto", 0, 0, 0)
+    src = read_folder(tmp_path, FolderConfig(images_dir="photos", captions_file=name, format="auto", val_images=0, test_images=0, seed=0))
     assert [(i.image_id, i.split, i.file, i.status) for i in src.images] == [
         ("a.jpg", "train", "a.jpg", OK),
         ("sub/b.jpg", "val", "sub/b.jpg", OK),
@@ -47,12 +49,12 @@ def test_csv_with_a_split_column_gives_one_image_per_file(tmp_path: Path) -> Non
 def test_without_a_split_column_the_images_are_drawn_by_the_seed(tmp_path: Path) -> None:
     rows = "".join(f"p{i}.jpg,caption {i}\np{i}.jpg,another {i}\n" for i in range(20))
     name = csv_file(tmp_path, "file,caption\n" + rows)
-    src = read_folder(tmp_path, ".", name, "csv", 3, 4, seed=0)
+    src = read_folder(tmp_path, FolderConfig(images_dir=".", captions_file=name, format="csv", val_images=3, test_images=4, seed=0))
     splits = {i.file: i.split for i in src.images}
     assert sorted(splits.values()).count("val") == 3 and list(splits.values()).count("test") == 4
     assert list(splits.values()).count("train") == 13
-    assert read_folder(tmp_path, ".", name, "csv", 3, 4, seed=0).images == src.images
-    other = {i.file: i.split for i in read_folder(tmp_path, ".", name, "csv", 3, 4, 1).images}
+    assert read_folder(tmp_path, FolderConfig(images_dir=".", captions_file=name, format="csv", val_images=3, test_images=4, seed=0)).images == src.images
+    other = {i.file: i.split for i in read_folder(tmp_path, FolderConfig(images_dir=".", captions_file=name, format="csv", val_images=3, test_images=4, seed=1)).images}
     assert other != splits  # 20 choose 3, 4: another seed draws another split
 
 
@@ -70,7 +72,7 @@ def test_bad_rows_are_skipped_with_their_reasons(tmp_path: Path) -> None:
         "/etc/passwd,outside,train\n"  # 9 absolute
         "a.jpg,a car, red,train\n",  # 10 an unquoted comma: the split column would get ' red'
     )
-    src = read_folder(tmp_path, ".", name, "auto", 0, 0, 0)
+    src = read_folder(tmp_path, FolderConfig(images_dir=".", captions_file=name, format="auto", val_images=0, test_images=0, seed=0))
     reasons = {s.item: s.reason for s in src.skipped}
     assert reasons["captions.csv line 3"].startswith("duplicate row")
     assert "captions.csv line 2" in reasons["captions.csv line 3"]
@@ -93,7 +95,7 @@ def test_jsonl_rows_and_malformed_lines(tmp_path: Path) -> None:
         json.dumps({"file": "b.jpg", "caption": "a cat", "extra": 1}),
     ]
     (tmp_path / "caps.jsonl").write_text("\n".join(lines) + "\n")
-    src = read_folder(tmp_path, ".", "caps.jsonl", "auto", 1, 0, 0)
+    src = read_folder(tmp_path, FolderConfig(images_dir=".", captions_file="caps.jsonl", format="auto", val_images=1, test_images=0, seed=0))
     assert sorted(c.raw for c in src.captions) == ["a cat", "a dog"]
     assert sorted(i.split for i in src.images if i.split) == ["train", "val"]
     assert {s.item for s in src.skipped} == {
@@ -113,7 +115,7 @@ def test_a_captions_file_without_its_columns_is_a_source_error(
 ) -> None:
     name = csv_file(tmp_path, text)
     with pytest.raises(SourceError, match=message):
-        read_folder(tmp_path, ".", name, "auto", 0, 0, 0)
+        read_folder(tmp_path, FolderConfig(images_dir=".", captions_file=name, format="auto", val_images=0, test_images=0, seed=0))
 
 
 def test_a_missing_captions_file_is_a_source_error(tmp_path: Path) -> None:
@@ -185,10 +187,10 @@ def test_a_nul_byte_in_a_file_name_and_a_huge_field_skip_their_rows_only(tmp_pat
         "a.jpg,a car that is red\n",  # 5
     )
     (tmp_path / "caps.jsonl").write_text(json.dumps({"file": "d\x00.jpg", "caption": "a dog"}))
-    src = read_folder(tmp_path, ".", name, "auto", 0, 0, 0)
+    src = read_folder(tmp_path, FolderConfig(images_dir=".", captions_file=name, format="auto", val_images=0, test_images=0, seed=0))
     reasons = sorted(s.reason for s in src.skipped)
     assert reasons[0].startswith("malformed line: field larger than field limit"), reasons
     assert reasons[1:] == ["the file name holds a NUL byte"], reasons
     assert [c.item for c in src.captions] == ["captions.csv line 2", "captions.csv line 5"]
-    jsonl = read_folder(tmp_path, ".", "caps.jsonl", "auto", 0, 0, 0)
+    jsonl = read_folder(tmp_path, FolderConfig(images_dir=".", captions_file="caps.jsonl", format="auto", val_images=0, test_images=0, seed=0))
     assert [s.reason for s in jsonl.skipped] == ["the file name holds a NUL byte"]

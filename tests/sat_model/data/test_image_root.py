@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from sat_model.config import DataConfig, SyntheticConfig
+from sat_model.config import DataConfig
+from sat_model.data.sources.synthetic import SyntheticConfig
 from sat_model.data.sources import read_source
 from sat_model.evaluation.evaluate import (
     DecodedCaption,
@@ -20,7 +21,8 @@ from sat_model.evaluation.evaluate import (
 from sat_model.evaluation.visualize import FIGURES_DIR
 from sat_model.features.encoders import build_encoder
 from sat_model.features.extract import extract_features, read_image_table
-from sat_model.paths import image_root, shared_data
+from sat_model.data.sources import image_root
+from sat_model.paths import shared_data
 from tests.factories import ROOT
 
 SAMPLE = shared_data("flickr8k-sample")

@@ -6,17 +6,11 @@ from pathlib import Path
 import pytest
 
 from sat_model.config import DataConfig
-from sat_model.data.sources import (
-    EXCLUDED,
-    LEAVES_FOLDER,
-    OK,
-    SourceError,
-    read_coco,
-    read_flickr8k,
-    read_karpathy,
-    read_source,
-    read_synthetic,
-)
+from sat_model.data.sources import EXCLUDED, LEAVES_FOLDER, OK, SourceError, read_source
+from sat_model.data.sources.coco import CocoConfig, read_coco
+from sat_model.data.sources.flickr8k import read_flickr8k
+from sat_model.data.sources.karpathy import read_karpathy
+from sat_model.data.sources.synthetic import SyntheticConfig, read_synthetic
 from sat_model.data.text import tokenize
 from sat_model.paths import shared_data
 
@@ -152,19 +146,19 @@ def write_coco(root: Path, train: dict, val: dict) -> tuple[str, str]:
 
 def test_read_coco_draws_val_and_test_from_the_held_out_file(tmp_path: Path) -> None:
     files = write_coco(tmp_path, coco_file([1, 2, 3]), coco_file(list(range(10, 20))))
-    src = read_coco(tmp_path, files, ("train2014", "val2014"), 3, 4, 0, 5, rest_to_train=True)
+    src = read_coco(tmp_path, CocoConfig(annotation_files=files, images_dirs=("train2014", "val2014"), val_images=3, test_images=4, seed=0, max_captions_per_image=5, restval_to_train=True))
     split = {i.image_id: i.split for i in src.images}
     assert [split[k] for k in ("1", "2", "3")] == ["train"] * 3
     held = [split[str(k)] for k in range(10, 20)]
     assert (held.count("val"), held.count("test"), held.count("train")) == (3, 4, 3)
     assert src.images[0].file == "train2014/000000000001.jpg"
-    again = read_coco(tmp_path, files, ("train2014", "val2014"), 3, 4, 0, 5, rest_to_train=True)
+    again = read_coco(tmp_path, CocoConfig(annotation_files=files, images_dirs=("train2014", "val2014"), val_images=3, test_images=4, seed=0, max_captions_per_image=5, restval_to_train=True))
     assert again == src  # the seed fixes the draw
 
 
 def test_read_coco_leaves_out_the_rest_when_not_training_on_it(tmp_path: Path) -> None:
     files = write_coco(tmp_path, coco_file([1]), coco_file(list(range(10, 20))))
-    src = read_coco(tmp_path, files, ("t", "v"), 3, 4, 0, 5, rest_to_train=False)
+    src = read_coco(tmp_path, CocoConfig(annotation_files=files, images_dirs=("t", "v"), val_images=3, test_images=4, seed=0, max_captions_per_image=5, restval_to_train=False))
     rest = [i for i in src.images if i.split is None]
     assert len(rest) == 3
     assert all(i.status.startswith(EXCLUDED) for i in rest)
@@ -174,7 +168,7 @@ def test_read_coco_truncates_captions_and_skips_unknown_images(tmp_path: Path) -
     train = coco_file([1], captions_per_image=7)
     train["annotations"].append({"id": 999, "image_id": 42, "caption": "orphan"})
     files = write_coco(tmp_path, train, coco_file([10]))
-    src = read_coco(tmp_path, files, ("t", "v"), 1, 0, 0, 5, rest_to_train=True)
+    src = read_coco(tmp_path, CocoConfig(annotation_files=files, images_dirs=("t", "v"), val_images=1, test_images=0, seed=0, max_captions_per_image=5, restval_to_train=True))
     assert [c.raw for c in src.captions if c.image_id == "1"] == [
         f"caption {j} of 1" for j in range(5)
     ]
@@ -184,14 +178,16 @@ def test_read_coco_truncates_captions_and_skips_unknown_images(tmp_path: Path) -
 
 
 def test_read_synthetic_records_boxes_and_png_files(tmp_path: Path) -> None:
-    src = read_synthetic(tmp_path / "images", {"train": 2, "val": 1}, 0, 224, 1, 4, 5, workers=1)
+    sizes = SyntheticConfig(train_images=2, val_images=1, test_images=1, captions_per_image=5)
+    src = read_synthetic(tmp_path / "images", sizes, workers=1)
     assert [(i.image_id, i.split, i.file) for i in src.images] == [
         ("train_00000", "train", "train_00000.png"),
         ("train_00001", "train", "train_00001.png"),
         ("val_00000", "val", "val_00000.png"),
+        ("test_00000", "test", "test_00000.png"),
     ]
     assert all((src.image_root / i.file).is_file() and i.boxes for i in src.images)
-    assert len(src.captions) == 15
+    assert len(src.captions) == 4 * 5
     box = src.images[0].boxes[0]
     assert box.label == f"{box.size} {box.colour} {box.shape}" and box.x0 < box.x1
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 from PIL import Image
 
+from pipeline.settings import ServeConfig
 from sat_model.caption_request import CaptionService
 from sat_model.captioner import Captioner
-from sat_model.config import ServeConfig
 from sat_model.features.extract import ImageItem, decode_batch
 from sat_model.features.images import Preprocessing, load_image
 from tests.factories import photo_of_another_shape, sample_photos, write_tiny_model

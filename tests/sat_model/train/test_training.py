@@ -433,7 +433,7 @@ def test_train_model_writes_a_loadable_model_metrics_and_curves(
 ) -> None:
     import shutil
 
-    from sat_model.config import load_params
+    from sat_model.params import load_params
     from sat_model.train.run import train_model
 
     if shutil.which("java") is None:
@@ -475,7 +475,7 @@ def test_train_monitor_picks_the_shipped_epoch_by_its_validation_score(
     scores are set so that BLEU-4 peaks at epoch 1 and CIDEr at epoch 2."""
     import json
 
-    from sat_model.config import load_params
+    from sat_model.params import load_params
     from sat_model.train import run, validation
 
     by_epoch = [(0.3, 0.1), (0.2, 0.5), (0.1, 0.2)]  # (BLEU-4, CIDEr) of epochs 1, 2, 3
@@ -504,8 +504,9 @@ def test_train_mirror_trains_on_the_mirrored_store_and_nothing_else_changes(
 
     import numpy as np
 
-    from sat_model.config import ParamsError, load_params
+    from sat_model.config import ParamsError
     from sat_model.features.store import FeatureStore, FeatureWriter
+    from sat_model.params import load_params
     from sat_model.train import run, validation
 
     monkeypatch.setattr(validation, "score_captions", lambda *a, **k: {"bleu_4": 0.1, "cider": 0.2})
@@ -616,7 +617,7 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
     epoch, at `scst_lr`; a run killed in them resumes in them and ends where the uninterrupted
     run ends; a likelihood run that had finished goes on into them; a self-critical state is
     refused by a run without them; `scst_bleu_weight` reaches the reward."""
-    from sat_model.config import load_params
+    from sat_model.params import load_params
     from sat_model.train import run, validation
 
     monkeypatch.setattr(validation, "score_captions", lambda *a, **k: {"bleu_4": 0.1, "cider": 0.2})
