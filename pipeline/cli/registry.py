@@ -23,8 +23,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         sub,
         "models",
         summary="registered versions with metrics and aliases",
-        description="Every registered version of the model: its attention variant, BLEU-4, "
-        "METEOR, CIDEr and aliases (the champion is the one `sat caption` and `sat serve` use). "
+        description="Every registered version of the model: its attention variant, its "
+        "headline scores (BLEU-4, METEOR, CIDEr and any registered metric's) and aliases (the "
+        "champion is the one `sat caption` and `sat serve` use). "
         "Reads the tracking store of mlflow.tracking_uri (or MLFLOW_TRACKING_URI); creates "
         "nothing.",
         examples=["sat models", "sat models --params profiles/flickr8k/params.yaml"],
@@ -55,16 +56,20 @@ def _models(args: argparse.Namespace) -> int:
     from mlflow import MlflowClient
 
     from pipeline.tracking.registry import list_versions
+    from sat_model.evaluation.metrics import headline_keys, metric_label
+    from sat_model.params import load_plugins
+
+    load_plugins()  # metrics registered outside the repository
 
     name = model_name(args)
     rows = list_versions(MlflowClient(store_uri(args)), name)
     if not rows:
         raise CommandError(f"no registered version of {name!r}: run `make run` to register one")
-    print(f"{'version':>7}  {'attention':<9} {'bleu_4':>7} {'meteor':>7} {'cider':>7}  aliases")
+    keys = headline_keys()  # the registered metrics' headline scores
+    heads = " ".join(f"{metric_label(k):>7}" for k in keys)
+    print(f"{'version':>7}  {'attention':<9} {heads}  aliases")
     for r in rows:
-        cells = " ".join(
-            f"{r.metrics.get(k, float('nan')):7.4f}" for k in ("bleu_4", "meteor", "cider")
-        )
+        cells = " ".join(f"{r.metrics.get(k, float('nan')):7.4f}" for k in keys)
         print(f"{r.version:>7}  {r.attention or '-':<9} {cells}  {','.join(r.aliases)}")
     return 0
 

@@ -58,11 +58,15 @@ def _champion_line(registry: dict[str, Any]) -> str:
 
 
 def _table(rows: list[tuple[str, dict[str, float]]]) -> list[str]:
-    from sat_model.evaluation.metrics import metric_keys
+    from sat_model.evaluation.metrics import metric_keys, metric_label
+    from sat_model.params import load_plugins
 
+    load_plugins()  # metrics registered outside the repository
     keys = list(metric_keys())
     keys += [k for k in ("pointing_accuracy",) if any(k in m for _, m in rows)]
-    lines = ["model  " + "  ".join(f"{k:>8}" for k in keys)]
+    # each column headed as the metric registry labels it ("pointing" for the grounding score)
+    heads = [metric_label(k) if k != "pointing_accuracy" else "pointing" for k in keys]
+    lines = ["model  " + "  ".join(f"{h:>8}" for h in heads)]
     for attention, metrics in rows:
         cells = "  ".join(f"{metrics.get(k, float('nan')):8.4f}" for k in keys)
         lines.append(f"{attention:<6} {cells}")

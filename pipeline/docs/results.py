@@ -24,7 +24,7 @@ from typing import Any
 
 from sat_model.atomic import write_text_atomic
 from sat_model.config import ATTENTION_KINDS
-from sat_model.evaluation.metrics import metric_keys
+from sat_model.evaluation.metrics import metric_keys, metric_label
 from sat_model.evaluation.reports import read_metrics
 
 __all__ = ["PAPER_TABLE_1", "build_sections", "quality_table", "serving_table", "update_page"]
@@ -38,12 +38,6 @@ PAPER_TABLE_1 = (
     ("MS COCO", "soft", 70.7, 49.2, 34.4, 24.3, 23.90),
     ("MS COCO", "hard", 71.8, 50.4, 35.7, 25.0, 23.04),
 )
-# how the tables head the registered metrics' keys (others: the key in capitals)
-_LABELS = {f"bleu_{n}": f"B-{n}" for n in range(1, 5)} | {
-    "meteor": "METEOR",
-    "rouge_l": "ROUGE-L",
-    "cider": "CIDEr",
-}
 _ENGINES = {
     "mlflow": "MLflow's scoring server",
     "local": "`sat serve`",
@@ -83,7 +77,9 @@ def quality_table(reports: Path, data: str, command: str) -> str | None:
         return None
     keys = metric_keys()
     point = any("pointing_accuracy" in m for m in found.values())
-    heads = [_LABELS.get(k, k.upper()) for k in keys] + (["pointing"] if point else [])
+    heads = [
+        metric_label(k) for k in keys
+    ]  # as the metric registry names them + (["pointing"] if point else [])
     lines = [
         "| model | data | " + " | ".join(heads) + " |",
         "|---|---|" + "---|" * len(heads),
@@ -98,7 +94,8 @@ def quality_table(reports: Path, data: str, command: str) -> str | None:
 
 def paper_table() -> str:
     """The paper's Table 1 (BLEU-1..4 and METEOR, test splits)."""
-    lines = ["| data | model | B-1 | B-2 | B-3 | B-4 | METEOR |", "|---|---|---|---|---|---|---|"]
+    heads = [metric_label(k) for k in ("bleu_1", "bleu_2", "bleu_3", "bleu_4", "meteor")]
+    lines = ["| data | model | " + " | ".join(heads) + " |", "|---|---|---|---|---|---|---|"]
     for dataset, model, *scores in PAPER_TABLE_1:
         lines.append(f"| {dataset} | {model} | " + " | ".join(f"{s:g}" for s in scores) + " |")
     return "\n".join(lines)

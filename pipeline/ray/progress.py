@@ -27,6 +27,8 @@ from typing import Any, TextIO
 
 from pipeline.ray import runtime  # noqa: F401  (loopback env before ray is imported)
 from pipeline.stages import format_duration
+from sat_model.evaluation.metrics import metric_label
+from sat_model.train.model_dir import CURVE_KEYS
 from sat_model.train.trainer import Callback
 
 __all__ = [
@@ -51,8 +53,9 @@ class EpochReport:
 
     epoch: int
     loss: float  # mean over ranks of each rank's mean training loss
-    val_bleu_4: float | None  # rank 0 validates; None when no rank reported it
-    val_cider: float | None
+    # validation scores by key (rank 0 validates): BLEU-4 and CIDEr always, None when no rank
+    # reported them, and any other score reported (train.monitor's)
+    val: Mapping[str, float | None]
     captions: int  # trained on, summed over ranks
     train_seconds: float  # the slowest rank's training pass
     seconds: float  # the slowest rank's epoch: training and validation
@@ -68,12 +71,17 @@ class EpochReport:
         return cls(
             epoch=int(metrics[0]["epoch"]),
             loss=sum(float(m["train_loss"]) for m in metrics) / len(metrics),
-            val_bleu_4=_reported(metrics, "val_bleu_4"),
-            val_cider=_reported(metrics, "val_cider"),
+            val={k: _reported(metrics, f"val_{k}") for k in _validation_keys(metrics)},
             captions=sum(int(m["captions"]) for m in metrics),
             train_seconds=max(float(m["train_seconds"]) for m in metrics),
             seconds=max(float(m["epoch_seconds"]) for m in metrics),
         )
+
+
+def _validation_keys(metrics: Sequence[Mapping[str, Any]]) -> list[str]:
+    """BLEU-4 and CIDEr, then every other ``val_<key>`` a rank reported, in report order."""
+    reported = [k.removeprefix("val_") for m in metrics for k in m if k.startswith("val_")]
+    return list(dict.fromkeys([*CURVE_KEYS, *reported]))
 
 
 def _reported(metrics: Sequence[Mapping[str, Any]], key: str) -> float | None:
@@ -105,13 +113,15 @@ def format_epoch_line(
     label: str, report: EpochReport, max_epochs: int, eta_s: float, untimed: int = 0
 ) -> str:
     """The line of one epoch; ``untimed``: self-critical epochs left that ``eta_s`` lacks."""
-    bleu, cider = ("-" if v is None else f"{v:.4f}" for v in (report.val_bleu_4, report.val_cider))
+    scores = "  ".join(
+        f"{metric_label(k)} {'-' if v is None else f'{v:.4f}'}" for k, v in report.val.items()
+    )
     eta = [format_duration(eta_s)] if eta_s > 0 or not untimed else []
     if untimed:
         eta.append(f"{untimed} self-critical epoch{'s' if untimed > 1 else ''}")
     return (
-        f"{label}  epoch {report.epoch}/{max_epochs}  loss {report.loss:.3f}  val BLEU-4 {bleu}"
-        f"  CIDEr {cider}  {report.captions_per_s:.0f} captions/s  ETA {' + '.join(eta)}"
+        f"{label}  epoch {report.epoch}/{max_epochs}  loss {report.loss:.3f}  val {scores}"
+        f"  {report.captions_per_s:.0f} captions/s  ETA {' + '.join(eta)}"
     )
 
 

@@ -2,7 +2,8 @@
 
 The pattern of Ray Train V2 (Ray >= 2.43): a Tune *function trainable* per trial builds and fits a
 ``TorchTrainer``; Train's per-epoch reports reach Tune through ``TuneReportCallback``. ASHA stops
-weak trials early on validation BLEU-4 (``val_bleu_4``, time attribute ``epoch``). Searched:
+weak trials early on the validation score ``train.monitor`` names (``val_bleu_4`` by default,
+in its registered direction, :func:`objective`; time attribute ``epoch``). Searched:
 the learning rate (log-uniform) and λ (Eq. 14) for soft attention; λ_r, λ_e and the
 semi-sampling probability (Sec. 4.1) for hard attention. Bounds come from the ``tune`` params.
 The searcher is Optuna's TPE (``tune.search_alg: optuna``, model-based: the authors tuned with
@@ -14,7 +15,7 @@ trial's sampled values as params and its per-epoch metrics. The best trial's val
 ``dvc exp run -S ...`` line that trains the winner (also printed).
 
 While it runs the driver prints a compact trial table (:func:`pipeline.ray.progress.trial_table`):
-one row per trial result and per trial end, with the searched values and val BLEU-4.
+one row per trial result and per trial end, with the searched values and the monitored score.
 """
 
 from __future__ import annotations
@@ -42,18 +43,25 @@ from pipeline.settings import Params, TuneConfig, validate_params
 from pipeline.tracking.lineage import lineage_tags
 from pipeline.tracking.runs import Run, connect
 from sat_model.atomic import write_text_atomic
+from sat_model.evaluation.metrics import metric_direction
 from sat_model.paths import absolute
 
 __all__ = [
-    "METRIC",
     "TuneResult",
     "best_overrides",
     "exp_run_command",
+    "objective",
     "run_tune",
     "search_space",
 ]
 
-METRIC, MODE = "val_bleu_4", "max"
+
+def objective(params: Params) -> tuple[str, str]:
+    """What the sweep optimises: (the reported key, "max" or "min"), from ``train.monitor`` and
+    its metric's registered direction."""
+    return f"val_{params.train.monitor}", metric_direction(params.train.monitor)
+
+
 _log = logging.getLogger(__name__)
 
 
@@ -62,7 +70,7 @@ class TuneResult:
     """The sweep's winner and where it is written down."""
 
     best_params: dict[str, float]  # dotted keys, e.g. {"train.soft.lr": 0.0007}
-    best_score: float  # the best trial's last val_bleu_4
+    best_score: float  # the best trial's last monitored score (val_<train.monitor>)
     best_params_file: Path
     parent_run_id: str
     num_trials: int
@@ -205,7 +213,7 @@ def run_tune(params: Params, *, project_root: Path, address: str | None = None) 
                 tune.with_parameters(_trial, sweep=sweep), {"cpu": 0, "memory": 1 << 20}
             ),
             param_space=search_space(params.tune),
-            tune_config=_tune_config(params.tune),
+            tune_config=_tune_config(params.tune, objective(params)),
             run_config=tune.RunConfig(
                 name=sweep.name,
                 storage_path=sweep.storage.path,
@@ -213,7 +221,7 @@ def run_tune(params: Params, *, project_root: Path, address: str | None = None) 
                 verbose=0,  # Tune's own status tables: the trial table below instead
                 callbacks=[
                     _placement_group_reaper(),
-                    trial_table(list(search_space(params.tune)), METRIC),
+                    trial_table(list(search_space(params.tune)), objective(params)[0]),
                 ],
             ),
         )
@@ -222,7 +230,7 @@ def run_tune(params: Params, *, project_root: Path, address: str | None = None) 
         # cluster that outlives this sweep (a shared one, --address) keeps them reserved
         remove_orphaned_placement_groups(wait_s=30.0)
     _close_stopped_children(results, sweep.parent)
-    return _record_best(results, params.tune, root, sweep.parent)
+    return _record_best(results, params, root, sweep.parent)
 
 
 def _start_sweep(params: Params, root: Path) -> _Sweep:
@@ -263,8 +271,9 @@ def _start_sweep(params: Params, root: Path) -> _Sweep:
     )
 
 
-def _tune_config(cfg: TuneConfig) -> Any:
-    """Tune's metric, sample count and concurrency, with ASHA over the chosen searcher."""
+def _tune_config(cfg: TuneConfig, goal: tuple[str, str]) -> Any:
+    """Tune's metric (``goal``: key and mode), sample count and concurrency, with ASHA over the
+    chosen searcher."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
@@ -272,8 +281,8 @@ def _tune_config(cfg: TuneConfig) -> Any:
         time_attr="epoch", max_t=cfg.max_epochs, grace_period=cfg.grace_period, reduction_factor=2
     )
     return tune.TuneConfig(
-        metric=METRIC,
-        mode=MODE,
+        metric=goal[0],
+        mode=goal[1],
         num_samples=cfg.num_samples,
         max_concurrent_trials=cfg.max_concurrent,
         scheduler=scheduler,
@@ -294,28 +303,29 @@ def _close_stopped_children(results: Any, parent: Run) -> None:
         child.finish() if tags.get("sat.trial_id") in succeeded else child.fail()
 
 
-def _record_best(results: Any, cfg: TuneConfig, root: Path, parent: Run) -> TuneResult:
-    best = results.get_best_result(metric=METRIC, mode=MODE, scope="last")
-    if best is None or best.metrics is None or METRIC not in best.metrics:
+def _record_best(results: Any, params: Params, root: Path, parent: Run) -> TuneResult:
+    cfg, (metric, mode) = params.tune, objective(params)
+    best = results.get_best_result(metric=metric, mode=mode, scope="last")
+    if best is None or best.metrics is None or metric not in best.metrics:
         parent.fail()
-        raise RuntimeError(f"no trial of the sweep reported {METRIC}; see the Ray logs")
+        raise RuntimeError(f"no trial of the sweep reported {metric}; see the Ray logs")
     values = {k: float(v) for k, v in best.config.items()}
-    score = float(best.metrics[METRIC])
+    score = float(best.metrics[metric])
     path = absolute(cfg.output_dir, root) / "best_params.yaml"
     doc = {
         "attention": cfg.attention,
-        "metric": METRIC,
+        "metric": metric,
         "score": score,
         "trial_id": best.metrics.get("trial_id"),
         "params": values,  # dotted keys: `-S` items, or paths into params.yaml
         "apply": shlex.join(exp_run_command(values)),
     }
     write_text_atomic(path, yaml.safe_dump(doc, sort_keys=True))
-    parent.log_metric(f"best_{METRIC}", score)
+    parent.log_metric(f"best_{metric}", score)
     parent.log_params({f"best.{k}": repr(v) for k, v in values.items()})
     parent.finish()
     print(
-        f"best {METRIC} = {score:.4f} with " + ", ".join(f"{k}={v:.4g}" for k, v in values.items())
+        f"best {metric} = {score:.4f} with " + ", ".join(f"{k}={v:.4g}" for k, v in values.items())
     )
     print(f"train the winner with:  {doc['apply']}")
     return TuneResult(values, score, path, parent.run_id, len(results))

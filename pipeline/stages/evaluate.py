@@ -27,6 +27,7 @@ from pipeline.stages import StageContext, cli_context, finished, run_locked, sta
 from pipeline.stages.user_errors import user_errors_in_one_line
 from pipeline.tracking.model_uri import is_model_uri, resolve_model_dir
 from sat_model.config import ATTENTION_KINDS
+from sat_model.evaluation.metrics import headline_keys, metric_label
 from sat_model.evaluation.reports import GALLERY_DIR, NAMED_MODELS_DIR
 
 if TYPE_CHECKING:
@@ -186,7 +187,7 @@ def _evaluate(
 
 def summary(metrics: Mapping[str, float], split: str, images: int) -> str:
     """``test BLEU-4 0.9068, METEOR 0.4321, CIDEr 2.3456, pointing 0.8612 on 500 images``."""
-    names = [("BLEU-4", "bleu_4"), ("METEOR", "meteor"), ("CIDEr", "cider")]
+    names = [(metric_label(k), k) for k in headline_keys()]
     names.append(("pointing", "pointing_accuracy"))  # generated scenes: grounding is scored
     scores = ", ".join(f"{name} {metrics[key]:.4f}" for name, key in names if key in metrics)
     return f"{split} {scores} on {images} images"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.stages import StageContext, cli_context, finished, run_locked, stage_parser
 from sat_model.config import ATTENTION_KINDS
+from sat_model.evaluation.metrics import metric_label
 
 if TYPE_CHECKING:
     from pipeline.settings import Params
@@ -128,12 +129,9 @@ def _train_here(ctx: StageContext, attention: str, resume_from: Path | None, pro
 def summary(metrics: Mapping[str, Any]) -> str:
     """``10 epochs, the best 9 (val BLEU-4 0.9068, CIDEr 2.3456)`` from ``train_metrics.json``."""
     text = f"{metrics.get('epochs', '?')} epochs, the best {metrics.get('best_epoch', '?')}"
-    scores = [
-        f"{name} {metrics[key]:.4f}"
-        for name, key in (("val BLEU-4", "best_val_bleu_4"), ("CIDEr", "best_val_cider"))
-        if key in metrics
-    ]
-    return f"{text} ({', '.join(scores)})" if scores else text
+    keys = [k.removeprefix("best_val_") for k in metrics if k.startswith("best_val_")]
+    scores = [f"{metric_label(k)} {metrics[f'best_val_{k}']:.4f}" for k in keys]
+    return f"{text} (val {', '.join(scores)})" if scores else text
 
 
 if __name__ == "__main__":

@@ -11,8 +11,12 @@ METEOR runs a Java subprocess spoken to over pipes; a stuck JVM would hang the c
 so the scoring runs in a thread and the process is killed after ``meteor_timeout_s``
 (:class:`MetricTimeoutError`).
 
-Metrics are a registry: ``@register_metric(name, keys)`` on a scorer adds one; evaluation, the
-``sat summary`` table and the docs' results tables read its keys from :func:`metric_keys`.
+Metrics are a registry: ``@register_metric(name, keys, labels=..., direction=...)`` on a scorer
+adds one, with what the rest of the code reads about it: its keys (:func:`metric_keys`), how
+tables and progress lines label them (:func:`metric_label`), whether higher is better
+(:func:`metric_direction`) and whether it is one of the headline scores that short tables show
+(:func:`headline_keys`). ``train.monitor`` names a key; evaluation, validation, Tune, ``sat
+models``, ``sat summary`` and the docs' results tables read the table.
 """
 
 from __future__ import annotations
@@ -34,8 +38,12 @@ __all__ = [
     "MetricTimeoutError",
     "ScoringOptions",
     "default_meteor_command",
+    "headline_keys",
     "list_metrics",
+    "metric_direction",
     "metric_keys",
+    "metric_label",
+    "metric_of_key",
     "register_metric",
     "score_captions",
     "score_images",
@@ -56,19 +64,64 @@ Scorer = Callable[[dict[str, list[str]], dict[str, list[str]], ScoringOptions], 
 class _Metric:
     keys: tuple[str, ...]  # flat, stable keys of metrics.json
     score: Scorer
+    labels: Mapping[str, str]  # key -> how tables and progress lines name it ("BLEU-4")
+    direction: str  # "max": higher is better; "min": lower is
+    headline: bool  # its last key is one of the scores short tables and summary lines show
 
 
 _METRICS: Registry[_Metric] = Registry("metric", ValueError)
 
 
-def register_metric(name: str, keys: Sequence[str]) -> Callable[[Scorer], Scorer]:
-    """Decorator: add the metric family ``name``, whose scorer returns ``keys``."""
+def register_metric(
+    name: str,
+    keys: Sequence[str],
+    *,
+    labels: Mapping[str, str] | None = None,
+    direction: str = "max",
+    headline: bool = True,
+) -> Callable[[Scorer], Scorer]:
+    """Decorator: add the metric family ``name``, whose scorer returns ``keys``; ``labels``
+    names them for people (default: the key), ``direction`` says which way is better and
+    ``headline`` whether its last key is shown in short tables (``sat models``, summaries)."""
+    if direction not in ("max", "min"):
+        raise ValueError(f"direction must be 'max' or 'min', not {direction!r}")
 
     def add(score: Scorer) -> Scorer:
-        _METRICS.add(name, _Metric(tuple(keys), score))
+        entry = _Metric(tuple(keys), score, dict(labels or {}), direction, headline)
+        _METRICS.add(name, entry)
         return score
 
     return add
+
+
+def _family(key: str) -> _Metric:
+    for name in _METRICS:
+        if key in _METRICS[name].keys:
+            return _METRICS[name]
+    raise ValueError(f"{key!r} is not a key of a registered metric; known: {list(metric_keys())}")
+
+
+def metric_of_key(key: str) -> str:
+    """The registered family that reports ``key`` (``bleu_4`` -> ``bleu``)."""
+    return next(name for name in _METRICS if _METRICS[name] is _family(key))
+
+
+def metric_label(key: str) -> str:
+    """How people read ``key`` (``BLEU-4``); an unregistered key reads as itself."""
+    try:
+        return _family(key).labels.get(key, key)
+    except ValueError:
+        return key
+
+
+def metric_direction(key: str) -> str:
+    """``"max"`` when a higher ``key`` is better, ``"min"`` when a lower one is."""
+    return _family(key).direction
+
+
+def headline_keys() -> tuple[str, ...]:
+    """The scores short tables and summary lines show, one per headline family, in order."""
+    return tuple(_METRICS[n].keys[-1] for n in _METRICS if _METRICS[n].headline)
 
 
 def list_metrics() -> list[str]:
@@ -226,7 +279,11 @@ def _ptb_tokenize(
     return gts, res
 
 
-@register_metric("bleu", ("bleu_1", "bleu_2", "bleu_3", "bleu_4"))
+@register_metric(
+    "bleu",
+    ("bleu_1", "bleu_2", "bleu_3", "bleu_4"),
+    labels={f"bleu_{n}": f"BLEU-{n}" for n in range(1, 5)},
+)
 def _bleu(
     gts: dict[str, list[str]], res: dict[str, list[str]], options: ScoringOptions
 ) -> dict[str, float]:
@@ -236,7 +293,7 @@ def _bleu(
     return {key: float(s) for key, s in zip(metric_keys(["bleu"]), score, strict=True)}
 
 
-@register_metric("meteor", ("meteor",))
+@register_metric("meteor", ("meteor",), labels={"meteor": "METEOR"})
 def _meteor_score(
     gts: dict[str, list[str]], res: dict[str, list[str]], options: ScoringOptions
 ) -> dict[str, float]:
@@ -244,7 +301,7 @@ def _meteor_score(
     return {"meteor": _meteor(gts, res, command, options.meteor_timeout_s)}
 
 
-@register_metric("rouge", ("rouge_l",))
+@register_metric("rouge", ("rouge_l",), labels={"rouge_l": "ROUGE-L"}, headline=False)
 def _rouge(
     gts: dict[str, list[str]], res: dict[str, list[str]], options: ScoringOptions
 ) -> dict[str, float]:
@@ -253,7 +310,7 @@ def _rouge(
     return {"rouge_l": float(Rouge().compute_score(gts, res)[0])}
 
 
-@register_metric("cider", ("cider",))
+@register_metric("cider", ("cider",), labels={"cider": "CIDEr"})
 def _cider(
     gts: dict[str, list[str]], res: dict[str, list[str]], options: ScoringOptions
 ) -> dict[str, float]:

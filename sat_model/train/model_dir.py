@@ -31,7 +31,10 @@ from sat_model.train.trainer import Callback, EpochState
 
 __all__ = [
     "CURVE_COLUMNS",
+    "CURVE_KEYS",
     "ModelDirWriter",
+    "curve_columns",
+    "curve_keys",
     "load_training_state",
     "read_curves",
     "read_metrics",
@@ -39,7 +42,20 @@ __all__ = [
 ]
 
 LAST_STATE_VERSION = 1
-CURVE_COLUMNS = ("epoch", "train_loss", "val_bleu_4", "val_cider", "lr")
+CURVE_KEYS = ("bleu_4", "cider")  # the validation scores every curves.csv holds
+
+
+def curve_keys(monitor: str = "bleu_4") -> tuple[str, ...]:
+    """The validation keys a run's curves hold: :data:`CURVE_KEYS` and ``train.monitor``."""
+    return CURVE_KEYS if monitor in CURVE_KEYS else (*CURVE_KEYS, monitor)
+
+
+def curve_columns(monitor: str = "bleu_4") -> tuple[str, ...]:
+    """The columns of ``curves.csv`` (``dvc plots`` draws each against the epoch)."""
+    return ("epoch", "train_loss", *(f"val_{k}" for k in curve_keys(monitor)), "lr")
+
+
+CURVE_COLUMNS = curve_columns()  # with the default monitor
 
 
 class ModelDirWriter(Callback):
@@ -53,9 +69,11 @@ class ModelDirWriter(Callback):
         extra_config: dict[str, Any],
         curves: list[dict[str, Any]],
         counts: dict[str, float],
+        monitor: str = "bleu_4",
     ) -> None:
         self.model_dir, self.model, self.vocab = model_dir, model, vocab
         self.extra_config, self.curves, self.counts = extra_config, curves, counts
+        self.keys = curve_keys(monitor)
         self.phase = LIKELIHOOD  # recorded in last_state.pt (train_model sets it per phase)
 
     def on_epoch_end(self, state: EpochState) -> None:
@@ -69,17 +87,13 @@ class ModelDirWriter(Callback):
                 **snapshot,
             )
         val = state.val_metrics or {}
+        scores = {f"val_{k}": val.get(k) for k in self.keys}
         self.curves.append(
-            {
-                "epoch": state.epoch,
-                "train_loss": state.train_loss,
-                "val_bleu_4": val.get("bleu_4"),
-                "val_cider": val.get("cider"),
-                "lr": state.lr,
-            }
+            {"epoch": state.epoch, "train_loss": state.train_loss, **scores, "lr": state.lr}
         )
-        _write_curves(self.model_dir / CURVES_FILE, self.curves)
-        metrics = _train_metrics(state, self.curves, self.counts)
+        columns = ("epoch", "train_loss", *scores, "lr")
+        _write_curves(self.model_dir / CURVES_FILE, self.curves, columns)
+        metrics = _train_metrics(state, self.curves, self.counts, self.keys)
         write_text_atomic(self.model_dir / TRAIN_METRICS_FILE, json.dumps(metrics, indent=1) + "\n")
         # last: a crash before this leaves the previous epoch's state, which a resume repeats from
         save_training_state(self.model_dir / LAST_STATE_FILE, {**snapshot, "phase": self.phase})
@@ -124,9 +138,9 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _write_curves(path: Path, rows: list[dict[str, Any]]) -> None:
+def _write_curves(path: Path, rows: list[dict[str, Any]], columns: tuple[str, ...]) -> None:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=CURVE_COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n", extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
     write_text_atomic(path, buffer.getvalue())
@@ -140,12 +154,12 @@ def read_curves(path: Path, up_to_epoch: int) -> list[dict[str, Any]]:
     out = []
     for row in rows:
         if int(row["epoch"]) <= up_to_epoch:
+            scores = {k: _optional_float(v) for k, v in row.items() if k.startswith("val_")}
             out.append(
                 {
                     "epoch": int(row["epoch"]),
                     "train_loss": float(row["train_loss"]),
-                    "val_bleu_4": _optional_float(row.get("val_bleu_4")),
-                    "val_cider": _optional_float(row.get("val_cider")),  # absent in older files
+                    **scores,
                     "lr": float(row["lr"]),
                 }
             )
@@ -157,10 +171,13 @@ def _optional_float(text: str | None) -> float | None:
 
 
 def _train_metrics(
-    state: EpochState, curves: list[dict[str, Any]], counts: dict[str, float]
+    state: EpochState,
+    curves: list[dict[str, Any]],
+    counts: dict[str, float],
+    keys: tuple[str, ...],
 ) -> dict[str, float]:
-    """Flat keys for ``dvc metrics``: the best epoch's validation BLEU-4 and CIDEr (whichever
-    ``train.monitor`` picked it by), the last epoch's loss."""
+    """Flat keys for ``dvc metrics``: the best epoch's validation scores of ``keys`` (BLEU-4,
+    CIDEr and ``train.monitor``, which picked it), the last epoch's loss."""
     best = next((c for c in curves if c["epoch"] == state.best_epoch), curves[-1])
     metrics: dict[str, float] = {
         "best_epoch": state.best_epoch or state.epoch,
@@ -171,8 +188,7 @@ def _train_metrics(
         "best_train_loss": best["train_loss"],
     }
     if state.best_score is not None:
-        metrics["best_val_bleu_4"] = best["val_bleu_4"]
-        metrics["best_val_cider"] = best["val_cider"]
+        metrics.update({f"best_val_{k}": best[f"val_{k}"] for k in keys if f"val_{k}" in best})
     if state.val_metrics:
         metrics.update({f"final_val_{k}": v for k, v in state.val_metrics.items()})
     metrics.update(counts)

@@ -16,6 +16,7 @@ from torch import nn
 from sat_model.config import LibraryParams
 from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE
 from sat_model.data.vocab import Vocab, load_vocab
+from sat_model.evaluation.metrics import metric_direction
 from sat_model.features.store import (
     FeatureStore,
     FeatureStoreError,
@@ -245,6 +246,7 @@ def fit_options(
         log_every=log_every,
         ema_decay=setup.cfg.ema_decay,
         monitor=params.train.monitor,
+        mode=metric_direction(params.train.monitor),
         autocast_dtype=torch.bfloat16 if params.train.mixed_precision == "bf16" else None,
     )
 

@@ -6,7 +6,7 @@ its ``rank``/``world_size``; it builds everything from files (``vocab.json``,
 the best epoch so far (``model.safetensors`` + ``config.json`` + ``vocab.json`` +
 ``best_state.pt``, see :mod:`sat_model.model.checkpoint`; rewritten whenever validation BLEU-4
 improves), ``train_metrics.json`` (flat keys) and ``curves.csv`` (epoch, train_loss, val_bleu_4,
-val_cider, lr; for ``dvc plots``), both rewritten every epoch, and
+val_cider, the monitored score, lr; for ``dvc plots``), both rewritten every epoch, and
 ``last_state.pt``, the last epoch's training state (weights, moving average, criterion state with
 the hard-attention baseline, optimiser, scheduler, torch RNG states, epoch, best score), rewritten
 atomically every epoch after the other files. The folder is complete after every epoch, so a
@@ -49,7 +49,12 @@ from sat_model.train.phases import (
 )
 from sat_model.train.resume import resume_run
 from sat_model.train.trainer import Callback, ResumeState
-from sat_model.train.validation import VALIDATION_METRICS, make_validator
+from sat_model.train.validation import (
+    VALIDATION_METRICS,
+    ValidationOptions,
+    make_validator,
+    validation_metrics,
+)
 
 __all__ = [
     "VALIDATION_METRICS",
@@ -130,16 +135,15 @@ def _rank_zero(
     """Rank 0's ``validate(model)`` (first ``train.val_images`` validation images) and the
     callback writing the model folder."""
     val_store = FeatureStore(features_dir / store_file("val"))
-    validate = make_validator(
-        val_store,
-        load_references(prepared_dir / CAPTIONS_FILE, "val"),
-        setup.vocab,
+    options = ValidationOptions(
         max_images=params.train.val_images,
         max_length=params.train.val_max_length,
         batch_size=params.eval.batch_size,
-        device=setup.device,
         mode=decode_mode(params.eval.hard_decode, setup.attention),
+        metrics=validation_metrics(params.train.monitor),
     )
+    references = load_references(prepared_dir / CAPTIONS_FILE, "val")
+    validate = make_validator(val_store, references, setup.vocab, setup.device, options)
     counts: dict[str, float] = {
         "train_captions": len(setup.dataset),
         "skipped_captions": setup.skipped,
@@ -161,5 +165,13 @@ def _rank_zero(
     }
     if identity is not None:
         extra_config["identity"] = identity
-    writer = ModelDirWriter(setup.model_dir, setup.model, setup.vocab, extra_config, curves, counts)
+    writer = ModelDirWriter(
+        setup.model_dir,
+        setup.model,
+        setup.vocab,
+        extra_config,
+        curves,
+        counts,
+        monitor=params.train.monitor,
+    )
     return validate, writer

@@ -131,6 +131,7 @@ class FitOptions:
     device: torch.device | str = "cpu"
     grad_clip: float | None = None  # max gradient norm; None: no clipping
     monitor: str = "bleu_4"  # the validation key early stopping watches
+    mode: str = "max"  # "max": a higher monitored score is better; "min": a lower one
     seed: int | None = None  # re-seeds torch at each epoch's start, so a resume repeats a run
     log_every: int = 50  # steps between ``on_log`` calls (the only per-step sync)
     ema_decay: float = 0.0  # 0: no moving average of the weights
@@ -373,7 +374,16 @@ def _epoch_state(
     if val is not None and monitor not in val:
         raise KeyError(f"validate() returned {sorted(val)}, without the monitored {monitor!r}")
     score = val[monitor] if val is not None else None
-    is_best = score is None or progress.best_score is None or score > progress.best_score
+    better = (
+        score is not None
+        and progress.best_score is not None
+        and (
+            score > progress.best_score
+            if loop.options.mode == "max"
+            else score < progress.best_score
+        )
+    )
+    is_best = score is None or progress.best_score is None or better
     if is_best:
         progress.best_score, progress.best_epoch = score, totals.epoch
         progress.best_state = state_of(loop.eval_model)

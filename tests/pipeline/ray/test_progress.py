@@ -35,7 +35,7 @@ def test_throughput_sums_the_ranks_captions_over_the_slowest_ranks_training_time
     assert report.captions == 1200
     assert report.captions_per_s == pytest.approx(400.0)  # 1200 / 3 s
     assert report.loss == pytest.approx(3.5)
-    assert (report.val_bleu_4, report.val_cider) == (0.25, 0.61)
+    assert report.val == {"bleu_4": 0.25, "cider": 0.61}
     assert report.seconds == 5.0
     line = format_epoch_line("train soft", report, max_epochs=10, eta_s=130)
     assert line == (
@@ -57,7 +57,7 @@ def test_durations_read_at_the_etas_resolution(seconds: float, text: str) -> Non
 
 
 def _epoch(epoch: int, seconds: float) -> EpochReport:
-    return EpochReport(epoch, 1.0, None, None, 100, seconds, seconds)
+    return EpochReport(epoch, 1.0, {}, 100, seconds, seconds)
 
 
 def test_the_eta_counts_the_self_critical_epochs_until_one_is_timed() -> None:
