@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ValidationError, create_model
 from ruamel.yaml import YAMLError
 
-from sat_model.config import DataConfig, LibraryParams, ParamsError
+from sat_model.config import DataConfig, EncoderConfig, LibraryParams, ParamsError, TrainConfig
 from sat_model.data.sources.registry import SOURCES, list_sources
 from sat_model.evaluation.metrics import metric_keys
 from sat_model.features.encoders import list_encoders
@@ -169,8 +169,7 @@ def validate_params(raw: Mapping[str, Any], schema: type[P] = LibraryParams) -> 
         params = schema.model_validate(tree)
     except ValidationError as e:
         errors += _error_lines(e)
-    else:
-        errors += _registry_errors(params)
+    errors += _registry_errors(tree)
     if errors:
         raise ParamsError("invalid params:\n  " + "\n  ".join(errors))
     return params
@@ -190,23 +189,36 @@ def full_schema(schema: type[P] = LibraryParams) -> type[P]:  # type: ignore[ass
     return full
 
 
-def _registry_errors(params: LibraryParams) -> list[str]:
+def _named(tree: Mapping[str, Any], section: str, key: str) -> Any:
+    """``tree[section][key]``, or the schema's default: a name to check even where another key
+    of params is invalid (every bad key is listed at once)."""
+    node = tree.get(section)
+    node = node if isinstance(node, Mapping) else {}
+    models: dict[str, type[BaseModel]] = {
+        "data": DataConfig,
+        "encoder": EncoderConfig,
+        "train": TrainConfig,
+    }
+    return node.get(key, models[section].model_fields[key].default)
+
+
+def _registry_errors(tree: Mapping[str, Any]) -> list[str]:
     """The names params give that no registry holds, and a real source without its root."""
     errors = []
-    data = params.data
-    if data.source not in list_sources():
+    source, encoder, monitor = (
+        _named(tree, "data", "source"),
+        _named(tree, "encoder", "name"),
+        _named(tree, "train", "monitor"),
+    )
+    if source not in list_sources():
+        errors.append(f"data.source: unknown data source {source!r}; registered: {list_sources()}")
+    elif SOURCES[source].needs_root and not _named(tree, "data", "root"):
+        errors.append(f"data: data.root is required for source {source!r}")
+    if encoder not in list_encoders():
+        errors.append(f"encoder.name: unknown encoder {encoder!r}; registered: {list_encoders()}")
+    if monitor not in metric_keys():
         errors.append(
-            f"data.source: unknown data source {data.source!r}; registered: {list_sources()}"
-        )
-    elif SOURCES[data.source].needs_root and not data.root:
-        errors.append(f"data: data.root is required for source {data.source!r}")
-    if params.encoder.name not in list_encoders():
-        errors.append(
-            f"encoder.name: unknown encoder {params.encoder.name!r}; registered: {list_encoders()}"
-        )
-    if params.train.monitor not in metric_keys():
-        errors.append(
-            f"train.monitor: {params.train.monitor!r} is not a key of a registered metric; "
+            f"train.monitor: {monitor!r} is not a key of a registered metric; "
             f"known: {list(metric_keys())}"
         )
     return errors
