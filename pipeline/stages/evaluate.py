@@ -148,7 +148,12 @@ def _evaluate(
 
     from sat_model.data.sources import image_root
     from sat_model.data.tables import CAPTIONS_FILE, IMAGES_FILE
-    from sat_model.evaluation.evaluate import evaluate_model, read_image_records, write_reports
+    from sat_model.evaluation.evaluate import (
+        DataSplit,
+        evaluate_model,
+        read_image_records,
+        write_reports,
+    )
     from sat_model.features.store import store_file
 
     params, ev, started = ctx.params, ctx.params.eval, time.perf_counter()
@@ -156,22 +161,14 @@ def _evaluate(
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         model_dir = resolve_model_dir(model, workdir, _tracking_uri(ctx, model))
-        result = evaluate_model(
-            model_dir=model_dir,
-            features_path=ctx.path(params.encoder.features_dir) / store_file(split),
-            captions_path=prepared / CAPTIONS_FILE,
-            images_path=prepared / IMAGES_FILE,
-            split=split,
-            beam_size=ev.beam_size,
-            max_length=ev.max_length,
-            resize=params.encoder.resize,
-            keep_aspect=params.encoder.keep_aspect,
-            length_penalty=ev.length_penalty.model_dump(),
-            hard_decode=ev.hard_decode,
-            batch_size=ev.batch_size,
-            meteor_timeout_s=ev.meteor_timeout_s,
-            device="cuda" if torch.cuda.is_available() else "cpu",
+        data = DataSplit(
+            split,
+            ctx.path(params.encoder.features_dir) / store_file(split),
+            prepared / CAPTIONS_FILE,
+            prepared / IMAGES_FILE,
         )
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        result = evaluate_model(model_dir, data, ev, params.encoder, device=device)
         records = read_image_records(
             prepared / IMAGES_FILE, split, image_root(params.data, ctx.root)
         )
@@ -204,20 +201,17 @@ def _gallery(
     """``write(folder)``: the attention figures of the first ``eval.gallery_images`` captions,
     decoded as :func:`sat_model.evaluation.evaluate.evaluate_model` decodes them, with each
     image's references and scores."""
-    from sat_model.evaluation.evaluate import write_attention_gallery
+    from sat_model.evaluation.evaluate import FeatureView, write_attention_gallery
     from sat_model.model.decoding import decode_mode
 
     grid_h, grid_w, crop, attention = _grid(model_dir, attention)
+    encoder = ctx.params.encoder
     return functools.partial(
         write_attention_gallery,
         result.captions,
         records,
         count=ctx.params.eval.gallery_images,
-        grid_h=grid_h,
-        grid_w=grid_w,
-        resize=ctx.params.encoder.resize,
-        crop=crop,
-        keep_aspect=ctx.params.encoder.keep_aspect,
+        view=FeatureView(grid_h, grid_w, encoder.resize, crop, encoder.keep_aspect),
         title=f"{attention} attention, {split} split",
         mode=decode_mode(ctx.params.eval.hard_decode, attention),
         scored=result,

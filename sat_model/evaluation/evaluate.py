@@ -29,6 +29,7 @@ import torch
 from PIL import Image
 
 from sat_model.atomic import write_text_atomic
+from sat_model.config import EncoderConfig, EvalConfig
 from sat_model.data.tables import ImageRecord, load_references, read_images
 from sat_model.data.vocab import Vocab
 from sat_model.evaluation.grounding import (
@@ -47,9 +48,12 @@ from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.decoding import beam_search, decode_mode, length_penalty_for
 
 __all__ = [
+    "DataSplit",
     "DecodedCaption",
+    "Decoding",
     "EvaluationError",
     "EvaluationResult",
+    "FeatureView",
     "decode_split",
     "evaluate_model",
     "read_image_records",
@@ -110,29 +114,58 @@ def _decode_batch(
     return out
 
 
+@dataclass(frozen=True)
+class DataSplit:
+    """The split evaluated and the prepared files it is read from."""
+
+    name: str  # "test", "val"...
+    features_path: Path  # its feature store
+    captions_path: Path  # captions.parquet (the references)
+    images_path: Path  # images.parquet (sizes and boxes, for grounding)
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How a split is decoded: beam search's width, its longest caption, the length penalty α,
+    hard attention's mode (:func:`sat_model.model.decoding.decode_mode`), images per batch."""
+
+    beam_size: int
+    max_length: int
+    length_penalty: float = 1.0
+    mode: str = "expected"
+    batch_size: int = 64
+
+
+@dataclass(frozen=True)
+class FeatureView:
+    """What the encoder saw of each photo (the feature grid over the crop of the resized photo):
+    what grounding and the attention figures map the attention weights back onto."""
+
+    grid_h: int
+    grid_w: int
+    resize: int  # the shorter side (or both sides without keep_aspect), in pixels
+    crop: int  # the encoder's centre crop, in pixels
+    keep_aspect: bool = True
+
+
 def decode_split(
     model: ShowAttendTell,
     vocab: Vocab,
     store: FeatureStore,
     image_ids: Sequence[str],
-    *,
-    beam_size: int,
-    max_length: int,
-    length_penalty: float = 1.0,
-    mode: str = "expected",
-    batch_size: int = 64,
+    decoding: Decoding,
     device: str | torch.device = "cpu",
 ) -> list[DecodedCaption]:
-    """One beam-search caption per image id, decoded ``batch_size`` images at a time."""
+    """One beam-search caption per image id, decoded ``decoding.batch_size`` images at a time."""
     search = dict(
-        beam_size=beam_size,
-        max_length=max_length,
-        length_penalty=length_penalty,
-        mode=mode,
+        beam_size=decoding.beam_size,
+        max_length=decoding.max_length,
+        length_penalty=decoding.length_penalty,
+        mode=decoding.mode,
     )
     out: list[DecodedCaption] = []
-    for start in range(0, len(image_ids), batch_size):
-        ids = image_ids[start : start + batch_size]
+    for start in range(0, len(image_ids), decoding.batch_size):
+        ids = image_ids[start : start + decoding.batch_size]
         rows = [store.index_of(i) for i in ids]
         feats = torch.from_numpy(store.get_batch(rows)).to(device, torch.float32)  # (B, L, D)
         out += _decode_batch(model, vocab, feats, ids, **search)
@@ -152,14 +185,8 @@ def _select_images(
 
 
 def _grounding(
-    captions: Sequence[DecodedCaption],
-    records: Mapping[str, ImageRecord],
-    *,
-    grid: tuple[int, int],  # (grid_h, grid_w)
-    view: tuple[int, int, bool],  # (resize, crop, keep_aspect): what the encoder saw
+    captions: Sequence[DecodedCaption], records: Mapping[str, ImageRecord], view: FeatureView
 ) -> PointingResult | None:
-    grid_h, grid_w = grid
-    resize, crop, keep_aspect = view
     samples = []
     for c in captions:
         record = records.get(c.image_id)
@@ -172,66 +199,55 @@ def _grounding(
     if not samples:  # the source has no boxes: grounding is not measured
         return None
     return pointing_accuracy(
-        samples, grid_h=grid_h, grid_w=grid_w, resize=resize, crop=crop, keep_aspect=keep_aspect
+        samples,
+        grid_h=view.grid_h,
+        grid_w=view.grid_w,
+        resize=view.resize,
+        crop=view.crop,
+        keep_aspect=view.keep_aspect,
     )
 
 
 def evaluate_model(
-    *,
     model_dir: str | Path,
-    features_path: str | Path,
-    captions_path: str | Path,
-    images_path: str | Path,
-    split: str,
-    beam_size: int,
-    max_length: int,
-    resize: int,
-    keep_aspect: bool = True,
-    length_penalty: float | Mapping[str, float] = 1.0,
-    hard_decode: str = "expected",
-    batch_size: int = 64,
-    meteor_timeout_s: float = 600.0,
+    split: DataSplit,
+    settings: EvalConfig,
+    encoder: EncoderConfig,
+    *,
     metrics: Sequence[str] | None = None,  # None: every registered metric
     device: str | torch.device = "cpu",
 ) -> EvaluationResult:
-    """Decode ``split`` with the model in ``model_dir``, score it, and measure grounding.
+    """Decode ``split`` with the model in ``model_dir`` as ``settings`` (``params.eval``) say,
+    score it, and measure grounding on the photos as ``encoder`` (``params.encoder``) cut them.
 
-    ``length_penalty`` and ``hard_decode`` apply as the model's attention variant asks: the
-    penalty may be given per variant (``{"soft": 1.0, "hard": 2.0}``), ``hard_decode`` is
-    hard attention's alone.
+    ``settings.length_penalty`` and ``settings.hard_decode`` apply as the model's attention
+    variant asks: the penalty is given per variant, ``hard_decode`` is hard attention's alone.
     """
     model, vocab, config = load_model(model_dir, device=device)
-    store = FeatureStore(features_path)
-    references = load_references(captions_path, split)
+    store = FeatureStore(split.features_path)
+    references = load_references(split.captions_path, split.name)
     ids, skipped = _select_images(store.ids, references)
     if not ids:
         raise EvaluationError(
-            f"no {split!r} image has both features ({features_path}) and references "
-            f"({captions_path}); {len(skipped)} skipped"
+            f"no {split.name!r} image has both features ({split.features_path}) and references "
+            f"({split.captions_path}); {len(skipped)} skipped"
         )
-    captions = decode_split(
-        model,
-        vocab,
-        store,
-        ids,
-        beam_size=beam_size,
-        max_length=max_length,
-        length_penalty=length_penalty_for(length_penalty, config.attention),
-        mode=decode_mode(hard_decode, config.attention),
-        batch_size=batch_size,
-        device=device,
+    decoding = Decoding(
+        settings.beam_size,
+        settings.max_length,
+        length_penalty_for(settings.length_penalty.model_dump(), config.attention),
+        decode_mode(settings.hard_decode, config.attention),
+        settings.batch_size,
     )
+    captions = decode_split(model, vocab, store, ids, decoding, device)
     hypotheses = {c.image_id: c.text for c in captions}
     scored = {i: list(references[i]) for i in ids}
-    scores = score_captions(hypotheses, scored, metrics, meteor_timeout_s=meteor_timeout_s)
-    records = read_image_records(images_path, split)
+    scores = score_captions(hypotheses, scored, metrics, meteor_timeout_s=settings.meteor_timeout_s)
     spec = store.spec
-    grounding = _grounding(
-        captions,
-        records,
-        grid=(spec.grid_h, spec.grid_w),
-        view=(resize, spec.input_size, keep_aspect),
+    view = FeatureView(
+        spec.grid_h, spec.grid_w, encoder.resize, spec.input_size, encoder.keep_aspect
     )
+    grounding = _grounding(captions, read_image_records(split.images_path, split.name), view)
     if grounding is not None and grounding.total:  # NaN is not JSON: unmeasured is left out
         scores["pointing_accuracy"] = grounding.accuracy
     return EvaluationResult(
@@ -266,12 +282,8 @@ def write_attention_gallery(
     out_dir: str | Path,
     *,
     count: int,
-    grid_h: int,
-    grid_w: int,
-    resize: int,
-    crop: int,
+    view: FeatureView,
     title: str,
-    keep_aspect: bool = True,
     mode: str = "expected",
     scored: EvaluationResult | None = None,
 ) -> tuple[Path, list[dict[str, str]]]:
@@ -286,7 +298,7 @@ def write_attention_gallery(
     image_scores = scored.image_scores if scored else {}
     with AttentionFigures(out_dir, title, mode=mode) as figures:
         for c in sorted(captions, key=lambda c: c.image_id)[:count]:
-            photo = _gallery_photo(records.get(c.image_id), resize, crop, keep_aspect)
+            photo = _gallery_photo(records.get(c.image_id), view)
             if isinstance(photo, str):
                 skipped.append({"item": c.image_id, "reason": photo})
                 continue
@@ -296,8 +308,8 @@ def write_attention_gallery(
                 photo,
                 c.words,
                 c.alphas,
-                grid_h=grid_h,
-                grid_w=grid_w,
+                grid_h=view.grid_h,
+                grid_w=view.grid_w,
                 locations=c.locations,
                 references=references.get(c.image_id, ()),
                 scores=image_scores.get(c.image_id),
@@ -305,16 +317,16 @@ def write_attention_gallery(
     return Path(out_dir) / INDEX_FILE, skipped
 
 
-def _gallery_photo(
-    record: ImageRecord | None, resize: int, crop: int, keep_aspect: bool
-) -> Image.Image | str:
+def _gallery_photo(record: ImageRecord | None, view: FeatureView) -> Image.Image | str:
     """The crop the encoder saw of ``record``'s photo, or why there is none."""
     if record is None:
         return "not in the image table"
     if record.refused:
         return record.refused
     try:
-        pixels = Preprocessing(resize, crop, keep_aspect=keep_aspect).pixels(record.path)
+        pixels = Preprocessing(view.resize, view.crop, keep_aspect=view.keep_aspect).pixels(
+            record.path
+        )
         return to_picture(pixels)  # as the extract stage cut it
     except ImageError as e:
         return e.reason

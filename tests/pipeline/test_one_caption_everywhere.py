@@ -179,7 +179,7 @@ def _ray_data_captions(project: Path) -> dict[str, str]:
 
 def _extracted_captions(project: Path) -> dict[str, str]:
     """The extract stage's features of the photos, decoded as the evaluate stage decodes."""
-    from sat_model.evaluation.evaluate import decode_split
+    from sat_model.evaluation.evaluate import Decoding, decode_split
     from sat_model.features.spec import EncoderSpec
     from sat_model.model.checkpoint import load_checkpoint, load_model
 
@@ -193,7 +193,7 @@ def _extracted_captions(project: Path) -> dict[str, str]:
     extract_split(encoder, items, store_path, prep, 16, 0, "test", progress=False)
     model, vocab, _ = load_model(model_dir)
     ids = [item.image_id for item in items]
-    found = decode_split(model, vocab, FeatureStore(store_path), ids, **DECODING)
+    found = decode_split(model, vocab, FeatureStore(store_path), ids, Decoding(**DECODING))
     return {c.image_id: c.text for c in found}
 
 

@@ -20,6 +20,7 @@ from PIL import Image
 
 from sat_model.evaluation.evaluate import (
     DecodedCaption,
+    FeatureView,
     read_image_records,
     write_attention_gallery,
 )
@@ -164,10 +165,7 @@ def test_evaluation_gallery_never_opens_a_photo_out_of_the_root(
         records,
         tmp_path / "gallery",
         count=len(captions),
-        grid_h=2,
-        grid_w=2,
-        resize=40,
-        crop=32,
+        view=FeatureView(2, 2, 40, 32),
         title="t",
     )
     reasons = {s["item"]: s["reason"] for s in skipped}

@@ -16,6 +16,7 @@ from sat_model.data.sources import read_source
 from sat_model.evaluation.evaluate import (
     DecodedCaption,
     read_image_records,
+    FeatureView,
     write_attention_gallery,
 )
 from sat_model.evaluation.visualize import FIGURES_DIR
@@ -85,10 +86,7 @@ def test_gallery_opens_photos_only_under_the_root_given(tampered: Path, tmp_path
         records,
         tmp_path / "gallery",
         count=3,
-        grid_h=2,
-        grid_w=2,
-        resize=40,
-        crop=32,
+        view=FeatureView(2, 2, 40, 32),
         title="t",
     )
     assert sorted(s["item"] for s in skipped) == ["passwd", "secret"]

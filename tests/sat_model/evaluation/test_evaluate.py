@@ -15,9 +15,13 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from sat_model.config import EncoderConfig, EvalConfig
 from sat_model.data.tables import IMAGES_FILE, IMAGES_SCHEMA
 from sat_model.evaluation.evaluate import (
+    DataSplit,
+    Decoding,
     EvaluationError,
+    FeatureView,
     decode_split,
     evaluate_model,
     read_image_records,
@@ -97,19 +101,14 @@ def data(tmp_path_factory):
     return root, write_tiny_model(root / "model", words=("a", "circle"), crop=CROP)
 
 
+def _split(root, captions):
+    return DataSplit("test", root / "test.arrow", captions, root / "images.parquet")
+
+
 def _evaluate(root, model_dir, captions="captions.parquet", **kw):
-    return evaluate_model(
-        model_dir=model_dir,
-        features_path=root / "test.arrow",
-        captions_path=root / captions,
-        images_path=root / "images.parquet",
-        split="test",
-        beam_size=2,
-        max_length=MAX_LEN,
-        resize=CROP,
-        batch_size=2,
-        **kw,
-    )
+    settings = EvalConfig(beam_size=2, max_length=MAX_LEN, batch_size=2)
+    split = _split(root, root / captions)
+    return evaluate_model(model_dir, split, settings, EncoderConfig(resize=CROP), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +162,7 @@ def test_batch_size_does_not_change_the_captions(data, result):
     model, vocab, _ = load_model(model_dir)
     store = FeatureStore(root / "test.arrow")
     one = decode_split(
-        model, vocab, store, ["img0", "img1", "img2"], beam_size=2, max_length=MAX_LEN, batch_size=1
+        model, vocab, store, ["img0", "img1", "img2"], Decoding(2, MAX_LEN, batch_size=1)
     )
     assert [c.words for c in one] == [c.words for c in result.captions]
 
@@ -173,14 +172,10 @@ def test_nothing_to_evaluate_is_an_error(data, tmp_path):
     write_references(tmp_path / "other.parquet", {"elsewhere": ["a circle"]})
     with pytest.raises(EvaluationError, match="no 'test' image has both"):
         evaluate_model(
-            model_dir=model_dir,
-            features_path=root / "test.arrow",
-            captions_path=tmp_path / "other.parquet",
-            images_path=root / "images.parquet",
-            split="test",
-            beam_size=1,
-            max_length=2,
-            resize=CROP,
+            model_dir,
+            _split(root, tmp_path / "other.parquet"),
+            EvalConfig(beam_size=1, max_length=2),
+            EncoderConfig(resize=CROP),
         )
 
 
@@ -204,10 +199,7 @@ def test_gallery_has_one_figure_per_image_and_skips_missing_photos(data, result,
         records,
         tmp_path,
         count=3,
-        grid_h=GRID,
-        grid_w=GRID,
-        resize=CROP,
-        crop=CROP,
+        view=FeatureView(GRID, GRID, CROP, CROP),
         title="soft",
         scored=result,
     )
