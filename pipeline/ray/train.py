@@ -132,20 +132,15 @@ class TrainJob:
 
     def train(self, run: WorkerRun, out_dir: Path, callbacks: Sequence[Callback]) -> Any:
         """``train_model`` on this worker's shard, continuing ``run.resume_dir`` if any."""
-        from sat_model.train.run import train_model
+        from sat_model.train.run import TrainFolders, Worker, train_model
 
         return train_model(
             self.params,
             self.attention,
-            prepared_dir=self.prepared_dir,
-            features_dir=self.features_dir,
-            out_dir=out_dir,
-            rank=run.rank,
-            world_size=run.world_size,
-            device=run.device,
+            TrainFolders(self.prepared_dir, self.features_dir, out_dir),
+            worker=Worker(run.rank, run.world_size, run.device, run.wrap_model),
             callbacks=callbacks,
             resume_from=run.resume_dir or self.resume_from,
-            wrap_model=run.wrap_model,
             identity=self.identity,
             log_every=self.hooks.log_every,
         )

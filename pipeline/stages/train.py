@@ -110,15 +110,17 @@ def _train_on_ray(
 
 def _train_here(ctx: StageContext, attention: str, resume_from: Path | None, progress: bool) -> int:
     from sat_model.train.progress import ProgressBar
-    from sat_model.train.run import train_model
+    from sat_model.train.run import TrainFolders, train_model
 
     params, started = ctx.params, time.perf_counter()
     result = train_model(
         params,
         attention,
-        prepared_dir=ctx.path(params.data.prepared_dir),
-        features_dir=ctx.path(params.encoder.features_dir),
-        out_dir=ctx.path(params.train.models_dir),
+        TrainFolders(
+            ctx.path(params.data.prepared_dir),
+            ctx.path(params.encoder.features_dir),
+            ctx.path(params.train.models_dir),
+        ),
         callbacks=(ProgressBar(desc=attention),) if progress else (),
         resume_from=resume_from,
     )

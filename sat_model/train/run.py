@@ -58,13 +58,35 @@ from sat_model.train.validation import (
 
 __all__ = [
     "VALIDATION_METRICS",
+    "TrainFolders",
     "TrainResult",
+    "Worker",
     "load_training_state",
     "make_validator",
     "save_training_state",
     "semi_sampling_options",
     "train_model",
 ]
+
+
+@dataclass(frozen=True)
+class TrainFolders:
+    """Where a run reads its inputs and writes its model folder (``<out_dir>/<attention>/``)."""
+
+    prepared_dir: Path  # data/prepared: vocab.json, captions.parquet
+    features_dir: Path  # data/features: {train,val}.arrow
+    out_dir: Path  # models/
+
+
+@dataclass(frozen=True)
+class Worker:
+    """The process that trains: one of ``world_size`` ranks, on ``device`` (None: a GPU where
+    there is one), with ``wrap_model`` wrapping the model for the forward pass (DDP)."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device | str | None = None
+    wrap_model: Callable[[nn.Module], nn.Module] | None = None
 
 
 @dataclass(frozen=True)
@@ -79,16 +101,11 @@ class TrainResult:
 def train_model(
     params: LibraryParams,
     attention: str,
-    prepared_dir: str | Path,
-    features_dir: str | Path,
-    out_dir: str | Path,
+    folders: TrainFolders,
     *,
-    rank: int = 0,
-    world_size: int = 1,
-    device: torch.device | str | None = None,
+    worker: Worker = Worker(),
     callbacks: Sequence[Callback] = (),
     resume_from: str | Path | None = None,
-    wrap_model: Callable[[nn.Module], nn.Module] | None = None,
     identity: str | None = None,
     log_every: int = 50,
 ) -> TrainResult:
@@ -99,9 +116,17 @@ def train_model(
     """
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_KINDS}")
-    prepared_dir, features_dir = Path(prepared_dir), Path(features_dir)
+    prepared_dir, features_dir = Path(folders.prepared_dir), Path(folders.features_dir)
+    rank, wrap_model = worker.rank, worker.wrap_model
     setup = set_up(
-        params, attention, prepared_dir, features_dir, Path(out_dir), rank, world_size, device
+        params,
+        attention,
+        prepared_dir,
+        features_dir,
+        Path(folders.out_dir),
+        rank,
+        worker.world_size,
+        worker.device,
     )
     phases = [likelihood_phase(setup)]
     if setup.cfg.scst_epochs > 0:

@@ -363,7 +363,7 @@ def test_training_on_a_truncated_feature_store_names_the_file(
 ) -> None:
     from pipeline.settings import load_params
     from sat_model.features.store import FeatureStoreError
-    from sat_model.train.run import train_model
+    from sat_model.train.run import TrainFolders, Worker, train_model
 
     # inputs only: other tests may already have trained into the shared project's models/
     keep_inputs = shutil.ignore_patterns("models", "mlflow.db", "mlartifacts", "ray_results")
@@ -375,10 +375,10 @@ def test_training_on_a_truncated_feature_store_names_the_file(
         train_model(
             params,
             "soft",
-            project / "data" / "prepared",
-            project / "data" / "features",
-            project / "models",
-            device="cpu",
+            TrainFolders(
+                project / "data" / "prepared", project / "data" / "features", project / "models"
+            ),
+            worker=Worker(device="cpu"),
         )
     assert not (project / "models" / "soft" / "model.safetensors").exists()
 

@@ -32,7 +32,7 @@ from pipeline.ray.train import WorkerHooks, copy_checkpoint, train_with_ray
 from pipeline.settings import MlflowConfig, Params, load_params
 from pipeline.tracking.runs import Tracking, connect
 from sat_model.train.batching import LengthGroupedBatchSampler
-from sat_model.train.run import TrainResult, load_training_state, train_model
+from sat_model.train.run import TrainFolders, TrainResult, load_training_state, train_model
 
 # Ray workers cannot import this test module by name: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -307,9 +307,11 @@ def _train_in_process(params: Params, project: Path, tmp_path: Path) -> TrainRes
         return train_model(
             params,
             "soft",
-            prepared_dir=project / params.data.prepared_dir,
-            features_dir=project / params.encoder.features_dir,
-            out_dir=tmp_path / "reference",
+            TrainFolders(
+                project / params.data.prepared_dir,
+                project / params.encoder.features_dir,
+                tmp_path / "reference",
+            ),
         )
     finally:
         torch.set_num_threads(threads)

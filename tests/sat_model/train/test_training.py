@@ -23,6 +23,7 @@ from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.losses import SoftAttentionLoss
 from sat_model.train.batching import Batch
 from sat_model.train.optim import build_optimizer, build_scheduler
+from sat_model.train.run import TrainFolders, Worker
 from sat_model.train.trainer import (
     Callback,
     EpochState,
@@ -35,6 +36,9 @@ from sat_model.train.trainer import (
 from tests.factories import model_config, to_format_1, write_captions
 
 L, D, K = 4, 6, 12
+
+
+CPU = Worker(device="cpu")  # the same floats on a machine with a GPU
 
 
 def _model(seed: int = 0) -> ShowAttendTell:
@@ -449,7 +453,9 @@ def test_train_model_writes_a_loadable_model_metrics_and_curves(
             f"train.{attention}.lr=0.01",
         ],
     )
-    result = train_model(params, attention, prepared, features, tmp_path / "models", device="cpu")
+    result = train_model(
+        params, attention, TrainFolders(prepared, features, tmp_path / "models"), worker=CPU
+    )
     model_dir = tmp_path / "models" / attention
     assert result.model_dir == model_dir
     assert {p.name for p in model_dir.iterdir()} == {
@@ -485,7 +491,9 @@ def test_train_monitor_picks_the_shipped_epoch_by_its_validation_score(
     (tmp_path / "params.yaml").write_text("{}\n")
     overrides = [*TINY, f"train.monitor={monitor}", "train.soft.max_epochs=3"]
     params = load_params(tmp_path / "params.yaml", [*overrides, "train.soft.batch_size=8"])
-    run.train_model(params, "soft", prepared, features, tmp_path / "models", device="cpu")
+    run.train_model(
+        params, "soft", TrainFolders(prepared, features, tmp_path / "models"), worker=CPU
+    )
     metrics = json.loads((tmp_path / "models" / "soft" / "train_metrics.json").read_text())
     assert metrics["best_epoch"] == shipped
     assert (metrics["best_val_bleu_4"], metrics["best_val_cider"]) == (
@@ -519,7 +527,9 @@ def test_train_mirror_trains_on_the_mirrored_store_and_nothing_else_changes(
             tmp_path / "params.yaml",
             [*overrides, "encoder.mirror_train=true", f"train.mirror={mirror}"],
         )
-        run.train_model(params, "soft", prepared, features, tmp_path / name, device="cpu")
+        run.train_model(
+            params, "soft", TrainFolders(prepared, features, tmp_path / name), worker=CPU
+        )
         metrics = json.loads((tmp_path / name / "soft" / "train_metrics.json").read_text())
         return float(metrics["final_train_loss"])
 
@@ -597,12 +607,12 @@ def _assert_a_finished_likelihood_run_goes_on_into_them(
     uninterrupted run's ``state``."""
     from sat_model.train import run
 
-    likelihood = train("likelihood", 0, device="cpu")
+    likelihood = train("likelihood", 0, worker=CPU)
     assert run.load_training_state(likelihood / LAST_STATE_FILE)["phase"] == "likelihood"
     # the same folder as the code before safetensors wrote it (format 1: model.pt) resumes alike
     legacy = to_format_1(Path(shutil.copytree(likelihood, tmp_path / "legacy" / "soft")))
     for folder, name in ((likelihood, "likelihood"), (legacy, "legacy")):
-        train(name, 2, device="cpu", resume_from=folder)
+        train(name, 2, worker=CPU, resume_from=folder)
         resumed = run.load_training_state(folder / LAST_STATE_FILE)
         assert resumed["phase"] == "self_critical" and resumed["epoch"] == 4
         for key, value in state["model_state"].items():
@@ -627,14 +637,14 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
     def train(name: str, scst_epochs: int, extra: tuple[str, ...] = (), **kwargs: object) -> Path:
         overrides = [*_scst_overrides(2, scst_epochs), *extra]
         params = load_params(tmp_path / "params.yaml", overrides)
-        run.train_model(params, "soft", prepared, features, tmp_path / name, **kwargs)
+        run.train_model(params, "soft", TrainFolders(prepared, features, tmp_path / name), **kwargs)
         return tmp_path / name / "soft"
 
-    whole = train("whole", 2, device="cpu")
+    whole = train("whole", 2, worker=CPU)
     state, best = _assert_two_self_critical_epochs_followed(whole)
 
     # BLEU-4 in the reward changes the self-critical gradient, not the likelihood epochs
-    mixed = train("mixed", 2, ("train.soft.scst_bleu_weight=1.0",), device="cpu")
+    mixed = train("mixed", 2, ("train.soft.scst_bleu_weight=1.0",), worker=CPU)
     mixed_state = run.load_training_state(mixed / LAST_STATE_FILE)["model_state"]
     assert any(not torch.equal(mixed_state[k], v) for k, v in state["model_state"].items())
     assert load_checkpoint(mixed, training=True).training.epoch == 1
@@ -642,10 +652,10 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
         torch.testing.assert_close(load_checkpoint(mixed).model_state[name], value, msg=name)
 
     with pytest.raises(_Killed):
-        train("killed", 2, device="cpu", callbacks=[_KillAfter(3)])
+        train("killed", 2, worker=CPU, callbacks=[_KillAfter(3)])
     killed = tmp_path / "killed" / "soft"
     assert run.load_training_state(killed / LAST_STATE_FILE)["phase"] == "self_critical"
-    train("killed", 2, device="cpu", resume_from=killed)
+    train("killed", 2, worker=CPU, resume_from=killed)
     final = run.load_training_state(killed / LAST_STATE_FILE)["model_state"]
     for name, value in state["model_state"].items():
         torch.testing.assert_close(final[name], value, msg=name)
@@ -653,4 +663,4 @@ def test_self_critical_epochs_follow_the_likelihood_ones_and_resume_where_they_s
     _assert_a_finished_likelihood_run_goes_on_into_them(train, tmp_path, state)
 
     with pytest.raises(CheckpointError, match="self_critical phase"):
-        train("whole", 0, device="cpu", resume_from=whole)
+        train("whole", 0, worker=CPU, resume_from=whole)
