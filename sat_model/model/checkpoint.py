@@ -111,14 +111,14 @@ _METADATA_KEYS = ("format_version", "config", "itos", "weights_sha256")
 class TrainingState:
     """What resuming from a checkpoint needs beyond its weights (``best_state.pt``)."""
 
-    criterion_state: dict[str, torch.Tensor]
-    optimizer_state: dict[str, Any] | None
-    scheduler_state: dict[str, Any] | None
-    epoch: int  # epochs completed when saved
-    best_score: float | None  # best validation score so far (BLEU-4)
-    best_epoch: int | None
+    criterion_state: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    optimizer_state: Mapping[str, Any] | None = None
+    scheduler_state: Mapping[str, Any] | None = None
+    epoch: int = 0  # epochs completed when saved
+    best_score: float | None = None  # best validation score so far (train.monitor's)
+    best_epoch: int | None = None
     # the optimiser's weights when model_state is their moving average; else None
-    train_state: dict[str, torch.Tensor] | None = None
+    train_state: Mapping[str, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -147,17 +147,11 @@ def save_checkpoint(
     model_config: ModelConfig,
     vocab: Vocab,
     model_state: Mapping[str, torch.Tensor],
-    train_state: Mapping[str, torch.Tensor] | None = None,
-    criterion_state: Mapping[str, torch.Tensor] | None = None,
-    optimizer_state: Mapping[str, Any] | None = None,
-    scheduler_state: Mapping[str, Any] | None = None,
-    epoch: int = 0,
-    best_score: float | None = None,
-    best_epoch: int | None = None,
+    training: TrainingState = TrainingState(),
     extra_config: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write ``best_state.pt``, ``config.json``, ``vocab.json`` and ``model.safetensors`` under
-    ``directory`` (in that order); return it.
+    """Write ``best_state.pt`` (``training``), ``config.json``, ``vocab.json`` and
+    ``model.safetensors`` under ``directory`` (in that order); return it.
 
     ``extra_config`` adds JSON-able sections to ``config.json`` beside ``model`` (the encoder
     description from the feature store, the train params).
@@ -171,19 +165,20 @@ def save_checkpoint(
     config.update(dict(extra_config or {}))
     weights = {k: v.detach().cpu().contiguous() for k, v in model_state.items()}
     digest = weights_sha256(weights)
-    training = {
+    s = training
+    payload = {
         "format_version": FORMAT_VERSION,
         "weights_sha256": digest,  # which weights this state goes with
-        "train_state": _cpu(train_state) if train_state is not None else None,
-        "criterion_state": _cpu(criterion_state or {}),
-        "optimizer_state": _cpu(optimizer_state) if optimizer_state is not None else None,
-        "scheduler_state": dict(scheduler_state) if scheduler_state is not None else None,
-        "epoch": int(epoch),
-        "best_score": None if best_score is None else float(best_score),
-        "best_epoch": None if best_epoch is None else int(best_epoch),
+        "train_state": _cpu(s.train_state) if s.train_state is not None else None,
+        "criterion_state": _cpu(s.criterion_state),
+        "optimizer_state": _cpu(s.optimizer_state) if s.optimizer_state is not None else None,
+        "scheduler_state": dict(s.scheduler_state) if s.scheduler_state is not None else None,
+        "epoch": int(s.epoch),
+        "best_score": None if s.best_score is None else float(s.best_score),
+        "best_epoch": None if s.best_epoch is None else int(s.best_epoch),
     }
     buffer = io.BytesIO()
-    torch.save(training, buffer)
+    torch.save(payload, buffer)
     metadata = {
         "format_version": str(FORMAT_VERSION),
         "config": json.dumps(config),

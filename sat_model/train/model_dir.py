@@ -21,6 +21,7 @@ from sat_model.model.checkpoint import (
     LAST_STATE_FILE,
     TRAIN_METRICS_FILE,
     CheckpointError,
+    TrainingState,
     check_archive,
     is_checkpoint_dir,
     save_checkpoint,
@@ -83,8 +84,9 @@ class ModelDirWriter(Callback):
                 self.model_dir,
                 model_config=self.model.config,
                 vocab=self.vocab,
+                model_state=snapshot["model_state"],
+                training=TrainingState(**{k: v for k, v in snapshot.items() if k != "model_state"}),
                 extra_config=self.extra_config,
-                **snapshot,
             )
         val = state.val_metrics or {}
         scores = {f"val_{k}": val.get(k) for k in self.keys}

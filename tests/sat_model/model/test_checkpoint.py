@@ -15,6 +15,7 @@ from sat_model.data.vocab import build_vocab
 from sat_model.model import checkpoint
 from sat_model.model.checkpoint import (
     CheckpointError,
+    TrainingState,
     is_checkpoint_dir,
     load_checkpoint,
     load_model,
@@ -65,11 +66,9 @@ def _trained_state(tmp_path: Path, attention: str = "soft"):
         model_config=model.config,
         vocab=vocab,
         model_state=model.state_dict(),
-        criterion_state=criterion.state_dict(),
-        optimizer_state=optimizer.state_dict(),
-        epoch=3,
-        best_score=0.25,
-        best_epoch=2,
+        training=TrainingState(
+            criterion.state_dict(), optimizer.state_dict(), epoch=3, best_score=0.25, best_epoch=2
+        ),
         extra_config={"encoder": {"name": "random"}},
     )
     return path, model, vocab, criterion
@@ -153,7 +152,7 @@ def test_train_state_travels_beside_the_moving_average_and_is_optional(tmp_path:
         model_config=model.config,
         vocab=vocab,
         model_state=model.state_dict(),
-        train_state=trained,
+        training=TrainingState(train_state=trained),
     )
     ckpt = load_checkpoint(tmp_path / "ema", training=True)
     for name, value in trained.items():
@@ -252,7 +251,7 @@ def test_a_crash_before_the_weights_are_written_leaves_a_folder_that_is_refused(
 ) -> None:
     path, model, *_ = _trained_state(tmp_path)
     # the training state of the new epoch beside the old weights: not a state to resume from
-    _save_crashing_before("config.json", monkeypatch, path, epoch=4)
+    _save_crashing_before("config.json", monkeypatch, path, training=TrainingState(epoch=4))
     with pytest.raises(CheckpointError, match=r"belongs to other weights than model\.safetensors"):
         load_checkpoint(path, training=True)
     loaded, _, _ = load_model(path)  # the old weights and their config still agree: usable

@@ -16,6 +16,7 @@ from sat_model.model.checkpoint import (
     LAST_STATE_FILE,
     Checkpoint,
     CheckpointError,
+    TrainingState,
     load_checkpoint,
     save_checkpoint,
 )
@@ -204,7 +205,7 @@ def test_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path: Pa
                 model_config=model.config,
                 vocab=vocab,
                 model_state=ckpt["model_state"],
-                epoch=ckpt["epoch"],
+                training=TrainingState(epoch=ckpt["epoch"]),
             )
 
     model, rec = _model(), Recorder()
