@@ -104,12 +104,7 @@ def _stage_rate(
         _root(table),
         out,
         encoder,
-        resize=cfg.resize,
-        crop=cfg.crop,
-        keep_aspect=cfg.keep_aspect,
-        batch_size=batch_size,
-        num_workers=workers,
-        max_image_pixels=50_000_000,
+        cfg.model_copy(update={"batch_size": batch_size, "num_workers": workers}),
         progress=False,
     )
     return report.to_dict()["images_extracted"] / (time.perf_counter() - start)

@@ -17,11 +17,11 @@ a byte-identical store.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -62,27 +62,21 @@ def run_extract(params: Params, root: Path, progress: bool = True) -> ExtractRep
     torch.set_num_threads(cfg.torch_threads)  # decoding workers take the other cores
     weights = str(absolute(cfg.weights, root)) if cfg.weights else None
     encoder = build_encoder(cfg.name, cfg.layer, weights, input_size=cfg.crop)
-    kwargs: dict[str, Any] = dict(
-        images_table=absolute(params.data.prepared_dir, root) / IMAGES_FILE,
-        image_root=image_root(params.data, root),  # from params, never from the table
-        out_dir=absolute(cfg.features_dir, root),
-        encoder=encoder,
-        resize=cfg.resize,
-        crop=cfg.crop,
-        keep_aspect=cfg.keep_aspect,
-        batch_size=cfg.batch_size,
-        num_workers=cfg.num_workers,
-        max_image_pixels=cfg.max_image_pixels,
+    extract = functools.partial(
+        extract_features,
+        absolute(params.data.prepared_dir, root) / IMAGES_FILE,
+        image_root(params.data, root),  # from params, never from the table
+        absolute(cfg.features_dir, root),
+        encoder,
+        cfg,
         progress=progress,
-        mirrored_splits=["train"] if cfg.mirror_train else [],
     )
     if cfg.engine == "local":
-        return extract_features(**kwargs)
+        return extract()
     from pipeline.ray.runtime import ray_session
 
     with ray_session(params.ray):
-        runner = _ray_runner(params, weights, params.ray.num_cpus)
-        return extract_features(**kwargs, run_split=runner, engine="ray")
+        return extract(run_split=_ray_runner(params, weights, params.ray.num_cpus))
 
 
 def write_report(report: ExtractReport, out_dir: Path) -> Path:

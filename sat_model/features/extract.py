@@ -10,8 +10,8 @@ fail to decode removed, so any engine that follows the same slicing (``pipeline.
 produces byte-identical stores. Undecodable images are skipped with their reason; extraction
 fails only when no image at all could be extracted.
 
-A split named in ``mirrored_splits`` is extracted a second time from its photos mirrored left to
-right, into ``{split}_mirrored.arrow`` (same rows, same order): training augmentation
+With ``encoder.mirror_train`` the train split is extracted a second time from its photos
+mirrored left to right, into ``train_mirrored.arrow`` (same rows, same order): training augmentation
 (``train.mirror``). The encoder sees the mirrored photo itself; the mirrored grid of the
 original's features is no stand-in for it (docs/METHOD.md, "Training").
 """
@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from sat_model.config import EncoderConfig
 from sat_model.data.tables import TableError, read_images, split_order
 from sat_model.features.encoders import Encoder
 from sat_model.features.images import ImageError, Preprocessing
@@ -258,20 +259,15 @@ def extract_features(
     image_root: str | Path,
     out_dir: str | Path,
     encoder: Encoder,
-    resize: int,
-    crop: int,
-    batch_size: int,
-    num_workers: int,
-    max_image_pixels: int,
+    settings: EncoderConfig,
+    *,
     progress: bool = True,
     run_split: Callable[..., SplitResult] | None = None,
-    engine: str = "local",
-    mirrored_splits: Sequence[str] = (),
-    keep_aspect: bool = True,
 ) -> ExtractReport:
     """Extract every split of ``images_table`` (names under ``image_root``) into
-    ``out_dir/{split}.arrow``, and each of ``mirrored_splits`` mirrored into
-    ``out_dir/{split}_mirrored.arrow``.
+    ``out_dir/{split}.arrow`` as ``settings`` (``params.encoder``: resize, crop, batch size,
+    decoding workers, pixel guard, engine) say, and with ``mirror_train`` the train split
+    mirrored into ``out_dir/train_mirrored.arrow``.
 
     ``run_split`` replaces :func:`extract_split` (same keyword arguments): the Ray engine plugs
     in here so both engines share table reading, preprocessing and reporting.
@@ -279,16 +275,17 @@ def extract_features(
     Raises:
         ExtractError: the table holds no usable image, or none could be extracted.
     """
-    if crop != encoder.spec.input_size:
-        raise ValueError(f"crop {crop} != encoder input size {encoder.spec.input_size}")
+    s = settings
+    if s.crop != encoder.spec.input_size:
+        raise ValueError(f"crop {s.crop} != encoder input size {encoder.spec.input_size}")
     splits = read_image_table(images_table, image_root)
     if not splits:
         raise ExtractError(f"{images_table} holds no image with status 'ok' in a split")
-    prep = Preprocessing(resize, crop, max_image_pixels, keep_aspect=keep_aspect)
+    prep = Preprocessing(s.resize, s.crop, s.max_image_pixels, keep_aspect=s.keep_aspect)
     jobs = [(split, items, prep) for split, items in splits.items()]
     jobs += [
         (split + MIRRORED_SUFFIX, splits[split], replace(prep, mirror=True))
-        for split in mirrored_splits
+        for split in (["train"] if s.mirror_train else [])
         if split in splits
     ]
     run = run_split or extract_split
@@ -299,14 +296,14 @@ def extract_features(
             items=items,
             out_path=Path(out_dir) / store_file(split),
             prep=split_prep,
-            batch_size=batch_size,
-            num_workers=num_workers,
+            batch_size=s.batch_size,
+            num_workers=s.num_workers,
             split=split,
             progress=progress,
         )
         for split, items, split_prep in jobs
     ]
-    report = ExtractReport(engine, encoder.spec, results, time.perf_counter() - start)
+    report = ExtractReport(s.engine, encoder.spec, results, time.perf_counter() - start)
     if not any(r.extracted for r in results):
         raise ExtractError(
             f"no image could be extracted from {images_table} (photos read under "

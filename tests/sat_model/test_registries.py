@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 from torch import nn
 
-from sat_model.config import ParamsError
+from sat_model.config import EncoderConfig, ParamsError
 from sat_model.data import sources
 from sat_model.data.prepare import prepare_dataset
 from sat_model.data.sources.registry import SOURCES
@@ -82,11 +82,7 @@ def test_a_toy_encoder_source_and_metric_run_through_their_registries(
         sources.image_root(loaded.data, tmp_path),
         tmp_path / "features",
         encoder,
-        resize=32,
-        crop=32,
-        batch_size=4,
-        num_workers=0,
-        max_image_pixels=10_000,
+        EncoderConfig(resize=32, crop=32, batch_size=4, num_workers=0, max_image_pixels=10_000),
         progress=False,
     )
     store = FeatureStore(tmp_path / "features" / "train.arrow")

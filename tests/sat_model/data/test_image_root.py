@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from sat_model.config import EncoderConfig
 from sat_model.config import DataConfig
 from sat_model.data.sources.synthetic import SyntheticConfig
 from sat_model.data.sources import read_source
@@ -65,11 +66,7 @@ def test_extract_reads_under_the_root_given_not_the_tables(tampered: Path) -> No
         tampered.parent / "images",
         tampered.parent / "features",
         encoder,
-        resize=40,
-        crop=32,
-        batch_size=2,
-        num_workers=0,
-        max_image_pixels=10_000,
+        EncoderConfig(resize=40, crop=32, batch_size=2, num_workers=0, max_image_pixels=10_000),
         progress=False,
     )
     (split,) = report.splits

@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from sat_model.config import EncoderConfig
 from sat_model.features.encoders import build_encoder
 from sat_model.features.extract import ExtractError, extract_features, read_image_table
 from sat_model.features.images import load_image, preprocess
@@ -66,19 +67,15 @@ def encoder():
 
 
 def _extract(table: Path, out: Path, encoder, num_workers: int = 0, batch_size: int = 2, **kwargs):
-    return extract_features(
-        table,
-        table.parent,
-        out,
-        encoder,
+    settings = EncoderConfig(
         resize=RESIZE,
         crop=CROP,
         batch_size=batch_size,
         num_workers=num_workers,
         max_image_pixels=10_000,
-        progress=False,
         **kwargs,
     )
+    return extract_features(table, table.parent, out, encoder, settings, progress=False)
 
 
 def test_table_reader_keeps_ok_rows_in_a_split_in_table_order(tmp_path: Path) -> None:
@@ -113,7 +110,7 @@ def test_stored_features_equal_encoding_each_image_alone(tmp_path, encoder) -> N
 
 def test_a_mirrored_split_holds_the_features_of_its_photos_mirrored(tmp_path, encoder) -> None:
     report = _extract(
-        write_image_table(tmp_path), tmp_path / "features", encoder, mirrored_splits=["train"]
+        write_image_table(tmp_path), tmp_path / "features", encoder, mirror_train=True
     ).to_dict()
     train = FeatureStore(tmp_path / "features" / "train.arrow")
     mirrored = FeatureStore(tmp_path / "features" / "train_mirrored.arrow")
@@ -161,9 +158,8 @@ def test_table_without_image_root_metadata_reads_from_the_root_given(tmp_path, e
 def test_crop_must_match_the_encoder_input_size(tmp_path, encoder) -> None:
     table = write_image_table(tmp_path)
     with pytest.raises(ValueError, match="crop 48 != encoder input size 32"):
-        extract_features(
-            table, tmp_path, tmp_path / "f", encoder, 64, 48, 2, 0, 10_000, progress=False
-        )
+        settings = EncoderConfig(resize=64, crop=48, batch_size=2, num_workers=0)
+        extract_features(table, tmp_path, tmp_path / "f", encoder, settings, progress=False)
 
 
 SAMPLE = shared_data("flickr8k-sample")
@@ -193,11 +189,7 @@ def test_parallel_workers_give_the_sequential_features_on_real_jpegs(tmp_path: P
             root,
             tmp_path / f"w{workers}",
             encoder,
-            resize=256,
-            crop=224,
-            batch_size=4,
-            num_workers=workers,
-            max_image_pixels=50_000_000,
+            EncoderConfig(resize=256, crop=224, batch_size=4, num_workers=workers),
             progress=False,
         ).to_dict()
     sequential = FeatureStore(tmp_path / "w0" / "train.arrow")
