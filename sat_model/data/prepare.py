@@ -251,28 +251,20 @@ def _check_usable(
 
 
 def prepare_source(
-    src: SourceData,
-    *,
-    out_dir: Path,
-    verify_images: bool,
-    max_image_pixels: int,
-    min_count: int,
-    max_size: int,
-    max_caption_length: int,
-    required_splits: Sequence[str],
-    max_bad_fraction: float,
-    workers: int | None = None,
+    src: SourceData, data: DataConfig, out_dir: Path, workers: int | None = None
 ) -> PrepareResult:
-    """Check ``src``, build the vocabulary from train captions, and write the four outputs."""
-    screen = _screen(src, verify_images, max_image_pixels, workers, max_caption_length)
+    """Check ``src`` as ``data`` (the ``data`` params section) asks, build the vocabulary from
+    train captions, and write the four outputs."""
+    v = data.vocab
+    screen = _screen(src, data.verify_images, data.max_image_pixels, workers, v.max_caption_length)
     vocab = build_vocab(
         (k.tokens for k in screen.kept if screen.ok_rows[k.image_id].split == "train"),
-        min_count=min_count,
-        max_size=max_size,
-        max_caption_length=max_caption_length,
+        min_count=v.min_count,
+        max_size=v.max_size,
+        max_caption_length=v.max_caption_length,
     )
     report = _report(src, screen, vocab)
-    _check_usable(report, required_splits, _bad_counts(src, screen), max_bad_fraction)
+    _check_usable(report, data.required_splits, _bad_counts(src, screen), data.max_bad_fraction)
     images = _images_table(src, screen.checks, screen.statuses, out_dir)
     captions = _captions_table(screen.kept, screen.ok_rows)
     _write_outputs(out_dir, images, captions, vocab, report)
@@ -388,16 +380,4 @@ def prepare_dataset(
     base = (base_dir or Path.cwd()).resolve()
     out_dir = base / data.prepared_dir
     src = read_source(data, out_dir, base, workers)
-    v = data.vocab
-    return prepare_source(
-        src,
-        out_dir=out_dir,
-        verify_images=data.verify_images,
-        max_image_pixels=data.max_image_pixels,
-        min_count=v.min_count,
-        max_size=v.max_size,
-        max_caption_length=v.max_caption_length,
-        required_splits=data.required_splits,
-        max_bad_fraction=data.max_bad_fraction,
-        workers=workers,
-    )
+    return prepare_source(src, data, out_dir, workers)
