@@ -36,7 +36,7 @@ from sat_model.model.checkpoint import (
     recorded_data_source,
 )
 from sat_model.model.decoder import ShowAttendTell
-from sat_model.model.decoding import beam_search, decode_mode, length_penalty_for
+from sat_model.model.decoding import Decoding, beam_search, decode_mode, length_penalty_for
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -123,11 +123,7 @@ class Captioner:
         *,
         resize: int,
         keep_aspect: bool = True,
-        beam_size: int = 3,
-        max_length: int = 20,
-        length_penalty: float = 1.0,
-        mode: str = "expected",
-        batch_size: int = 16,
+        decoding: Decoding | None = None,  # None: Decoding()'s defaults
         device: str | torch.device = "cpu",
         data_source: str | None = None,
     ) -> None:
@@ -137,11 +133,13 @@ class Captioner:
         # the one path from a photo to the encoder's pixels, as the extract stage cut the
         # photos this model was trained on
         self.preprocessing = Preprocessing(resize, encoder.spec.input_size, keep_aspect=keep_aspect)
-        self.beam_size = beam_size
-        self.max_length = max_length
-        self.length_penalty = length_penalty
-        self.mode = decode_mode(mode, model.config.attention)  # a soft model: always expected
-        self.batch_size = batch_size
+        decoding = decoding or Decoding()
+        self.beam_size = decoding.beam_size
+        self.max_length = decoding.max_length
+        self.length_penalty = decoding.length_penalty
+        # a soft model: always expected
+        self.mode = decode_mode(decoding.mode, model.config.attention)
+        self.batch_size = decoding.batch_size
         self.device = torch.device(device)
         # what the model was trained on (data.source), as its checkpoint records; None: unknown
         self.data_source = data_source
@@ -157,7 +155,9 @@ class Captioner:
         **options: Any,
     ) -> Captioner:
         """Load ``model_dir`` and rebuild its encoder; ``length_penalty`` may be given per
-        attention variant (``{"soft": 1.0, "hard": 2.0}``); ``options`` as for the constructor."""
+        attention variant (``{"soft": 1.0, "hard": 2.0}``); ``options`` are the other fields of
+        :class:`~sat_model.model.decoding.Decoding` (``beam_size``, ``max_length``, ``mode``,
+        ``batch_size``)."""
         checkpoint = load_checkpoint(model_dir)
         spec = EncoderSpec.from_config(checkpoint.config, model_dir)
         assert spec.resize is not None  # from_config records the paper's when absent
@@ -175,9 +175,11 @@ class Captioner:
             resize=spec.resize,
             keep_aspect=spec.keep_aspect,
             device=device,
-            length_penalty=length_penalty_for(length_penalty, model.config.attention),
+            decoding=Decoding(
+                length_penalty=length_penalty_for(length_penalty, model.config.attention),
+                **options,
+            ),
             data_source=recorded_data_source(checkpoint.config),
-            **options,
         )
 
     @property

@@ -45,12 +45,11 @@ from sat_model.features.images import ImageError, Preprocessing, to_picture
 from sat_model.features.store import FeatureStore
 from sat_model.model.checkpoint import load_model
 from sat_model.model.decoder import ShowAttendTell
-from sat_model.model.decoding import beam_search, decode_mode, length_penalty_for
+from sat_model.model.decoding import Decoding, beam_search, decode_mode, length_penalty_for
 
 __all__ = [
     "DataSplit",
     "DecodedCaption",
-    "Decoding",
     "EvaluationError",
     "EvaluationResult",
     "FeatureView",
@@ -122,18 +121,6 @@ class DataSplit:
     features_path: Path  # its feature store
     captions_path: Path  # captions.parquet (the references)
     images_path: Path  # images.parquet (sizes and boxes, for grounding)
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """How a split is decoded: beam search's width, its longest caption, the length penalty α,
-    hard attention's mode (:func:`sat_model.model.decoding.decode_mode`), images per batch."""
-
-    beam_size: int
-    max_length: int
-    length_penalty: float = 1.0
-    mode: str = "expected"
-    batch_size: int = 64
 
 
 @dataclass(frozen=True)

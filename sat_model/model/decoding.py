@@ -22,7 +22,15 @@ from sat_model.data.vocab import END_ID, PAD_ID, START_ID, Vocab
 from sat_model.model.decoder import MODES, ShowAttendTell
 from sat_model.model.outputs import DecoderState
 
-__all__ = ["Caption", "beam_search", "decode_mode", "greedy", "length_penalty_for", "sample"]
+__all__ = [
+    "Caption",
+    "Decoding",
+    "beam_search",
+    "decode_mode",
+    "greedy",
+    "length_penalty_for",
+    "sample",
+]
 
 
 @dataclass(frozen=True)
@@ -326,3 +334,16 @@ def _best_captions(beams: _Beams, history: list[_Step], length_penalty: float) -
         score.float().cpu().numpy(),
         torch.stack(locations[::-1], 1).cpu().numpy() if locations else None,  # (B, t)
     )
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How a split is decoded: beam search's width, its longest caption, the length penalty α,
+    hard attention's mode (:func:`sat_model.model.decoding.decode_mode`), images per batch (the
+    defaults: ``sat caption``'s)."""
+
+    beam_size: int = 3
+    max_length: int = 20
+    length_penalty: float = 1.0
+    mode: str = "expected"
+    batch_size: int = 16

@@ -179,9 +179,10 @@ def _ray_data_captions(project: Path) -> dict[str, str]:
 
 def _extracted_captions(project: Path) -> dict[str, str]:
     """The extract stage's features of the photos, decoded as the evaluate stage decodes."""
-    from sat_model.evaluation.evaluate import Decoding, decode_split
+    from sat_model.evaluation.evaluate import decode_split
     from sat_model.features.spec import EncoderSpec
     from sat_model.model.checkpoint import load_checkpoint, load_model
+    from sat_model.model.decoding import Decoding
 
     model_dir = project / "model"
     spec = EncoderSpec.from_config(load_checkpoint(model_dir).config, model_dir)

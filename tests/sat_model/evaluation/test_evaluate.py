@@ -19,7 +19,6 @@ from sat_model.config import EncoderConfig, EvalConfig
 from sat_model.data.tables import IMAGES_FILE, IMAGES_SCHEMA
 from sat_model.evaluation.evaluate import (
     DataSplit,
-    Decoding,
     EvaluationError,
     FeatureView,
     decode_split,
@@ -32,6 +31,7 @@ from sat_model.evaluation.metrics import score_captions
 from sat_model.evaluation.reports import read_metrics
 from sat_model.features.spec import EncoderSpec
 from sat_model.features.store import FeatureStore, FeatureWriter
+from sat_model.model.decoding import Decoding
 from tests.factories import write_references, write_tiny_model
 from tests.figures import figure_panels, read_index
 
