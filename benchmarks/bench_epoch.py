@@ -45,6 +45,7 @@ from sat_model.train.run import semi_sampling_options
 from sat_model.train.self_critical import (
     ImageBatches,
     Reward,
+    SamplingPlan,
     references_by_image,
     self_critical_step,
 )
@@ -211,16 +212,10 @@ def _self_critical_epoch(
     """One self-critical epoch: ``scst_batch_size`` training images a batch, captions sampled
     from the model and rewarded as the stage rewards them (the first ``max_batches`` timed)."""
     reward = Reward(references_by_image(dataset), cfg.scst_bleu_weight, cfg.scst_bleu1_weight)
-    images = ImageBatches(
-        dataset,
-        model,
-        reward,
-        batch_size=cfg.scst_batch_size,
-        num_samples=cfg.scst_samples,
-        max_length=params.train.val_max_length,
-        seed=params.train.seed,
-        epoch=0,
+    plan = SamplingPlan(
+        cfg.scst_batch_size, cfg.scst_samples, params.train.val_max_length, params.train.seed
     )
+    images = ImageBatches(dataset, model, reward, plan, epoch=0)
     total = len(images.batches)
     images.batches = images.batches[:max_batches]
     scst = fit(

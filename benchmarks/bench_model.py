@@ -41,7 +41,7 @@ from sat_model.model.decoding import Caption, beam_search
 from sat_model.model.factory import build_model
 from sat_model.model.kernels import build_backend, native
 from sat_model.model.losses import build_criterion
-from sat_model.train.optim import build_optimizer
+from sat_model.train.trainer import build_optimizer
 
 __all__ = ["Dims", "load_tree", "main", "matmul_flops", "train_step_flops", "tutorial_loss"]
 

@@ -40,7 +40,7 @@ from sat_model.evaluation.grounding import (
 )
 from sat_model.evaluation.metrics import score_captions, score_images
 from sat_model.evaluation.reports import CAPTIONS_FILE, METRICS_FILE
-from sat_model.evaluation.visualize import INDEX_FILE, AttentionFigures
+from sat_model.evaluation.visualize import INDEX_FILE, Attended, AttentionFigures
 from sat_model.features.images import ImageError, Preprocessing, to_picture
 from sat_model.features.store import FeatureStore
 from sat_model.model.checkpoint import load_model
@@ -293,11 +293,7 @@ def write_attention_gallery(
                 c.image_id,
                 f"{len(figures):03d}",  # 000, 001...: names a dvc.yaml plot can list
                 photo,
-                c.words,
-                c.alphas,
-                grid_h=view.grid_h,
-                grid_w=view.grid_w,
-                locations=c.locations,
+                Attended(c.words, c.alphas, view.grid_h, view.grid_w, c.locations),
                 references=references.get(c.image_id, ()),
                 scores=image_scores.get(c.image_id),
             )

@@ -40,6 +40,7 @@ from sat_model.atomic import write_bytes_atomic, write_text_atomic
 __all__ = [
     "FIGURES_DIR",
     "INDEX_FILE",
+    "Attended",
     "AttentionFigures",
     "attended_cells",
     "attention_map",
@@ -186,6 +187,18 @@ class _Listed:
     scores: tuple[tuple[str, float], ...] = ()  # the caption's own scores against them
 
 
+@dataclass(frozen=True)
+class Attended:
+    """One caption as its figure draws it: the words, α (T, L) over a ``grid_h × grid_w`` map,
+    and the cells (T,) a sampling decoder drew (None: it read Σ α a)."""
+
+    words: Sequence[str]
+    alphas: np.ndarray
+    grid_h: int
+    grid_w: int
+    locations: np.ndarray | None = None
+
+
 class AttentionFigures:
     """A folder of attention figures: ``images/<stem>.png`` per image and ``index.html``
     listing each figure under its image's name and caption.
@@ -222,33 +235,29 @@ class AttentionFigures:
         label: str,
         stem: str,
         photo: Image.Image,
-        words: Sequence[str],
-        alphas: np.ndarray,
+        attended: Attended,
         *,
-        grid_h: int,
-        grid_w: int,
-        locations: np.ndarray | None = None,
         references: Sequence[str] = (),
         scores: Mapping[str, float] | None = None,
     ) -> Path:
         """Draw one image's figure as ``images/<stem>.png`` (``stem`` made file-safe, and
         unique with a ``-2``, ``-3``... suffix); ``photo`` is the crop α (T, L) refers to,
-        ``locations`` (T,) the cells a sampling decoder drew. The page lists the image's
+        ``attended.locations`` (T,) the cells a sampling decoder drew. The page lists the image's
         ``references`` and the caption's ``scores`` (metric key -> value) beside it."""
         png = draw_attention_figure(
             photo,
-            words,
-            alphas,
-            grid_h=grid_h,
-            grid_w=grid_w,
-            cells=attended_cells(alphas, self.mode, locations),
+            attended.words,
+            attended.alphas,
+            grid_h=attended.grid_h,
+            grid_w=attended.grid_w,
+            cells=attended_cells(attended.alphas, self.mode, attended.locations),
             columns=self.columns,
         )
         path = self.folder / FIGURES_DIR / f"{self._unique(_safe_name(stem))}.png"
         write_bytes_atomic(path, png, durable=False)
         listed = _Listed(
             label,
-            " ".join(words),
+            " ".join(attended.words),
             f"{FIGURES_DIR}/{path.name}",
             tuple(references),
             tuple((scores or {}).items()),

@@ -37,6 +37,7 @@ from sat_model.train.optim import build_optimizer, build_scheduler
 from sat_model.train.self_critical import (
     ImageBatches,
     Reward,
+    SamplingPlan,
     references_by_image,
     self_critical_step,
 )
@@ -208,16 +209,16 @@ def self_critical_phase(params: LibraryParams, setup: Setup) -> Phase:
     cfg = setup.cfg
     reward = Reward(references_by_image(setup.dataset), cfg.scst_bleu_weight, cfg.scst_bleu1_weight)
     optimizer = build_optimizer(setup.model.parameters(), cfg.optimizer, cfg.scst_lr)
+    plan = SamplingPlan(
+        cfg.scst_batch_size, cfg.scst_samples, params.train.val_max_length, params.train.seed
+    )
 
     def batches(epoch: int) -> ImageBatches:
         return ImageBatches(
             setup.dataset,
             setup.model,
             reward,
-            batch_size=cfg.scst_batch_size,
-            num_samples=cfg.scst_samples,
-            max_length=params.train.val_max_length,
-            seed=params.train.seed,
+            plan,
             epoch=epoch,
             rank=setup.sampler.rank,
             num_replicas=setup.sampler.num_replicas,

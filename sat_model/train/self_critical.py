@@ -33,6 +33,7 @@ __all__ = [
     "ImageBatches",
     "Reward",
     "SampledBatch",
+    "SamplingPlan",
     "leave_one_out_advantages",
     "references_by_image",
     "self_critical_step",
@@ -204,6 +205,17 @@ class SampledBatch:
         )
 
 
+@dataclass(frozen=True)
+class SamplingPlan:
+    """How self-critical epochs draw: images per batch (``scst_batch_size``), captions drawn
+    per image (``scst_samples``), their longest length, and the seed of the batch order."""
+
+    batch_size: int
+    num_samples: int
+    max_length: int
+    seed: int
+
+
 class ImageBatches:
     """One epoch of self-critical batches: every training image once, ``batch_size`` images a
     batch in an order drawn from ``(seed, epoch)``, this rank's every ``num_replicas``-th batch
@@ -215,19 +227,17 @@ class ImageBatches:
         dataset: CaptionDataset,
         model: ShowAttendTell,
         reward: Reward,
+        plan: SamplingPlan,
         *,
-        batch_size: int,
-        num_samples: int,
-        max_length: int,
-        seed: int,
         epoch: int,
         rank: int = 0,
         num_replicas: int = 1,
     ) -> None:
         self.dataset, self.model, self.reward = dataset, model, reward
-        self.num_samples, self.max_length = num_samples, max_length
+        self.num_samples, self.max_length = plan.num_samples, plan.max_length
+        batch_size = plan.batch_size
         images = np.array(sorted(reward.references), dtype=np.int64)
-        order = np.random.default_rng([seed, epoch, 2]).permutation(images)
+        order = np.random.default_rng([plan.seed, epoch, 2]).permutation(images)
         batches = [order[i : i + batch_size].tolist() for i in range(0, order.size, batch_size)]
         self.batches = split_to_multiple(batches, num_replicas)[rank::num_replicas]
 

@@ -29,6 +29,10 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from sat_model.model.checkpoint import state_of
 
+# the optimisers live in sat_model.train.optim; named here too, as callers of fit (and the
+# benchmarks that time older trees beside this one) have always found them
+from sat_model.train.optim import build_optimizer, build_scheduler
+
 __all__ = [
     "Callback",
     "EpochState",
@@ -38,6 +42,8 @@ __all__ = [
     "Objective",
     "ResumeState",
     "TrainBatch",
+    "build_optimizer",
+    "build_scheduler",
     "fit",
 ]
 

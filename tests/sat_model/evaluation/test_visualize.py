@@ -7,6 +7,7 @@ import pytest
 from PIL import Image
 
 from sat_model.evaluation.visualize import (
+    Attended,
     AttentionFigures,
     attended_cells,
     attention_map,
@@ -136,9 +137,7 @@ def test_hard_attention_is_drawn_at_the_cell_it_read(tmp_path):
     alphas[0, 0] = 0.7
     photo = Image.new("RGB", (64, 64), (200, 180, 160))
     with AttentionFigures(tmp_path, "hard", mode="sample") as figures:
-        path = figures.add(
-            "x", "x", photo, ["a"], alphas, grid_h=4, grid_w=4, locations=np.array([15])
-        )
+        path = figures.add("x", "x", photo, Attended(["a"], alphas, 4, 4, np.array([15])))
     ((first, second),) = figure_panels(path)
     figure = Image.open(path).convert("RGB")
 
@@ -174,10 +173,7 @@ def test_index_lists_each_figure_with_its_name_and_caption_escaped(tmp_path):
                 label,
                 "<b>dog</b>",
                 _noise(56, seed),
-                words,
-                alphas,
-                grid_h=4,
-                grid_w=4,
+                Attended(words, alphas, 4, 4),
                 references=references[seed],
                 scores=scores[seed],
             )
@@ -197,7 +193,7 @@ def test_index_lists_each_figure_with_its_name_and_caption_escaped(tmp_path):
 
 def test_an_interrupted_run_still_indexes_the_figures_drawn(tmp_path):
     with pytest.raises(KeyboardInterrupt), AttentionFigures(tmp_path, "t") as figures:
-        figures.add("x.jpg", "x", _noise(32, 0), ["a"], np.ones((1, 4)) / 4, grid_h=2, grid_w=2)
+        figures.add("x.jpg", "x", _noise(32, 0), Attended(["a"], np.ones((1, 4)) / 4, 2, 2))
         raise KeyboardInterrupt
     assert read_index(tmp_path).images == ["images/x.png"]
 
