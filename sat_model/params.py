@@ -4,8 +4,8 @@ registries: ``data.source``, ``encoder.name`` and ``train.monitor`` name registe
 each source's section ``data.<source>`` is validated by the settings model its entry carries.
 
 Overrides use the dotted syntax of ``dvc exp run -S`` (``train.soft.lr=2e-4``), parsed as YAML
-scalars. A dataset profile's params file holds only what differs from the project's: its
-``extends`` key names the file it overlays (:func:`read_params_file`).
+scalars. A params file may hold only what differs from another: its ``extends`` key names the
+file it overlays (:func:`read_params_file`).
 
 Extensions outside this repository register through the entry-point group ``sat.plugins``:
 each entry names a module, imported before params are checked (:func:`load_plugins`).
@@ -42,7 +42,7 @@ __all__ = [
 
 P = TypeVar("P", bound=LibraryParams)
 PLUGIN_GROUP = "sat.plugins"
-EXTENDS = "extends"  # a profile's key: the params file it overlays, relative to its own folder
+EXTENDS = "extends"  # the params file this one overlays, relative to its own folder
 
 
 def read_yaml(text: str) -> Any:
@@ -86,8 +86,8 @@ def _merge(base: Any, overlay: Any) -> Any:
 
 
 def read_params_file(path: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """The mapping a params file holds, over the file its ``extends`` key names (a profile's
-    params hold only what differs from the project's)."""
+    """The mapping a params file holds, over the file its ``extends`` key names (the file then
+    holds only what differs from that one)."""
     path = Path(path)
     try:
         raw = read_yaml(path.read_text(encoding="utf-8")) or {}

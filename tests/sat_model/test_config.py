@@ -133,3 +133,16 @@ def test_params_round_trip_through_json_as_ray_workers_receive_them() -> None:
     params = validate_params({})
     again = validate_params(json.loads(params.model_dump_json()))
     assert again == params
+
+
+def test_a_params_file_may_overlay_another_with_only_what_differs(tmp_path: Path) -> None:
+    """``extends`` names the file underneath: sections merge key by key, the overlay wins."""
+    (tmp_path / "base.yaml").write_text("train:\n  seed: 3\n  soft: {lr: 0.01, max_epochs: 7}\n")
+    (tmp_path / "p").mkdir()
+    overlay = tmp_path / "p" / "params.yaml"
+    overlay.write_text("extends: ../base.yaml\ntrain:\n  soft: {lr: 0.002}\n")
+    params = load_params(overlay)
+    assert (params.train.seed, params.train.soft.lr, params.train.soft.max_epochs) == (3, 0.002, 7)
+    overlay.write_text("extends: params.yaml\n")  # itself: refused, not a loop
+    with pytest.raises(ParamsError, match="extends must name another params file"):
+        load_params(overlay)
