@@ -24,6 +24,7 @@ from typing import Any, Literal
 import numpy as np
 
 from sat_model.config import DataConfig
+from sat_model.data.datasets import missing_dataset
 from sat_model.data.scenes import generate_scenes
 from sat_model.data.tables import Box
 from sat_model.registry import Registry
@@ -37,6 +38,7 @@ __all__ = [
     "SourceData",
     "SourceError",
     "SourceImage",
+    "dataset_missing",
     "image_root",
     "list_sources",
     "read_coco",
@@ -620,7 +622,14 @@ def read_source(
 ) -> SourceData:
     """Read the source that ``data.source`` names."""
     root = base_dir / data.root if data.root else base_dir
-    source = _SOURCES[data.source]
-    if source.needs_root and not root.is_dir():
-        raise SourceError(f"data.root {root} is not a folder")
-    return source.read(data, root, prepared_dir, workers)
+    if missing := dataset_missing(data, base_dir):
+        raise SourceError(missing)
+    return _SOURCES[data.source].read(data, root, prepared_dir, workers)
+
+
+def dataset_missing(data: DataConfig, base_dir: Path) -> str:
+    """``""`` when what ``data.source`` reads is under ``data.root``, else the one line saying
+    where to get it and where to put it (:mod:`sat_model.data.datasets`)."""
+    if not _SOURCES[data.source].needs_root:
+        return ""
+    return missing_dataset(data, (base_dir / data.root if data.root else base_dir).resolve())
