@@ -91,11 +91,14 @@ def _present(root: Path, entry: str) -> bool:
     return (root / entry).is_dir() if entry.endswith("/") else (root / entry).is_file()
 
 
-def _lacking(root: Path, entry: str) -> str:
-    """``entry`` as missing, with the near name found instead (``Flicker8k_Dataset``)."""
-    parent = (root / entry.rstrip("/")).parent
-    siblings = [p.name for p in parent.iterdir()] if parent.is_dir() else []
-    near = difflib.get_close_matches(Path(entry.rstrip("/")).name, siblings, n=1, cutoff=0.8)
+def _lacking(root: Path, entry: str, layout: list[str]) -> str:
+    """``entry`` as missing, with the near name found in its place (``Flicker8k_Dataset``),
+    never another file of the layout."""
+    path = root / entry.rstrip("/")
+    expected = {(root / e.rstrip("/")).name for e in layout}
+    siblings = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
+    others = [n for n in siblings if n not in expected]
+    near = difflib.get_close_matches(path.name, others, n=1, cutoff=0.9)
     return f"{entry} (found {near[0]}: rename it)" if near else entry
 
 
@@ -105,7 +108,7 @@ def missing_dataset(data: DataConfig, root: Path) -> str:
     layout = _layout(data)
     if not root.is_dir():
         state = "is not a folder"
-    elif missing := [_lacking(root, e) for e in layout if not _present(root, e)]:
+    elif missing := [_lacking(root, e, layout) for e in layout if not _present(root, e)]:
         state = f"lacks {', '.join(missing)}"
     else:
         return ""

@@ -93,7 +93,9 @@ def test_main_reports_an_unusable_dataset_and_fails(
     # the sample-style config: a Flickr8k folder with no test list, but test is required
     root = tmp_path / "flickr"
     (root / "Flickr8k_text").mkdir(parents=True)
-    (root / "Flickr8k_text/Flickr8k.token.txt").write_text("")
+    (root / "Flickr8k_Dataset").mkdir()
+    for name in ("Flickr8k.token.txt", "Flickr_8k.trainImages.txt", "Flickr_8k.devImages.txt"):
+        (root / "Flickr8k_text" / name).write_text("")
     code = main(
         ["--params", "params.yaml", "-S", "data.source=flickr8k", "-S", f"data.root={root}"]
     )
