@@ -126,6 +126,22 @@ def test_make_run_of_a_profile_without_its_dataset_stops_in_one_line_before_any_
     assert "Ray head on" not in run.stdout and "Traceback" not in run.stderr + run.stdout
 
 
+def test_prepared_data_already_there_needs_no_dataset_to_start_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dvc pull` of data/prepared on a machine without Flickr8k: make run goes on (a cluster
+    given by address, so no head is started; the command run is `true`)."""
+    from pipeline.ray.head import main as head
+
+    params = _clone_with_profile(tmp_path) / "profiles" / "flickr8k" / "params.yaml"
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    assert head(["--params", str(params), "--", "true"]) == 1
+    assert "Flickr8k: data.root " in capsys.readouterr().err
+    (params.parent / "data" / "prepared").mkdir(parents=True)
+    assert head(["--params", str(params), "--", "true"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_the_profiles_prepare_stage_without_its_dataset_says_the_same_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
