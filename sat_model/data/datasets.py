@@ -54,8 +54,9 @@ def _folder(name: str) -> list[str]:
 def _layout(data: DataConfig) -> list[str]:
     """The files and folders (ending in ``/``) ``data.source`` reads under ``data.root``."""
     if data.source == "flickr8k":
-        f = data.flickr8k  # the test list is optional: our copy and the sample hold none
-        return [*_folder(f.images_dir), f.token_file, f.train_list, f.val_list]
+        f = data.flickr8k  # the lists of the splits a run requires (our copy holds no test)
+        lists = {"train": f.train_list, "val": f.val_list, "test": f.test_list}
+        return [*_folder(f.images_dir), f.token_file, *(lists[s] for s in data.required_splits)]
     if data.source == "karpathy":
         return [data.karpathy.json_file, *_folder(data.karpathy.images_dir)]
     if data.source == "coco":

@@ -74,11 +74,13 @@ def test_a_part_missing_is_named_with_the_near_name_found_instead(tmp_path: Path
     assert "Flickr8k_text/Flickr_8k.devImages.txt. Get " in line  # the other one missing
 
 
-def test_the_layout_in_place_is_nothing_missing_and_the_test_list_is_optional(
+def test_the_layout_in_place_is_nothing_missing_and_a_split_not_required_needs_no_list(
     tmp_path: Path,
 ) -> None:
     _flickr8k_layout(tmp_path)  # no Flickr_8k.testImages.txt: our copy holds none
-    assert missing_dataset(_profile_data("flickr8k"), tmp_path) == ""
+    assert missing_dataset(_profile_data("flickr8k"), tmp_path) == ""  # train and val
+    with_test = _profile_data("flickr8k", required_splits=("train", "val", "test"))
+    assert "lacks Flickr8k_text/Flickr_8k.testImages.txt. " in missing_dataset(with_test, tmp_path)
 
 
 def test_read_source_refuses_before_reading_and_the_generated_scenes_need_no_folder(
