@@ -71,7 +71,10 @@ def _where_to_get(data: DataConfig, layout: list[str]) -> tuple[str, str]:
     go) for ``data.source``."""
     put = f"put {', '.join(layout)} there" if layout else "put them there"
     if data.source == "folder":
-        return "your own data", f"Point data.root at the folder that holds {', '.join(layout)}"
+        return "your own data", (
+            "Point data.root at your photos' folder and data.folder.captions_file at their "
+            "captions file (relative to data.root)"
+        )
     if data.source == "karpathy":
         split = data.karpathy.json_file
         match = re.fullmatch(r"dataset_(\w+)\.json", Path(split).name)

@@ -96,5 +96,5 @@ def test_your_own_folder_is_pointed_at_not_downloaded(tmp_path: Path) -> None:
     data = DataConfig(source="folder", root="photos")
     line = dataset_missing(data, tmp_path)
     assert line.startswith(f"your own data: data.root {tmp_path / 'photos'} is not a folder")
-    assert "Point data.root at the folder that holds captions.csv" in line
+    assert "Point data.root at your photos' folder and data.folder.captions_file at " in line
     assert not URL.search(line)
