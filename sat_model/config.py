@@ -43,6 +43,7 @@ __all__ = [
     "ModelParams",
     "Params",
     "ParamsError",
+    "PromotionConfig",
     "RayConfig",
     "ServeConfig",
     "SoftTrainConfig",
@@ -571,6 +572,29 @@ class MlflowConfig(_Section):
     )
 
 
+# ------------------------------------------------------------------------ promotion
+class PromotionConfig(_Section):
+    """The promotion floor of the register stage and ``sat promote`` (docs/guide/governance.md)."""
+
+    floor: dict[str, float] = Field(
+        default_factory=lambda: {"bleu_4": 0.0, "cider": 0.0},
+        description="minimum test score per metric for `champion`: a version below any of "
+        "them is registered but not promoted (`sat promote --override-floor --reason` "
+        "overrides, recorded on the version)",
+    )
+
+    @field_validator("floor")
+    @classmethod
+    def _known_metrics(cls, floor: dict[str, float]) -> dict[str, float]:
+        from sat_model.evaluation.metrics import metric_keys
+
+        known = {*metric_keys(), "pointing_accuracy"}
+        unknown = sorted(set(floor) - known)
+        if unknown:
+            raise ValueError(f"unknown metric {', '.join(unknown)} (known: {sorted(known)})")
+        return floor
+
+
 # ---------------------------------------------------------------------------- serve
 class RayServeConfig(_Section):
     """``sat serve --engine ray``: the model's Ray Serve deployment."""
@@ -713,6 +737,7 @@ class Params(_Section):
     eval: EvalConfig = EvalConfig()
     tune: TuneConfig = TuneConfig()
     mlflow: MlflowConfig = MlflowConfig()
+    promotion: PromotionConfig = PromotionConfig()
     ray: RayConfig = RayConfig()
     serve: ServeConfig = ServeConfig()
 

@@ -47,7 +47,7 @@ def run(ctx: StageContext, *, out: str | Path | None = None) -> int:
 
     started = time.perf_counter()
     try:
-        report = register_models(ctx.params, ctx.root)
+        report = register_models(ctx.params, ctx.root, ctx.params_file)
     except FileNotFoundError:
         raise  # nothing to register: a local problem, its message is already clear
     except (MlflowException, OSError) as e:  # the tracking store, after with_retries gave up
