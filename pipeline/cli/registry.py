@@ -1,4 +1,5 @@
-"""``sat models`` and ``sat promote``: the registered versions and the ``champion`` alias.
+"""``sat models``, ``sat promote`` and ``sat card``: the registered versions, the ``champion``
+alias and each version's model card.
 
 Both read the project's tracking store (:func:`pipeline.cli.project.store_uri`): one that does
 not exist yet is reported, never created.
@@ -18,7 +19,7 @@ NAME_HELP = "registered model (default: mlflow.model_name)"
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """Register ``sat models`` and ``sat promote``."""
+    """Register ``sat models``, ``sat promote`` and ``sat card``."""
     p = add_command(
         sub,
         "models",
@@ -38,9 +39,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "promote",
         summary="move the champion alias to the best (or named) version",
         description="Move the `champion` alias to the registered version with the best "
-        "score (mlflow.champion_metric, or --metric), or to --version. The register stage "
-        "does this after every run; this is for choosing by hand.",
-        examples=["sat promote --metric cider", "sat promote --version 3"],
+        "score (mlflow.champion_metric, or --metric) among those at or above the promotion "
+        "floor (promotion.floor), or to --version. The register stage does this after every "
+        "run; this is for choosing by hand. A version below the floor is promoted only with "
+        "--override-floor and a --reason, both recorded on the version.",
+        examples=[
+            "sat promote --metric cider",
+            "sat promote --version 3",
+            'sat promote --version 3 --override-floor --reason "new test split, floor too high"',
+        ],
     )
     add_params_args(p)
     p.add_argument("--name", default=None, help=NAME_HELP)
@@ -48,7 +55,33 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--version", default=None, help="the version to promote, whatever its score (the best)"
     )
+    p.add_argument(
+        "--override-floor",
+        action="store_true",
+        help="with --version and --reason: promote it even below promotion.floor",
+    )
+    p.add_argument("--reason", default=None, help="why the floor is overridden (recorded)")
     p.set_defaults(handler=_promote, quiet=True)
+    _add_card(sub)
+
+
+def _add_card(sub: argparse._SubParsersAction) -> None:
+    p = add_command(
+        sub,
+        "card",
+        summary="print the model card of a registered version",
+        description="The model card the register stage generated for a version: its data "
+        "(source, split sizes, DVC hashes), scores on the test split with scorer, beam and "
+        "seed, training, params, intended use and limits; then what the registry says of it "
+        "now (aliases, a floor override).",
+        examples=["sat card", "sat card --version 2", "sat card --alias champion"],
+    )
+    add_params_args(p)
+    p.add_argument("--name", default=None, help=NAME_HELP)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--version", default=None, help="the version (default: --alias)")
+    which.add_argument("--alias", default="champion", help="the alias (%(default)s)")
+    p.set_defaults(handler=_card, quiet=True)
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -65,7 +98,8 @@ def _models(args: argparse.Namespace) -> int:
         cells = " ".join(
             f"{r.metrics.get(k, float('nan')):7.4f}" for k in ("bleu_4", "meteor", "cider")
         )
-        print(f"{r.version:>7}  {r.attention or '-':<9} {cells}  {','.join(r.aliases)}")
+        note = f"  (floor overridden: {r.floor_override})" if r.floor_override else ""
+        print(f"{r.version:>7}  {r.attention or '-':<9} {cells}  {','.join(r.aliases)}{note}")
     return 0
 
 
@@ -74,12 +108,33 @@ def _promote(args: argparse.Namespace) -> int:
 
     from pipeline.tracking.registry import promote
 
-    metric = args.metric or params_or_defaults(args).mlflow.champion_metric
-    # a RegistryError (no such version, no metric) is a user error: main prints it
-    out = promote(MlflowClient(store_uri(args)), model_name(args), metric, args.version)
+    params = params_or_defaults(args)
+    metric = args.metric or params.mlflow.champion_metric
+    if args.override_floor and not (args.version and args.reason):
+        raise CommandError("--override-floor needs --version and --reason (both are recorded)")
+    # a RegistryError (no such version, no metric, below the floor) is a user error
+    out = promote(
+        MlflowClient(store_uri(args)),
+        model_name(args),
+        metric,
+        args.version,
+        floor=params.promotion.floor,
+        override_reason=args.reason if args.override_floor else None,
+    )
     moved = "moved" if out.promoted else "stays"
     print(
         f"champion {moved}: {out.model_name} version {out.champion} "
         f"({metric} {out.candidate_value}); previously {out.previous_champion} ({out.reason})"
     )
+    return 0
+
+
+def _card(args: argparse.Namespace) -> int:
+    from mlflow import MlflowClient
+
+    from pipeline.tracking.card import card_text
+
+    name = model_name(args)
+    # a RegistryError (no such version or alias, no card) is a user error: main prints it
+    print(card_text(MlflowClient(store_uri(args)), name, args.version, args.alias), end="")
     return 0

@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
+
+from pipeline.tracking.floor import FLOOR_MISSED_TAG, FLOOR_OVERRIDE_TAG
+from pipeline.tracking.registry import RegistryError, version_of
 from pipeline.tracking.runs import GIT_COMMIT_TAG, flatten
 from sat_model.data.tables import REPORT_FILE as PREPARE_REPORT_FILE
 from sat_model.evaluation.reports import CAPTIONS_FILE, METRICS_FILE
@@ -28,6 +33,7 @@ __all__ = [
     "CARD_SUMMARY_TAG",
     "CARD_TAG",
     "CardFacts",
+    "card_text",
     "gather_card_facts",
     "render_card",
     "spread_line",
@@ -233,3 +239,35 @@ def render_card(f: CardFacts) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def card_text(
+    client: MlflowClient, model_name: str, version: str | None = None, alias: str = "champion"
+) -> str:
+    """The card of ``version`` (else of the version ``alias`` names) as logged, then what the
+    registry says of that version now (aliases, a floor override)."""
+    import tempfile
+
+    chosen = version_of(client, model_name, version, alias)
+    path = chosen.tags.get(CARD_TAG)
+    if not path or not chosen.run_id:
+        raise RegistryError(
+            f"{model_name} version {chosen.version} has no model card: it was registered "
+            "before cards were generated (the register stage writes one for each new version)"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        text = Path(client.download_artifacts(chosen.run_id, path, tmp)).read_text("utf-8")
+    return text + "\n".join(_registry_notes(client, model_name, chosen)) + "\n"
+
+
+def _registry_notes(client: MlflowClient, model_name: str, version: ModelVersion) -> list[str]:
+    number = str(version.version)
+    held = client.get_registered_model(model_name).aliases.items()
+    aliases = sorted(a for a, v in held if str(v) == number)
+    lines = ["## In the registry now", "", f"- aliases: {', '.join(aliases) or 'none'}"]
+    if FLOOR_OVERRIDE_TAG in version.tags:
+        lines.append(
+            f"- promoted below the promotion floor ({version.tags.get(FLOOR_MISSED_TAG, '')}): "
+            f"{version.tags[FLOOR_OVERRIDE_TAG]}"
+        )
+    return lines

@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
-from pipeline.tracking.floor import floor_misses, record_override
+from pipeline.tracking.floor import FLOOR_OVERRIDE_TAG, floor_misses, record_override
 from pipeline.tracking.runs import ATTENTION_TAG, CHECKPOINT_TAG
 from sat_model.model.checkpoint import model_files
 
@@ -39,6 +39,7 @@ __all__ = [
     "promote",
     "promote_if_better",
     "promotion_allowed",
+    "version_of",
     "versions_of_checkpoint",
 ]
 
@@ -65,6 +66,7 @@ class VersionInfo:
     metrics: Mapping[str, float]
     aliases: tuple[str, ...]
     checkpoint_sha256: str | None
+    floor_override: str | None = None  # the reason it was promoted below the floor, if it was
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,20 @@ def current_champion(client: MlflowClient, model_name: str) -> ModelVersion | No
         raise
 
 
+def version_of(
+    client: MlflowClient, model_name: str, version: str | None = None, alias: str | None = None
+) -> ModelVersion:
+    """The version numbered ``version``, else the one ``alias`` names (a :class:`RegistryError`
+    when there is none)."""
+    try:
+        if version is not None:
+            return client.get_model_version(model_name, str(version))
+        return client.get_model_version_by_alias(model_name, alias or CHAMPION_ALIAS)
+    except MlflowException as e:
+        which = f"version {version}" if version is not None else f"alias @{alias}"
+        raise RegistryError(f"{model_name} has no {which}") from e
+
+
 def _all_versions(client: MlflowClient, model_name: str) -> list[ModelVersion]:
     versions = client.search_model_versions(f"name = '{model_name}'")
     return sorted(versions, key=lambda v: int(v.version))
@@ -189,6 +205,7 @@ def list_versions(client: MlflowClient, model_name: str) -> list[VersionInfo]:
                 metrics=_version_metrics(client, v),
                 aliases=tuple(sorted(aliases.get(str(v.version), []))),
                 checkpoint_sha256=v.tags.get(CHECKPOINT_TAG),
+                floor_override=v.tags.get(FLOOR_OVERRIDE_TAG),
             )
         )
     return rows
