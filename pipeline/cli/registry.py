@@ -1,5 +1,5 @@
-"""``sat models``, ``sat promote`` and ``sat card``: the registered versions, the ``champion``
-alias and each version's model card.
+"""``sat models``, ``sat promote``, ``sat card`` and ``sat review``: the registered versions,
+the ``champion`` alias, each version's model card, and a candidate compared with the champion.
 
 Both read the project's tracking store (:func:`pipeline.cli.project.store_uri`): one that does
 not exist yet is reported, never created.
@@ -8,6 +8,7 @@ not exist yet is reported, never created.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from pipeline.cli.commands import CommandError, add_command
 from pipeline.cli.project import model_name, params_or_defaults, store_uri
@@ -19,7 +20,7 @@ NAME_HELP = "registered model (default: mlflow.model_name)"
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """Register ``sat models``, ``sat promote`` and ``sat card``."""
+    """Register ``sat models``, ``sat promote``, ``sat card`` and ``sat review``."""
     p = add_command(
         sub,
         "models",
@@ -82,6 +83,31 @@ def _add_card(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--version", default=None, help="the version (default: --alias)")
     which.add_argument("--alias", default="champion", help="the alias (%(default)s)")
     p.set_defaults(handler=_card, quiet=True)
+    _add_review(sub)
+
+
+def _add_review(sub: argparse._SubParsersAction) -> None:
+    p = add_command(
+        sub,
+        "review",
+        summary="compare a registered version with the champion (Markdown and HTML)",
+        description="Write review.md and review.html into --out: the candidate version beside "
+        "the champion (or --against), their test scores with the deltas, the seeds' spread "
+        "where several seeds ran, the captions and attention figures of the first --photos "
+        "test photos from both, and the params that differ. What a CI job posts on a pull "
+        "request.",
+        examples=[
+            "sat review 3 --out review/",
+            "sat review 3 --against 1 --out review/ --photos 6",
+        ],
+    )
+    add_params_args(p)
+    p.add_argument("candidate", help="a version number, or an alias")
+    p.add_argument("--against", default="champion", help="version or alias (%(default)s)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the report is written")
+    p.add_argument("--photos", type=int, default=4, help="test photos captioned (%(default)s)")
+    p.add_argument("--name", default=None, help=NAME_HELP)
+    p.set_defaults(handler=_review, quiet=True)
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -137,4 +163,21 @@ def _card(args: argparse.Namespace) -> int:
     name = model_name(args)
     # a RegistryError (no such version or alias, no card) is a user error: main prints it
     print(card_text(MlflowClient(store_uri(args)), name, args.version, args.alias), end="")
+    return 0
+
+
+def _review(args: argparse.Namespace) -> int:
+    from mlflow import MlflowClient
+
+    from pipeline.cli.project import context
+    from pipeline.tracking.review import review_photos, write_review
+
+    ctx = context(args)
+    photos = review_photos(ctx.params, ctx.root, max(args.photos, 0))
+    if not photos:
+        raise CommandError("no test photos in the project's prepared data: run `make run` first")
+    client = MlflowClient(store_uri(args))
+    sides = (args.candidate, args.against)
+    md, page = write_review(client, model_name(args), sides, photos, Path(args.out))
+    print(f"review written: {md} and {page}")
     return 0
