@@ -301,3 +301,68 @@ def _with_dependencies(names: set[str]) -> set[str]:
 
 def _normalised(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@pytest.mark.mlflow
+def test_a_version_below_the_floor_is_registered_and_promoted_only_by_a_recorded_override(
+    tmp_path, monkeypatch, capsys
+):
+    from mlflow import MlflowClient
+
+    from pipeline.cli.main import main
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(store)
+    experiment_id = client.create_experiment("sat-test", (tmp_path / "mlartifacts").as_uri())
+    floor = {"bleu_4": 0.1, "cider": 0.3}
+
+    def register(seed: int, bleu_4: float, cider: float) -> str:
+        model_dir = write_tiny_model(tmp_path / f"m{seed}", resize=72, seed=seed)
+        return log_and_register(
+            client,
+            model_dir=model_dir,
+            model_name=NAME,
+            experiment_id=experiment_id,
+            metrics={"bleu_4": bleu_4, "cider": cider},
+            params={"eval.split": "test"},
+            tags={"sat.attention": "soft"},
+            run_name=f"m{seed}",
+        ).version
+
+    first = register(1, 0.20, 0.50)
+    assert promote_if_better(client, NAME, first, "bleu_4", floor).promoted
+    # better on bleu_4 than the champion, but its CIDEr is below the floor: registered, not
+    # promoted, and the reason names the metric that missed and the override
+    second = register(2, 0.30, 0.05)
+    kept = promote_if_better(client, NAME, second, "bleu_4", floor)
+    assert (kept.promoted, kept.champion) == (False, first)
+    assert "cider 0.0500 is below the floor 0.3000" in kept.reason
+    assert "bleu_4" not in kept.reason.split(";")[0]  # bleu_4 reached its floor
+    assert f"sat promote --version {second} --override-floor --reason" in kept.reason
+    assert [r.version for r in list_versions(client, NAME)] == [first, second]
+
+    # by hand: refused below the floor, then promoted with a reason that the version keeps
+    (tmp_path / "params.yaml").write_text(
+        f"mlflow: {{tracking_uri: '{store}'}}\npromotion: {{floor: {floor}}}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["promote", "--version", second]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("sat promote: error: version 2 is below the promotion floor: cider")
+    assert main(["promote", "--version", second, "--override-floor"]) == 1  # no reason
+    assert "--reason" in capsys.readouterr().err
+    assert str(client.get_model_version_by_alias(NAME, CHAMPION_ALIAS).version) == first
+    reason = "the new references make CIDEr lower for every model"
+    assert main(["promote", "--version", second, "--override-floor", "--reason", reason]) == 0
+    assert "champion moved" in capsys.readouterr().out
+    promoted = client.get_model_version_by_alias(NAME, CHAMPION_ALIAS)
+    assert str(promoted.version) == second
+    assert promoted.tags["sat.floor_override"] == reason
+    assert promoted.tags["sat.floor_override.missed"] == "cider 0.0500 is below the floor 0.3000"
+    assert main(["models"]) == 0
+    (row,) = [r for r in capsys.readouterr().out.splitlines() if r.split()[0] == second]
+    assert row.endswith(f"champion  (floor overridden: {reason})")
+    # the best above the floor, when nobody names a version: the first one
+    assert main(["promote"]) == 0
+    assert str(client.get_model_version_by_alias(NAME, CHAMPION_ALIAS).version) == first
