@@ -208,9 +208,10 @@ def _scores(f: CardFacts) -> list[str]:
 def _training(f: CardFacts) -> list[str]:
     t = f.training
     seconds = t.get("seconds")
-    rows = [(k.replace("_", " "), str(v)) for k, v in t.items() if k != "seconds"]
+    rows = [(k.replace("_", " "), str(v)) for k, v in t.items() if k not in ("seconds", "workers")]
     rows.append(("training time", f"{seconds / 60:.1f} min" if seconds else "unrecorded"))
-    rows.append(("hardware", f"{t.get('workers') or '?'} worker(s); the device is not recorded"))
+    workers = f"{t['workers']} worker(s)" if t.get("workers") else "workers unrecorded"
+    rows.append(("hardware", f"{workers}; the device is not recorded"))
     return ["## Training", "", *_table(rows, ("record", "value")), ""]
 
 
@@ -257,7 +258,7 @@ def card_text(
         )
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(client.download_artifacts(chosen.run_id, path, tmp)).read_text("utf-8")
-    return text + "\n".join(_registry_notes(client, model_name, chosen)) + "\n"
+    return f"{text.rstrip()}\n\n" + "\n".join(_registry_notes(client, model_name, chosen)) + "\n"
 
 
 def _registry_notes(client: MlflowClient, model_name: str, version: ModelVersion) -> list[str]:
