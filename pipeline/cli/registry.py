@@ -132,10 +132,12 @@ def _models(args: argparse.Namespace) -> int:
 def _promote(args: argparse.Namespace) -> int:
     from mlflow import MlflowClient
 
+    from pipeline.tracking.floor import check_floor
     from pipeline.tracking.registry import promote
 
     params = params_or_defaults(args)
     metric = args.metric or params.mlflow.champion_metric
+    check_floor(params.promotion.floor)  # a ParamsError naming the key: main prints it
     if args.override_floor and not (args.version and args.reason):
         raise CommandError("--override-floor needs --version and --reason (both are recorded)")
     # a RegistryError (no such version, no metric, below the floor) is a user error

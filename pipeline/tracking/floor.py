@@ -14,10 +14,31 @@ from collections.abc import Mapping, Sequence
 
 from mlflow import MlflowClient
 
-__all__ = ["FLOOR_MISSED_TAG", "FLOOR_OVERRIDE_TAG", "floor_misses", "record_override"]
+__all__ = [
+    "FLOOR_MISSED_TAG",
+    "FLOOR_OVERRIDE_TAG",
+    "check_floor",
+    "floor_misses",
+    "record_override",
+]
 
 FLOOR_OVERRIDE_TAG = "sat.floor_override"  # on a version promoted below the floor: the reason
 FLOOR_MISSED_TAG = "sat.floor_override.missed"  # ... and what it missed
+
+
+def check_floor(floor: Mapping[str, float]) -> None:
+    """Refuse a floor on a metric that evaluation does not write (:class:`ParamsError`, the key
+    named): a misspelt metric would otherwise keep every version from ``champion``. Checked
+    here, where the floor is used, so that the library's settings import no metric."""
+    from sat_model.config import ParamsError
+    from sat_model.evaluation.metrics import metric_keys
+
+    known = {*metric_keys(), "pointing_accuracy"}
+    for metric in floor:
+        if metric not in known:
+            raise ParamsError(
+                f"promotion.floor.{metric}: not a metric evaluation writes ({sorted(known)})"
+            )
 
 
 def floor_misses(metrics: Mapping[str, float], floor: Mapping[str, float]) -> list[str]:

@@ -366,3 +366,13 @@ def test_a_version_below_the_floor_is_registered_and_promoted_only_by_a_recorded
     # the best above the floor, when nobody names a version: the first one
     assert main(["promote"]) == 0
     assert str(client.get_model_version_by_alias(NAME, CHAMPION_ALIAS).version) == first
+
+
+def test_a_floor_on_a_metric_evaluation_never_writes_is_refused_in_one_line(tmp_path, capsys):
+    from pipeline.stages import register
+
+    (tmp_path / "params.yaml").write_text("promotion: {floor: {bleu_4: 0.1, blue_4: 0.2}}\n")
+    assert register.main(["--params", str(tmp_path / "params.yaml")]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("register: error: promotion.floor.blue_4: not a metric evaluation")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # nothing registered
