@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
+from pipeline.tracking.floor import floor_misses
 from pipeline.tracking.packaging import log_and_register
 from pipeline.tracking.registry import (
     CHAMPION_ALIAS,
@@ -48,6 +49,22 @@ NAME = "sat-captioner"
 )
 def test_promotion_rule(candidate, champion, promote_it):
     assert decide_promotion(candidate, champion).promote is promote_it
+
+
+@pytest.mark.parametrize(
+    ("metrics", "missed"),
+    [
+        ({"bleu_4": 0.2, "cider": 0.3}, []),  # at the floor passes: it is the least score
+        ({"bleu_4": 0.2, "cider": 0.29}, ["cider 0.2900 is below the floor 0.3000"]),
+        ({"bleu_4": 0.05}, ["bleu_4 0.0500 is below the floor 0.2000", "cider has no value"]),
+        ({"bleu_4": math.nan, "cider": 1.0}, ["bleu_4 has no value"]),
+    ],
+)
+def test_the_floor_names_each_metric_that_missed(metrics, missed):
+    misses = floor_misses(metrics, {"bleu_4": 0.2, "cider": 0.3})
+    assert [m.split(" (floor")[0] for m in misses] == missed
+    # below the floor, a candidate that beats the champion is still not promoted
+    assert decide_promotion(0.9, 0.1, misses).promote is not missed
 
 
 @pytest.mark.parametrize(
