@@ -174,8 +174,10 @@ def _review(args: argparse.Namespace) -> int:
     from pipeline.cli.project import context
     from pipeline.tracking.review import review_photos, write_review
 
+    if args.photos < 1:
+        raise CommandError(f"--photos must be at least 1, got {args.photos}")
     ctx = context(args)
-    photos = review_photos(ctx.params, ctx.root, max(args.photos, 0))
+    photos = review_photos(ctx.params, ctx.root, args.photos)
     if not photos:
         raise CommandError("no test photos in the project's prepared data: run `make run` first")
     client = MlflowClient(store_uri(args))

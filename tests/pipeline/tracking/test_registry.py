@@ -380,6 +380,10 @@ def test_a_version_below_the_floor_is_registered_and_promoted_only_by_a_recorded
     assert main(["models"]) == 0
     (row,) = [r for r in capsys.readouterr().out.splitlines() if r.split()[0] == second]
     assert row.endswith(f"champion  (floor overridden: {reason})")
+    # registered without the register stage: no card, and `sat card` says so in one line
+    assert main(["card", "--version", second]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"sat card: error: {NAME} version 2 has no model card")
     # the best above the floor, when nobody names a version: the first one
     assert main(["promote"]) == 0
     assert str(client.get_model_version_by_alias(NAME, CHAMPION_ALIAS).version) == first
