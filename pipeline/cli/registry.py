@@ -91,7 +91,8 @@ def _add_review(sub: argparse._SubParsersAction) -> None:
         sub,
         "review",
         summary="compare a registered version with the champion (Markdown and HTML)",
-        description="Write review.md and review.html into --out: the candidate version beside "
+        description="Write review.md and review.html into --out: the candidate version (or "
+        "the best one a DVC experiment or a commit registered) beside "
         "the champion (or --against), their test scores with the deltas, the seeds' spread "
         "where several seeds ran, the captions and attention figures of the first --photos "
         "test photos from both, and the params that differ. What a CI job posts on a pull "
@@ -99,10 +100,15 @@ def _add_review(sub: argparse._SubParsersAction) -> None:
         examples=[
             "sat review 3 --out review/",
             "sat review 3 --against 1 --out review/ --photos 6",
+            "sat review exp:lr-try --out review/  # what `dvc exp run` registered",
         ],
     )
     add_params_args(p)
-    p.add_argument("candidate", help="a version number, or an alias")
+    p.add_argument(
+        "candidate",
+        help="a version number, an alias, exp:NAME or commit:SHA (the best version that DVC "
+        "experiment or commit registered)",
+    )
     p.add_argument("--against", default="champion", help="version or alias (%(default)s)")
     p.add_argument("--out", required=True, metavar="DIR", help="where the report is written")
     p.add_argument("--photos", type=int, default=4, help="test photos captioned (%(default)s)")
@@ -182,6 +188,7 @@ def _review(args: argparse.Namespace) -> int:
         raise CommandError("no test photos in the project's prepared data: run `make run` first")
     client = MlflowClient(store_uri(args))
     sides = (args.candidate, args.against)
-    md, page = write_review(client, model_name(args), sides, photos, Path(args.out))
+    metric = ctx.params.mlflow.champion_metric  # picks among an experiment's versions
+    md, page = write_review(client, model_name(args), sides, photos, Path(args.out), metric)
     print(f"review written: {md} and {page}")
     return 0

@@ -16,20 +16,22 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
 
 from pipeline.tracking.card import spread_line
 from pipeline.tracking.packaging import DECODING_TAG
 from pipeline.tracking.registry import RegistryError, version_of
-from pipeline.tracking.runs import ATTENTION_TAG
+from pipeline.tracking.runs import ATTENTION_TAG, EXPERIMENT_TAG, GIT_COMMIT_TAG
 from pipeline.tracking.seeds import seed_scores
 
-__all__ = ["HTML_FILE", "MARKDOWN_FILE", "Side", "review_photos", "write_review"]
+__all__ = ["HTML_FILE", "MARKDOWN_FILE", "Side", "find_version", "review_photos", "write_review"]
 
 MARKDOWN_FILE = "review.md"
 HTML_FILE = "review.html"
@@ -66,10 +68,35 @@ Cell = str | Figure
 Block = tuple[str, Any]  # ("h1" | "h2" | "h3" | "p" | "ul", text or items) | ("table", rows)
 
 
-def read_side(client: MlflowClient, model_name: str, which: str, label: str) -> Side:
-    """The version ``which`` names: a number, else an alias (``champion``, ``@champion``)."""
-    number, alias = (which, None) if which.isdigit() else (None, which.lstrip("@"))
-    version = version_of(client, model_name, number, alias)
+def find_version(client: MlflowClient, model_name: str, which: str, metric: str) -> ModelVersion:
+    """The version ``which`` names: a number; ``exp:NAME`` or ``commit:SHA`` (the best on
+    ``metric`` of the versions a DVC experiment, or a commit, registered: an experiment
+    registers without promoting); else an alias (``champion``, ``@champion``)."""
+    kind, _, value = which.partition(":")
+    if kind not in ("exp", "commit") or not value:
+        number, alias = (which, None) if which.isdigit() else (None, which.lstrip("@"))
+        return version_of(client, model_name, number, alias)
+    tag = EXPERIMENT_TAG if kind == "exp" else GIT_COMMIT_TAG
+    found = [
+        v
+        for v in client.search_model_versions(f"name = '{model_name}'")
+        if (v.tags.get(tag) == value if kind == "exp" else v.tags.get(tag, "").startswith(value))
+    ]
+    if not found:
+        raise RegistryError(f"no version of {model_name} was registered from {kind} {value}")
+
+    def rank(v: ModelVersion) -> tuple[float, int]:
+        score = client.get_run(v.run_id).data.metrics.get(metric) if v.run_id else None
+        return (-math.inf if score is None else score, int(v.version))
+
+    return max(found, key=rank)
+
+
+def read_side(
+    client: MlflowClient, model_name: str, which: str, label: str, metric: str = "bleu_4"
+) -> Side:
+    """What the registry records of the version ``which`` names (:func:`find_version`)."""
+    version = find_version(client, model_name, which, metric)
     if not version.run_id:
         raise RegistryError(f"{model_name} version {version.version} has no run to read")
     run = client.get_run(version.run_id)
@@ -181,6 +208,7 @@ def write_review(
     sides: tuple[str, str],
     photos: Sequence[Path],
     out: Path,
+    metric: str = "bleu_4",
 ) -> tuple[Path, Path]:
     """Compare the candidate ``sides[0]`` with ``sides[1]`` (each a version number or an
     alias) into ``out``; returns the Markdown and HTML files."""
@@ -188,9 +216,9 @@ def write_review(
 
     from pipeline.tracking.model_uri import resolve_model_dir
 
-    a = read_side(client, model_name, sides[0], "candidate")
+    a = read_side(client, model_name, sides[0], "candidate", metric)
     against = "champion" if sides[1].lstrip("@") == "champion" else "against"
-    b = read_side(client, model_name, sides[1], against)
+    b = read_side(client, model_name, sides[1], against, metric)
     if a.version == b.version:
         raise RegistryError(f"{sides[0]} and {sides[1]} are the same version, {a.version}")
     out.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ from pipeline.tracking.floor import floor_misses
 from pipeline.tracking.packaging import log_and_register
 from pipeline.tracking.registry import (
     CHAMPION_ALIAS,
+    RegistryError,
     checkpoint_sha256,
     decide_promotion,
     list_versions,
@@ -29,6 +30,7 @@ from pipeline.tracking.registry import (
     promote_if_better,
     promotion_allowed,
 )
+from pipeline.tracking.review import find_version
 from tests.factories import to_format_1, write_tiny_model
 from tests.pipeline.servers import mlflow_server
 
@@ -342,7 +344,11 @@ def test_a_version_below_the_floor_is_registered_and_promoted_only_by_a_recorded
             experiment_id=experiment_id,
             metrics={"bleu_4": bleu_4, "cider": cider},
             params={"eval.split": "test"},
-            tags={"sat.attention": "soft"},
+            tags={
+                "sat.attention": "soft",
+                "sat.dvc_experiment": f"try-{seed}",
+                "mlflow.source.git.commit": "c0ffee42",
+            },
             run_name=f"m{seed}",
         ).version
 
@@ -357,6 +363,12 @@ def test_a_version_below_the_floor_is_registered_and_promoted_only_by_a_recorded
     assert "bleu_4" not in kept.reason.split(";")[0]  # bleu_4 reached its floor
     assert f"sat promote --version {second} --override-floor --reason" in kept.reason
     assert [r.version for r in list_versions(client, NAME)] == [first, second]
+    # what `sat review` takes as a candidate: an experiment's, or a commit's best version
+    assert str(find_version(client, NAME, "exp:try-1", "bleu_4").version) == first
+    assert str(find_version(client, NAME, "commit:c0ffee", "bleu_4").version) == second
+    assert str(find_version(client, NAME, "commit:c0ffee", "cider").version) == first
+    with pytest.raises(RegistryError, match=f"no version of {NAME} was registered from exp x"):
+        find_version(client, NAME, "exp:x", "bleu_4")
 
     # by hand: refused below the floor, then promoted with a reason that the version keeps
     (tmp_path / "params.yaml").write_text(
