@@ -74,7 +74,7 @@ class CardFacts:
     model_name: str
     version: str
     attention: str
-    params_file: str  # relative to the project
+    params_file: str  # params.yaml, or profiles/<name>/params.yaml
     source: str
     split_sizes: Mapping[str, int]  # images per split, kept captions
     lineage: Mapping[str, str]  # git commit and the dvc.lock hashes of data and features
@@ -87,6 +87,17 @@ class CardFacts:
 
 def _json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _params_label(params_file: Path) -> str:
+    """``params.yaml``, or ``profiles/<name>/params.yaml`` for a dataset profile's run (whose
+    project root is its own folder)."""
+    from pipeline.stages.profiles import PROFILES_DIR
+
+    folder = params_file.parent
+    if folder.parent.name == PROFILES_DIR:
+        return f"{PROFILES_DIR}/{folder.name}/{params_file.name}"
+    return params_file.name
 
 
 def _source_key(source: str, config: Mapping[str, Any]) -> str:
@@ -122,7 +133,7 @@ def gather_card_facts(
         model_name=model_name,
         version=version,
         attention=attention,
-        params_file=str(params_file.relative_to(root)) if params_file.is_relative_to(root) else "",
+        params_file=_params_label(params_file),
         source=_source_key(source, karpathy) if source else "unrecorded",
         split_sizes={
             k: prepared[k]
@@ -185,7 +196,7 @@ def _data(f: CardFacts) -> list[str]:
         )
         if t in f.lineage
     ]
-    rows = [("source", f.source), ("params file", f"`{f.params_file or 'unknown'}`")]
+    rows = [("source", f.source), ("params file", f"`{f.params_file}`")]
     rows += [(k.replace("_", " "), str(v)) for k, v in f.split_sizes.items()]
     return ["## Data", "", *_table(rows + hashes, ("record", "value")), ""]
 
