@@ -43,6 +43,7 @@ __all__ = [
     "ModelParams",
     "Params",
     "ParamsError",
+    "PromotionConfig",
     "RayConfig",
     "ServeConfig",
     "SoftTrainConfig",
@@ -571,6 +572,18 @@ class MlflowConfig(_Section):
     )
 
 
+# ------------------------------------------------------------------------ promotion
+class PromotionConfig(_Section):
+    """The promotion floor of the register stage and ``sat promote`` (docs/guide/governance.md)."""
+
+    floor: dict[str, float] = Field(
+        default_factory=lambda: {"bleu_4": 0.0, "cider": 0.0},
+        description="minimum test score per metric (a key of metrics.json) for `champion`: a "
+        "version below any of them is registered but not promoted (`sat promote "
+        "--override-floor --reason` overrides, recorded on the version)",
+    )
+
+
 # ---------------------------------------------------------------------------- serve
 class RayServeConfig(_Section):
     """``sat serve --engine ray``: the model's Ray Serve deployment."""
@@ -713,6 +726,7 @@ class Params(_Section):
     eval: EvalConfig = EvalConfig()
     tune: TuneConfig = TuneConfig()
     mlflow: MlflowConfig = MlflowConfig()
+    promotion: PromotionConfig = PromotionConfig()
     ray: RayConfig = RayConfig()
     serve: ServeConfig = ServeConfig()
 
