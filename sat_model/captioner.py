@@ -27,6 +27,7 @@ import torch
 from PIL import Image
 
 from sat_model.data.vocab import Vocab
+from sat_model.features.drift import DriftScore, DriftStatistics
 from sat_model.features.encoders import Encoder, EncoderError
 from sat_model.features.images import ImageError, Preprocessing, to_picture
 from sat_model.features.spec import EncoderSpec
@@ -58,6 +59,8 @@ class ImageCaption:
     grid_h: int
     grid_w: int
     locations: np.ndarray | None = None  # (len,) the cells hard attention read, when it read one
+    # how far the photo's features are from the training photos'; None: the model has no record
+    drift: DriftScore | None = None
 
     @property
     def text(self) -> str:
@@ -130,6 +133,7 @@ class Captioner:
         batch_size: int = 16,
         device: str | torch.device = "cpu",
         data_source: str | None = None,
+        drift: DriftStatistics | None = None,
     ) -> None:
         self.model = model.to(device).eval()
         self.vocab = vocab
@@ -145,6 +149,8 @@ class Captioner:
         self.device = torch.device(device)
         # what the model was trained on (data.source), as its checkpoint records; None: unknown
         self.data_source = data_source
+        # the training features' statistics (sat_model.features.drift); None: drift is absent
+        self.drift = drift
 
     @classmethod
     def from_dir(
@@ -177,6 +183,7 @@ class Captioner:
             device=device,
             length_penalty=length_penalty_for(length_penalty, model.config.attention),
             data_source=recorded_data_source(checkpoint.config),
+            drift=DriftStatistics.from_config(checkpoint.config),
             **options,
         )
 
@@ -258,12 +265,13 @@ class Captioner:
             length_penalty=self.length_penalty,
             mode=self.mode,
         )
+        drifts = self.drift.score(annotations) if self.drift else [None] * len(pixels)
         out = []
-        for image, caption in zip(pixels, captions, strict=True):
+        for image, caption, drift in zip(pixels, captions, drifts, strict=True):
             words, alphas = caption.words(self.vocab)
             cells = caption.word_locations(self.vocab)
             score = float(caption.score)
-            out.append(ImageCaption(words, alphas, score, image, d.grid_h, d.grid_w, cells))
+            out.append(ImageCaption(words, alphas, score, image, d.grid_h, d.grid_w, cells, drift))
         return out
 
 
