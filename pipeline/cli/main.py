@@ -154,8 +154,9 @@ def _print_caption(found, fmt: str, figures) -> None:
     elif result is None:
         tqdm.write(f"{found.path}: error: {found.error}", file=sys.stderr)
     else:
-        far = drift is not None and drift.drifted
-        mark = f"  [drift {drift.score:.1f}: far from the training photos]" if far else ""
+        mark = ""
+        if drift is not None and drift.drifted:
+            mark = f"  [drift {drift.score:.1f}: far from the training photos]"
         tqdm.write(f"{found.path}: {result.text}{mark}", file=sys.stdout)
     if result is not None and figures is not None:  # --attention-out
         figures.add(
@@ -373,8 +374,8 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
         "--format",
         choices=["text", "jsonl", "parquet"],
         default="text",
-        help="text: 'path: caption' lines; jsonl: one {path, caption, error} per image; "
-        "parquet: with --engine ray",
+        help="text: 'path: caption' lines; jsonl: one {path, caption, error, drift, drifted} "
+        "per image; parquet: with --engine ray",
     )
     _add_caption_on_ray(p)
     _add_caption_decoding(p)

@@ -41,9 +41,10 @@ __all__ = [
     "pooled_features",
 ]
 
-# The two settings of the statistic. k = 32 directions carry most of the pooled features' variance
-# for the encoders here (D = 112..2048); the rest share one variance. The 0.99 quantile of the
-# validation photos flags about 1 in 100 photos of the training distribution.
+# The statistic's two settings: k principal directions kept apart (the rest share one variance,
+# so the statistics stay (k + 1) x D numbers for any encoder), and the quantile of the validation
+# photos' distances that is the threshold (about 1 in 100 photos of the training distribution is
+# flagged).
 COMPONENTS = 32
 QUANTILE = 0.99
 STATISTIC = "mahalanobis-shrunk-mean-pooled"
@@ -102,7 +103,8 @@ class DriftStatistics:
         projected = d @ u.T  # (B, k)
         rest = np.maximum((d * d).sum(1) - (projected * projected).sum(1), 0.0)  # (B,)
         squared = (projected**2 / np.asarray(self.variances)).sum(1) + rest / self.residual_variance
-        return np.sqrt(squared)
+        distances: np.ndarray = np.sqrt(squared)
+        return distances
 
     def score(self, annotations: torch.Tensor) -> list[DriftScore]:
         """Each photo's score from its annotation vectors (B, L, D), as the encoder gives them."""
