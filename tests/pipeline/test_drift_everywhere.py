@@ -130,16 +130,24 @@ def test_training_records_the_statistics_of_the_train_features(project: Path) ->
     assert len(drift["mean"]) == 112  # EfficientNet-Lite0's blocks.4: D = 112
 
 
-def test_sat_caption_flags_the_photos_and_not_the_scenes(
-    project: Path, offline: dict[str, bool]
+def test_sat_caption_marks_each_flagged_photo_in_its_text_line(
+    project: Path,
+    offline: dict[str, bool],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    done = _sat(project, "caption", "mixed")  # the text lines mark each flagged photo
+    from pipeline.cli.main import main
+
+    monkeypatch.chdir(project)  # in this process: torch and the encoder are loaded already
+    assert main(["caption", "mixed", "--model", "models/soft"]) == 0
+    out, err = capsys.readouterr()
     marked = {
         Path(line.split(": ", 1)[0]).name
-        for line in done.stdout.splitlines()
+        for line in out.splitlines()
         if line.endswith("far from the training photos]")
     }
     assert marked == {name for name, flag in offline.items() if flag}
+    assert f"{len(marked)} of {PHOTOS + SCENES} photos far from the training photos" in err
 
 
 def test_sat_caption_on_ray_data_flags_the_same_photos(
