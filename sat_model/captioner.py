@@ -32,6 +32,7 @@ from sat_model.features.encoders import Encoder, EncoderError
 from sat_model.features.images import ImageError, Preprocessing, to_picture
 from sat_model.features.spec import EncoderSpec
 from sat_model.model.checkpoint import (
+    CheckpointError,
     load_checkpoint,
     model_from_checkpoint,
     recorded_data_source,
@@ -165,6 +166,10 @@ class Captioner:
         """Load ``model_dir`` and rebuild its encoder; ``length_penalty`` may be given per
         attention variant (``{"soft": 1.0, "hard": 2.0}``); ``options`` as for the constructor."""
         checkpoint = load_checkpoint(model_dir)
+        try:
+            drift = DriftStatistics.from_config(checkpoint.config)
+        except ValueError as e:
+            raise CheckpointError(f"{model_dir}: {e}") from None
         spec = EncoderSpec.from_config(checkpoint.config, model_dir)
         assert spec.resize is not None  # from_config records the paper's when absent
         model, vocab, _ = model_from_checkpoint(checkpoint, device, source=model_dir)
@@ -183,7 +188,7 @@ class Captioner:
             device=device,
             length_penalty=length_penalty_for(length_penalty, model.config.attention),
             data_source=recorded_data_source(checkpoint.config),
-            drift=DriftStatistics.from_config(checkpoint.config),
+            drift=drift,
             **options,
         )
 

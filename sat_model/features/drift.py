@@ -81,20 +81,31 @@ class DriftStatistics:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> DriftStatistics | None:
         """The statistics a checkpoint's config records; None when it records none (older
-        folders) or another statistic."""
+        folders) or another statistic.
+
+        Raises:
+            ValueError: a ``drift`` section whose fields or shapes do not fit together.
+        """
         section = config.get("drift")
         if not isinstance(section, Mapping) or section.get("statistic") != STATISTIC:
             return None
-        return cls(
-            mean=tuple(section["mean"]),
-            components=tuple(tuple(row) for row in section["components"]),
-            variances=tuple(section["variances"]),
-            residual_variance=float(section["residual_variance"]),
-            threshold=float(section["threshold"]),
-            quantile=float(section["quantile"]),
-            train_images=int(section["train_images"]),
-            val_images=int(section["val_images"]),
-        )
+        try:
+            stats = cls(
+                mean=tuple(map(float, section["mean"])),
+                components=tuple(tuple(map(float, row)) for row in section["components"]),
+                variances=tuple(map(float, section["variances"])),
+                residual_variance=float(section["residual_variance"]),
+                threshold=float(section["threshold"]),
+                quantile=float(section["quantile"]),
+                train_images=int(section["train_images"]),
+                val_images=int(section["val_images"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"the drift section is malformed: {type(e).__name__}: {e}") from None
+        dims, k = len(stats.mean), len(stats.variances)
+        if len(stats.components) != k or any(len(row) != dims for row in stats.components):
+            raise ValueError(f"the drift section is malformed: {k} variances, D = {dims}")
+        return stats
 
     def distances(self, pooled: np.ndarray) -> np.ndarray:
         """Mahalanobis distances (B,) of mean-pooled features (B, D)."""

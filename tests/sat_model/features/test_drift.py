@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -63,6 +64,9 @@ def test_statistics_survive_config_json(tmp_path: Path) -> None:
     again = DriftStatistics.from_config(json.loads((tmp_path / "config.json").read_text()))
     assert again == stats
     assert DriftStatistics.from_config({"model": {}}) is None  # a folder from before drift
+    broken = {**stats.to_config(), "variances": [1.0]}  # k = 1 variance for 7 directions
+    with pytest.raises(ValueError, match="drift section is malformed"):
+        DriftStatistics.from_config({"drift": broken})
 
 
 SPREAD = np.array([1.0, -1.0, 0.5, -0.5])[None, :, None]  # (1, L, 1): averages to 0 over L
