@@ -36,6 +36,7 @@ from sat_model.config import ATTENTION_KINDS, Params
 from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE, load_references
 from sat_model.data.vocab import Vocab, load_vocab
 from sat_model.evaluation.metrics import score_captions
+from sat_model.features.drift import fit_stores
 from sat_model.features.store import (
     FeatureStore,
     FeatureStoreError,
@@ -589,6 +590,9 @@ def _rank_zero(
     }
     if identity is not None:
         extra_config["identity"] = identity
+    drift = fit_stores(setup.train_store, val_store)  # how far new photos are (sat caption)
+    if drift is not None:
+        extra_config["drift"] = drift.to_config()
     writer = _ModelDirWriter(
         setup.model_dir, setup.model, setup.vocab, extra_config, curves, counts
     )
