@@ -1,3 +1,4 @@
+import typing
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,9 @@ def _leaf_keys(model: type, prefix: str = "") -> set[str]:
         sub = field.annotation
         if isinstance(sub, type) and hasattr(sub, "model_fields"):
             keys |= _leaf_keys(sub, f"{prefix}{name}.")
+        elif typing.get_origin(sub) is dict:  # a mapping (promotion.floor): its default's keys
+            default = field.get_default(call_default_factory=True)
+            keys |= {f"{prefix}{name}.{key}" for key in default}
         else:
             keys.add(f"{prefix}{name}")
     return keys
