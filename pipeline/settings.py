@@ -18,6 +18,7 @@ from sat_model.params import validate_params as validate_library_params
 __all__ = [
     "MlflowConfig",
     "Params",
+    "PromotionConfig",
     "RayConfig",
     "RayServeConfig",
     "ServeConfig",
@@ -88,6 +89,18 @@ class MlflowConfig(Section):
     )
     retries: int = Field(
         3, ge=0, description="tries of a tracking-store call before the command fails"
+    )
+
+
+# ------------------------------------------------------------------------ promotion
+class PromotionConfig(Section):
+    """The promotion floor of the register stage and ``sat promote`` (docs/guide/governance.md)."""
+
+    floor: dict[str, float] = Field(
+        default_factory=lambda: {"bleu_4": 0.0, "cider": 0.0},
+        description="minimum test score per metric (a key of metrics.json) for `champion`: a "
+        "version below any of them is registered but not promoted (`sat promote "
+        "--override-floor --reason` overrides, recorded on the version)",
     )
 
 
@@ -228,6 +241,7 @@ class Params(LibraryParams):
 
     tune: TuneConfig = TuneConfig()
     mlflow: MlflowConfig = MlflowConfig()
+    promotion: PromotionConfig = PromotionConfig()
     ray: RayConfig = RayConfig()
     serve: ServeConfig = ServeConfig()
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from sat_model.captioner import Captioner, ImageCaption
+from sat_model.features.drift import drift_fields
 from sat_model.features.images import ImageError
 from sat_model.features.request_images import request_pixels, value_size
 
@@ -131,8 +132,11 @@ class CaptionService:
     def caption_rows(
         self, values: Sequence[Any], beam_size: Any = None, return_attention: bool = False
     ) -> list[dict[str, Any]]:
-        """One ``{"caption", "error"[, "attention"]}`` per row, in order; ``attention`` is
-        ``{"words", "grid_h", "grid_w", "alphas"}`` (one α row per word).
+        """One ``{"caption", "error", "drift", "drifted"[, "attention"]}`` per row, in order;
+        ``drift`` is the photo's distance from the training photos' features and ``drifted``
+        whether it is past the model's threshold (:mod:`sat_model.features.drift`; null without
+        statistics); ``attention`` is ``{"words", "grid_h", "grid_w", "alphas"}`` (one α row
+        per word).
 
         Raises:
             RequestError: over a limit, a bad ``beam_size``, or no usable row.
@@ -188,6 +192,7 @@ def _answer(
     for i in range(request.rows):
         r = captions.get((k, i))
         row: dict[str, Any] = {"caption": r.text if r else None, "error": request.errors.get(i)}
+        row |= drift_fields(r.drift if r else None)
         if request.return_attention:
             row["attention"] = _attention(r) if r else None
         rows.append(row)

@@ -27,10 +27,12 @@ import torch
 from PIL import Image
 
 from sat_model.data.vocab import Vocab
+from sat_model.features.drift import DriftScore, DriftStatistics
 from sat_model.features.encoders import Encoder, EncoderError, rebuild_encoder
 from sat_model.features.images import ImageError, Preprocessing, to_picture
 from sat_model.features.spec import EncoderSpec
 from sat_model.model.checkpoint import (
+    CheckpointError,
     load_checkpoint,
     model_from_checkpoint,
     recorded_data_source,
@@ -58,6 +60,8 @@ class ImageCaption:
     grid_h: int
     grid_w: int
     locations: np.ndarray | None = None  # (len,) the cells hard attention read, when it read one
+    # how far the photo's features are from the training photos'; None: the model has no record
+    drift: DriftScore | None = None
 
     @property
     def text(self) -> str:
@@ -121,18 +125,22 @@ class Captioner:
         vocab: Vocab,
         encoder: Encoder,
         *,
-        resize: int,
-        keep_aspect: bool = True,
+        preprocessing: Preprocessing,  # the crop must be the encoder's input size
         decoding: Decoding | None = None,  # None: Decoding()'s defaults
         device: str | torch.device = "cpu",
         data_source: str | None = None,
+        drift: DriftStatistics | None = None,
     ) -> None:
         self.model = model.to(device).eval()
         self.vocab = vocab
         self.encoder = encoder.to(device).eval()
         # the one path from a photo to the encoder's pixels, as the extract stage cut the
         # photos this model was trained on
-        self.preprocessing = Preprocessing(resize, encoder.spec.input_size, keep_aspect=keep_aspect)
+        if preprocessing.crop != encoder.spec.input_size:
+            raise EncoderError(
+                f"crop {preprocessing.crop} != encoder input size {encoder.spec.input_size}"
+            )
+        self.preprocessing = preprocessing
         decoding = decoding or Decoding()
         self.beam_size = decoding.beam_size
         self.max_length = decoding.max_length
@@ -143,6 +151,8 @@ class Captioner:
         self.device = torch.device(device)
         # what the model was trained on (data.source), as its checkpoint records; None: unknown
         self.data_source = data_source
+        # the training features' statistics (sat_model.features.drift); None: drift is absent
+        self.drift = drift
 
     @classmethod
     def from_dir(
@@ -159,6 +169,10 @@ class Captioner:
         :class:`~sat_model.model.decoding.Decoding` (``beam_size``, ``max_length``, ``mode``,
         ``batch_size``)."""
         checkpoint = load_checkpoint(model_dir)
+        try:
+            drift = DriftStatistics.from_config(checkpoint.config)
+        except ValueError as e:
+            raise CheckpointError(f"{model_dir}: {e}") from None
         spec = EncoderSpec.from_config(checkpoint.config, model_dir)
         assert spec.resize is not None  # from_config records the paper's when absent
         model, vocab, _ = model_from_checkpoint(checkpoint, device, source=model_dir)
@@ -172,14 +186,16 @@ class Captioner:
             model,
             vocab,
             encoder,
-            resize=spec.resize,
-            keep_aspect=spec.keep_aspect,
+            preprocessing=Preprocessing(
+                spec.resize, encoder.spec.input_size, keep_aspect=spec.keep_aspect
+            ),
             device=device,
             decoding=Decoding(
                 length_penalty=length_penalty_for(length_penalty, model.config.attention),
                 **options,
             ),
             data_source=recorded_data_source(checkpoint.config),
+            drift=drift,
         )
 
     @property
@@ -260,12 +276,13 @@ class Captioner:
             length_penalty=self.length_penalty,
             mode=self.mode,
         )
+        drifts = self.drift.score(annotations) if self.drift else [None] * len(pixels)
         out = []
-        for image, caption in zip(pixels, captions, strict=True):
+        for image, caption, drift in zip(pixels, captions, drifts, strict=True):
             words, alphas = caption.words(self.vocab)
             cells = caption.word_locations(self.vocab)
             score = float(caption.score)
-            out.append(ImageCaption(words, alphas, score, image, d.grid_h, d.grid_w, cells))
+            out.append(ImageCaption(words, alphas, score, image, d.grid_h, d.grid_w, cells, drift))
         return out
 
 

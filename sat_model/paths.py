@@ -21,7 +21,7 @@ __all__ = [
     "shared_data",
 ]
 
-# the one override of where the shared datasets (Flickr8k) live
+# where the project's own copy of Flickr8k lives, for its tests and benchmarks
 SHARED_DATA_ENV = "SAT_SHARED_DATA"
 
 
@@ -67,8 +67,10 @@ def output_path(value: str, project_root: Path) -> Path:
 
 
 def shared_data(name: str = "") -> Path:
-    """The shared datasets folder (``name`` inside it): ``$SAT_SHARED_DATA`` when set, else
-    ``../shared/data`` beside the repository. Tests and benchmarks skip what is absent."""
+    """The project's own copy of Flickr8k (``name`` inside it: ``flickr8k-sample``,
+    ``flickr8k-trainval``): ``$SAT_SHARED_DATA`` when set, else ``../shared/data`` beside the
+    repository. Tests and benchmarks skip what is absent; a tested profile reads it linked in
+    as ``datasets/<name>``, where a user's profiles find their datasets."""
     env = os.environ.get(SHARED_DATA_ENV)
     base = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "shared/data"
     return base / name if name else base

@@ -79,25 +79,27 @@ def _caption_device(choice: str) -> str:
 def _print_caption(found, fmt: str, figures) -> None:
     from tqdm import tqdm
 
+    from sat_model.features.drift import drift_fields
+
     result = found.caption
+    drift = result.drift if result is not None else None
     if fmt == "jsonl":
         row = {"path": found.path, "caption": result.text if result else None, "error": found.error}
-        tqdm.write(json.dumps(row), file=sys.stdout)
+        tqdm.write(json.dumps(row | drift_fields(drift)), file=sys.stdout)
     elif result is None:
         tqdm.write(f"{found.path}: error: {found.error}", file=sys.stderr)
     else:
-        tqdm.write(f"{found.path}: {result.text}", file=sys.stdout)
+        mark = ""
+        if drift is not None and drift.drifted:
+            mark = f"  [drift {drift.score:.1f}: far from the training photos]"
+        tqdm.write(f"{found.path}: {result.text}{mark}", file=sys.stdout)
     if result is not None and figures is not None:  # --attention-out
-        figures.add(
-            found.path,
-            Path(found.path).stem,
-            result.crop,
-            result.words,
-            result.alphas,
-            grid_h=result.grid_h,
-            grid_w=result.grid_w,
-            locations=result.locations,
+        from sat_model.evaluation.visualize import Attended
+
+        attended = Attended(
+            result.words, result.alphas, result.grid_h, result.grid_w, result.locations
         )
+        figures.add(found.path, Path(found.path).stem, result.crop, attended)
 
 
 def _attention_figures(folder: str | None, mode: str) -> Any:
@@ -158,7 +160,11 @@ def _caption_on_ray(args: argparse.Namespace) -> int:
                 fmt="parquet" if args.format == "parquet" else "jsonl",
                 actors=args.actors,
             )
-    print(f"captioned {result.rows - result.errors} of {result.rows} images into {result.out}")
+    from sat_model.features.drift import drift_note
+
+    done = result.rows - result.errors
+    far = "" if result.drifted is None else f"; {drift_note(result.drifted, done)}"
+    print(f"captioned {done} of {result.rows} images into {result.out}{far}")
     if result.errors:
         print(f"{result.errors} could not be captioned: their rows say why", file=sys.stderr)
     return 0 if result.rows > result.errors else 1
@@ -201,7 +207,7 @@ def _caption(args: argparse.Namespace) -> int:
         disable=None if len(paths) > args.batch_size else True,
     )
     figures = _attention_figures(args.attention_out, captioner.mode)
-    ok = 0
+    ok = drifted = 0
     with bar, nullcontext() if figures is None else figures:
         for found in captioner.caption_files(
             paths,
@@ -211,7 +217,12 @@ def _caption(args: argparse.Namespace) -> int:
         ):
             _print_caption(found, args.format, figures)
             ok += found.caption is not None
+            drifted += bool(found.caption and found.caption.drift and found.caption.drift.drifted)
             bar.update()
+    if drifted:
+        from sat_model.features.drift import drift_note
+
+        print(f"sat caption: {drift_note(drifted, ok)}", file=sys.stderr)
     return 0 if ok else 1
 
 
@@ -294,8 +305,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--format",
         choices=["text", "jsonl", "parquet"],
         default="text",
-        help="text: 'path: caption' lines; jsonl: one {path, caption, error} per image; "
-        "parquet: with --engine ray",
+        help="text: 'path: caption' lines; jsonl: one {path, caption, error, drift, drifted} "
+        "per image; parquet: with --engine ray",
     )
     _add_caption_on_ray(p)
     _add_caption_decoding(p)

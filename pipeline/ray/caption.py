@@ -3,13 +3,16 @@
 Ray Data reads the image files of SOURCE (a folder, or an object-store prefix such as
 ``s3://bucket/photos``: anything ``pyarrow.fs`` opens, credentials and endpoint from the AWS
 variables) as bytes, streams them to a pool of actors that each hold the model once, and writes
-one row per file to DEST as JSON lines or Parquet: ``path``, ``caption`` and ``error`` (null
-unless that file is not a usable image). The model's checkpoint travels through Ray's object
-store, so no node needs the driver's files. Each image's bytes become the encoder's pixels
-through :meth:`sat_model.features.images.Preprocessing.pixels`, the path ``sat caption`` takes in
-one process, so both give the same captions with the same model and beam. A bad
-image is a row with its reason, never a failed job; a worker that dies has its blocks run again
-by Ray Data, which writes each output block once.
+one row per file to DEST as JSON lines or Parquet: ``path``, ``caption``, ``error`` (null
+unless that file is not a usable image), and ``drift`` and ``drifted``: how far the photo's
+features are from the training photos' and whether past the model's threshold
+(:mod:`sat_model.features.drift`; null when the model records no statistics). The model's
+checkpoint travels through Ray's object store, so no node needs the driver's files. Each
+image's bytes become the encoder's pixels through
+:meth:`sat_model.features.images.Preprocessing.pixels`, the path ``sat caption`` takes in one
+process, so both give the same captions with the same model and beam. A bad image is a row
+with its reason, never a failed job; a worker that dies has its blocks run again by Ray
+Data, which writes each output block once.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class BatchCaptionResult:
     rows: int
     errors: int
     out: str
+    drifted: int | None = None  # photos past the drift threshold; None: the model has no record
 
 
 class _CaptionActor:
@@ -99,7 +103,16 @@ class _CaptionActor:
             "path": paths,
             "caption": [captions[i].text if i in captions else None for i in range(len(paths))],
             "error": [errors.get(i) for i in range(len(paths))],
+            **_drift_columns([captions.get(i) for i in range(len(paths))]),
         }
+
+
+def _drift_columns(captions: list[Any]) -> dict[str, list[Any]]:
+    """The ``drift`` and ``drifted`` columns of a batch (null where a row has no score)."""
+    from sat_model.features.drift import drift_fields
+
+    rows = [drift_fields(c.drift if c is not None else None) for c in captions]
+    return {"drift": [r["drift"] for r in rows], "drifted": [r["drifted"] for r in rows]}
 
 
 def _output_names() -> type:
@@ -222,4 +235,6 @@ def caption_with_ray_data(
         else:
             rows.write_json(out, filename_provider=names, mode=SaveMode.OVERWRITE)
     errors = rows.filter(lambda row: row["error"] is not None).count()
-    return BatchCaptionResult(rows=rows.count(), errors=errors, out=out)
+    scored = rows.filter(lambda row: row["drifted"] is not None).count()
+    drifted = rows.filter(lambda row: row["drifted"] is True).count() if scored else None
+    return BatchCaptionResult(rows=rows.count(), errors=errors, out=out, drifted=drifted)

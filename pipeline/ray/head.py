@@ -26,7 +26,7 @@ from types import FrameType
 
 from pipeline.ray.reaper import start_reaper, stop_group
 from pipeline.ray.runtime import loopback_env, resolve_address
-from pipeline.settings import load_params
+from pipeline.settings import Params, load_params
 from sat_model.config import ParamsError
 
 __all__ = ["RayHeadError", "main", "ray_head", "run_with_head"]
@@ -173,6 +173,17 @@ def run_with_head(command: Sequence[str], num_cpus: int, address: str | None) ->
     return code
 
 
+def _dataset_missing(params: Params, project: Path) -> str:
+    """Why prepare would stop at once, for a project never prepared (the dataset is not in
+    place), so that no cluster is started for it; ``""`` otherwise. Prepared data already there
+    (``dvc pull``) needs no dataset."""
+    from sat_model.data.sources import dataset_missing
+
+    if (project / params.data.prepared_dir).is_dir():
+        return ""
+    return dataset_missing(params.data, project)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.ray.head", description=__doc__)
     parser.add_argument("--params", default="params.yaml", help="params file (%(default)s)")
@@ -182,10 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not command:
         parser.error("no command given (python -m pipeline.ray.head -- dvc repro)")
     try:
-        cfg = load_params(args.params).ray
+        params = load_params(args.params)
     except ParamsError as e:  # a typo, or `make run PROFILE=<name>` with no profiles/<name>/
         print(f"ray_head: {e}", file=sys.stderr)
         return 1
+    if missing := _dataset_missing(params, Path(args.params).resolve().parent):
+        print(f"ray_head: {missing}", file=sys.stderr)
+        return 1
+    cfg = params.ray
     try:
         return run_with_head(command, cfg.num_cpus, resolve_address(cfg))
     except RayHeadError as e:

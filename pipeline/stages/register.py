@@ -33,6 +33,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     ctx = cli_context("register", args)
+    from pipeline.tracking.floor import check_floor
+    from sat_model.config import ParamsError
+
+    try:
+        check_floor(ctx.params.promotion.floor)
+    except ParamsError as e:
+        print(f"register: error: {e}", file=sys.stderr)
+        return 1
     quiet_mlflow()  # log_model's warnings, INFO lines and progress bars, for every version
     return run(ctx, out=args.out)
 
@@ -47,7 +55,7 @@ def run(ctx: StageContext, *, out: str | Path | None = None) -> int:
 
     started = time.perf_counter()
     try:
-        report = register_models(ctx.params, ctx.root)
+        report = register_models(ctx.params, ctx.root, ctx.params_file)
     except FileNotFoundError:
         raise  # nothing to register: a local problem, its message is already clear
     except (MlflowException, OSError) as e:  # the tracking store, after with_retries gave up

@@ -98,6 +98,8 @@ def _signature(beam_size: int) -> Any:
             [
                 ColSpec("string", "caption"),
                 ColSpec("string", "error", required=False),
+                ColSpec("double", "drift", required=False),  # sat_model.features.drift
+                ColSpec("boolean", "drifted", required=False),
                 ColSpec(attention, "attention", required=False),
             ]
         ),

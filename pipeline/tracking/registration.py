@@ -9,14 +9,15 @@ same checkpoint was registered before), so the version's run is the training run
 no known training run (trained ``--in-process``) gets a run of its own,
 ``register-<attention>-<hash>``. ``champion`` moves to a new version only when it beats the
 current champion on ``mlflow.champion_metric``, and only where ``mlflow.promote`` allows
-(``auto``: not inside a ``dvc exp run``). :func:`register_models` returns what happened (the
-content of ``reports/registry.json``).
+(``auto``: not inside a ``dvc exp run``) and only to a version that reaches
+``promotion.floor``. Each new version gets its model card (:mod:`pipeline.tracking.card`).
+:func:`register_models` returns what happened (the content of ``reports/registry.json``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,9 @@ from sat_model.model.checkpoint import (
 __all__ = ["register_models"]
 
 
-def register_models(params: Params, project_root: Path) -> dict[str, Any]:
+def register_models(
+    params: Params, project_root: Path, params_file: Path | None = None
+) -> dict[str, Any]:
     """Register what was evaluated under ``project_root``; return the ``registry.json`` content.
 
     Raises:
@@ -77,7 +80,13 @@ def register_models(params: Params, project_root: Path) -> dict[str, Any]:
             report["skipped"].append({"item": attention, "reason": "no model or no metrics"})
             continue
         tags = {ATTENTION_TAG: attention, **lineage}
-        registered, training_run = _register_one(params, project_root, tracking, attention, tags)
+        registered, training_run, seconds = _register_one(
+            params, project_root, tracking, attention, tags
+        )
+        if not registered.reused:
+            where = params_file or project_root / "params.yaml"
+            card = _CardOf(registered, attention, tags, seconds)
+            _log_card(params, project_root, where, tracking, card)
         report["versions"].append(
             {"attention": attention, "training_run_id": training_run, **asdict(registered)}
         )
@@ -125,8 +134,9 @@ def _decoding(ev: EvalConfig, attention: str) -> dict[str, Any]:
 
 def _register_one(
     params: Params, root: Path, tracking: Tracking, attention: str, tags: dict[str, str]
-) -> tuple[RegisteredVersion, str | None]:
-    """Log one evaluated model into its training run (or a new run) and register it."""
+) -> tuple[RegisteredVersion, str | None, float | None]:
+    """Log one evaluated model into its training run (or a new run) and register it; returns
+    the version, its training run and the training time."""
     cfg = params.mlflow
     model_dir = root / params.train.models_dir / attention
     reports = root / params.eval.reports_dir / attention
@@ -135,6 +145,8 @@ def _register_one(
     sha = checkpoint_sha256(model_dir)
     training_run = find_training_run(tracking, sha)
     client = tracking.client()
+    # read before the model is logged into the run, which ends it anew
+    seconds = _training_seconds(tracking, training_run) if training_run else None
 
     def register() -> RegisteredVersion:
         return log_and_register(
@@ -158,7 +170,7 @@ def _register_one(
     if inputs and not registered.reused and registered.run_id:
         run_id = registered.run_id
         tracking.call(lambda c: c.log_inputs(run_id, inputs), "dataset inputs")
-    return registered, training_run
+    return registered, training_run, seconds
 
 
 def _promotion(
@@ -169,8 +181,76 @@ def _promotion(
         return {"candidate": registered.version, "promoted": False, "reason": why}
     cfg, client = params.mlflow, tracking.client()
     outcome = with_retries(
-        lambda: promote_if_better(client, cfg.model_name, registered.version, cfg.champion_metric),
+        lambda: promote_if_better(
+            client,
+            cfg.model_name,
+            registered.version,
+            cfg.champion_metric,
+            params.promotion.floor,
+        ),
         retries=cfg.retries,
         what="promotion",
     )
     return asdict(outcome)
+
+
+@dataclass(frozen=True)
+class _CardOf:
+    """The new version a card is written for, and what the registration knew of it."""
+
+    registered: RegisteredVersion
+    attention: str
+    lineage: dict[str, str]
+    training_seconds: float | None
+
+
+def _training_seconds(tracking: Tracking, run_id: str) -> float | None:
+    """From the training run's start to its last epoch's logged loss; None when unrecorded."""
+
+    def read(client: Any) -> float | None:
+        start = client.get_run(run_id).info.start_time
+        epochs = client.get_metric_history(run_id, "train_loss")
+        if not start or not epochs:
+            return None
+        return (max(m.timestamp for m in epochs) - start) / 1000.0
+
+    return tracking.call(read, "training time")
+
+
+def _log_card(
+    params: Params,
+    root: Path,
+    params_file: Path,
+    tracking: Tracking,
+    card: _CardOf,
+) -> None:
+    """Write the version's model card into its run and tag the version with it."""
+    from pipeline.tracking.card import (
+        CARD_PATH,
+        CARD_SUMMARY_TAG,
+        CARD_TAG,
+        gather_card_facts,
+        render_card,
+        summary_line,
+    )
+    from pipeline.tracking.seeds import seed_scores
+
+    name, version = card.registered.model_name, card.registered.version
+    facts = gather_card_facts(
+        identity=(name, version, card.attention),
+        params=params,
+        root=root,
+        params_file=params_file,
+        lineage=card.lineage,
+        training_seconds=card.training_seconds,
+        seeds=tracking.call(lambda c: seed_scores(c, name, version), "seeds"),
+    )
+    run_id = card.registered.run_id
+
+    def log(client: Any) -> None:
+        if run_id:
+            client.log_text(run_id, render_card(facts), CARD_PATH)
+            client.set_model_version_tag(name, version, CARD_TAG, CARD_PATH)
+        client.set_model_version_tag(name, version, CARD_SUMMARY_TAG, summary_line(facts))
+
+    tracking.call(log, f"model card of version {version}")

@@ -28,6 +28,7 @@ from torch import nn
 
 from sat_model.config import ATTENTION_KINDS, LibraryParams
 from sat_model.data.tables import CAPTIONS_FILE, load_references
+from sat_model.features.drift import fit_stores
 from sat_model.features.store import FeatureStore, store_file
 from sat_model.model.checkpoint import CURVES_FILE
 from sat_model.model.decoding import decode_mode
@@ -190,6 +191,9 @@ def _rank_zero(
     }
     if identity is not None:
         extra_config["identity"] = identity
+    drift = fit_stores(setup.train_store, val_store)  # how far new photos are (sat caption)
+    if drift is not None:
+        extra_config["drift"] = drift.to_config()
     writer = ModelDirWriter(
         setup.model_dir,
         setup.model,

@@ -35,6 +35,7 @@ import yaml
 
 from sat_model.params import apply_overrides, read_yaml
 from tests.factories import ROOT, copy_project
+from tests.figures import figure_panels
 from tests.pipeline.projects import (
     METRIC_KEYS,
     TINY,
@@ -350,6 +351,71 @@ def test_repro_registers_both_models_and_a_champion(project: Path) -> None:
     champion = client.get_model_version_by_alias("sat-captioner", "champion")
     assert champion.version in {v.version for v in versions}
     assert str(registry["champion"]) == str(champion.version)
+
+
+def _dvc_lock_md5(project: Path, out: str) -> str:
+    """The md5 that dvc.lock records for the stage output ``out``."""
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    (md5,) = {
+        o["md5"] for st in lock["stages"].values() for o in st.get("outs", []) if o["path"] == out
+    }
+    return md5
+
+
+def test_every_registered_version_has_a_card_that_agrees_with_the_reports(project: Path) -> None:
+    registry = json.loads((project / "reports/registry.json").read_text())
+    prepared = json.loads((project / "data/prepared/prepare_report.json").read_text())
+    hashes = [_dvc_lock_md5(project, "data/prepared"), _dvc_lock_md5(project, "data/features")]
+    for entry in registry["versions"]:  # the champion's card by default, the other's by number
+        which = [] if entry["version"] == registry["champion"] else ["--version", entry["version"]]
+        shown = sat(project, "card", *which)
+        assert shown.returncode == 0 and shown.stderr == "", shown.stderr
+        card = shown.stdout
+        assert card.startswith(f"# sat-captioner version {entry['version']}: model card")
+        assert all(f"`{md5}`" in card for md5 in hashes)  # the data it was built from
+        assert f"| images test | {prepared['images_test']} |" in card  # 8: TINY's test images
+        metrics = json.loads((project / f"reports/{entry['attention']}/metrics.json").read_text())
+        assert metrics.keys() >= METRIC_KEYS
+        for key, value in metrics.items():  # the scores reports/ holds, every one
+            assert f"| {key} | {value:.4f} |" in card
+        assert "on the test split (8 images)" in card and "beam 2" in card  # TINY's eval
+        assert f"| `model.attention` | {entry['attention']} |" in card
+        assert "| `model.embed_dim` | 16 |" in card and "| `train.seed` | 0 |" in card
+        assert "captions the generated scenes of coloured shapes" in card
+        training = re.search(r"\| training time \| ([\d.]+) min \|", card)
+        assert training and 0 < float(training[1]) < 60, card
+        aliases = "champion" if entry["version"] == registry["champion"] else "none"
+        assert card.endswith(f"## In the registry now\n\n- aliases: {aliases}\n")
+
+
+def test_a_review_compares_the_two_versions_with_their_figures(
+    project: Path, tmp_path: Path
+) -> None:
+    registry = json.loads((project / "reports/registry.json").read_text())
+    champion = registry["champion"]
+    (other,) = [v for v in registry["versions"] if v["version"] != champion]
+    out = tmp_path / "review"
+    done = sat(project, "review", other["version"], "--out", str(out), "--photos", "2")
+    assert done.returncode == 0, done.stderr
+    md = (out / "review.md").read_text()
+    page = (out / "review.html").read_text()
+    attention = {v["version"]: v["attention"] for v in registry["versions"]}
+    for version, label in ((other["version"], "candidate"), (champion, "champion")):
+        assert f"version {version} ({label}, {attention[version]})" in md
+    ours = json.loads((project / f"reports/{other['attention']}/metrics.json").read_text())
+    theirs = json.loads((project / f"reports/{attention[champion]}/metrics.json").read_text())
+    for key in METRIC_KEYS:  # side by side, and the delta
+        row = f"| {key} | {ours[key]:.4f} | {theirs[key]:.4f} | {ours[key] - theirs[key]:+.4f} |"
+        assert row in md
+    assert f"| model.attention | {other['attention']} | {attention[champion]} |" in md
+    for version in (other["version"], champion):  # the same two test photos, captioned by each
+        for stem in ("test_00000", "test_00001"):
+            figure = f"version-{version}/images/{stem}.png"
+            caption = re.search(rf"([^|>]+)<br>!\[[^]]*\]\({re.escape(figure)}\)", md)
+            assert caption, (figure, md)
+            assert f'<img src="{figure}"' in page
+            words = caption[1].split()
+            assert sum(map(len, figure_panels(out / figure))) == 1 + len(words)
 
 
 def test_second_repro_runs_nothing(project: Path) -> None:

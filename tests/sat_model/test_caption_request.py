@@ -40,6 +40,8 @@ def test_requests_captioned_together_get_what_each_gets_alone(service: CaptionSe
     assert alone[0][3] == {
         "caption": None,
         "error": "row 3: not an image: expected base64 or a data: URL",
+        "drift": None,
+        "drifted": None,
     }
     assert all(r["caption"] for r in alone[0][:3] + alone[1])
 

@@ -20,6 +20,7 @@ from sat_model.data.sources.records import (
     SourceImage,
 )
 from sat_model.data.sources.registry import (
+    dataset_missing,
     image_root,
     list_sources,
     read_source,
@@ -38,6 +39,7 @@ __all__ = [
     "SourceError",
     "SourceImage",
     "coco",
+    "dataset_missing",
     "flickr8k",
     "folder",
     "image_root",

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from sat_model.config import DataConfig
+from sat_model.data.datasets import missing_dataset
 from sat_model.data.sources.records import SourceData, SourceError
 from sat_model.registry import Registry
 
@@ -24,6 +25,7 @@ __all__ = [
     "ImageRoot",
     "SourceEntry",
     "SourceReader",
+    "dataset_missing",
     "image_root",
     "list_sources",
     "read_source",
@@ -108,7 +110,15 @@ def read_source(
 ) -> SourceData:
     """Read the source that ``data.source`` names."""
     root = base_dir / data.root if data.root else base_dir
-    entry = SOURCES[data.source]
-    if entry.needs_root and not root.is_dir():
-        raise SourceError(f"data.root {root} is not a folder")
-    return entry.read(source_settings(data), root, prepared_dir, workers)
+    if missing := dataset_missing(data, base_dir):
+        raise SourceError(missing)
+    return SOURCES[data.source].read(source_settings(data), root, prepared_dir, workers)
+
+
+def dataset_missing(data: DataConfig, base_dir: Path) -> str:
+    """``""`` when what ``data.source`` reads is under ``data.root``, else the one line saying
+    where to get it and where to put it (:mod:`sat_model.data.datasets`)."""
+    if not SOURCES[data.source].needs_root:
+        return ""
+    root = (base_dir / data.root if data.root else base_dir).resolve()
+    return missing_dataset(data, root, source_settings(data))

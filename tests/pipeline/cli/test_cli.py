@@ -243,9 +243,13 @@ def _another_length_penalty_is_a_new_version(project, capsys, tracking):
     """The same checkpoint scored with another length penalty: a new version, served that way,
     while the champion stays version 1."""
     text = (project / "params.yaml").read_text().replace("{soft: 1.5}", "{soft: 0.0}")
-    (project / "params.yaml").write_text(text)
+    # a floor no model of this project reaches (CIDEr's ceiling is 10): registered, not promoted
+    (project / "params.yaml").write_text(text + "promotion: {floor: {cider: 10.0}}\n")
     assert main(["evaluate", "--attention", "soft"]) == 0
+    capsys.readouterr()
     assert register.main([]) == 0
+    said = capsys.readouterr().out
+    assert "; version 2 not promoted: cider " in said and "is below the floor 10.0000" in said
     report = json.loads((project / "reports/registry.json").read_text())
     assert report["versions"][0] == {**report["versions"][0], "version": "2", "reused": False}
     assert _served_length_penalty(tracking, "models:/sat-captioner/2") == 0.0
@@ -267,6 +271,10 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     metrics = _evaluate_soft(project)
     tracking = _register_in_the_params_store(project)
     _the_served_champion_decodes_as_it_was_evaluated(project, tracking)
+    capsys.readouterr()
+    assert main(["card"]) == 0  # the champion's card: the scores reports/ holds
+    card = capsys.readouterr().out
+    assert all(f"| {k} | {v:.4f} |" in card for k, v in metrics.items())
     _summary_models_and_promote_name_the_champion(capsys, metrics)
     _caption_with_the_champion(project, capsys)
 

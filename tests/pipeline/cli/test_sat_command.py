@@ -156,6 +156,7 @@ def test_a_missing_params_file_is_one_line_for_every_command_that_reads_params(
 # the commands a user has, as the README's table of the `sat` command lists them
 COMMANDS = {"caption", "models", "promote", "evaluate", "train", "tune", "summary", "serve"}
 COMMANDS |= {"profile"}  # README, "Your own data"
+COMMANDS |= {"card", "review"}  # docs/guide/governance.md
 
 
 def _listed_commands(help_text: str) -> set[str]:
@@ -199,6 +200,9 @@ ERRORS = [
     # (arguments, the line's start): each run in an empty folder, outside any project
     (["models"], "sat models: error: no MLflow store at "),
     (["promote", "--metric", "cider"], "sat promote: error: no MLflow store at "),
+    (["card"], "sat card: error: no MLflow store at "),
+    # a review captions the project's test photos: outside a project there are none
+    (["review", "2", "--out", "r"], "sat review: error: params file not found: params.yaml"),
     (["summary"], "sat summary: error: no metrics under reports/"),
     # the missing photo is the first cause, before the missing champion
     (["caption", "nothere.jpg"], "sat caption: error: no such file or folder: nothere.jpg"),

@@ -6,6 +6,7 @@ repository answers ``--help`` (all of them in one interpreter, so imports are pa
 lists every option the page gives it; each ``sat`` command is walked through the real parser
 in-process; each ``make`` target is dry-run (``make -n``). Environment variables named
 ``SAT_…`` must still be read by the code, and the repository files a page names must exist.
+The quickstart's Python snippet runs as written, on a model folder of a tiny model.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.factories import ROOT
+import pytest
+from PIL import Image
+
+from tests.factories import ROOT, write_tiny_model
 
 OURS = ("sat_model", "pipeline", "benchmarks")
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
@@ -276,3 +280,20 @@ def test_the_checks_fail_on_stale_commands(tmp_path: Path) -> None:
     names = "\n".join(stale_names(tmp_path))
     assert "SAT_NATIVE_KERNELS is read by no code" in names
     assert "benchmarks/reference_model.py does not exist" in names
+
+
+def test_the_quickstarts_python_snippet_captions_a_photo_from_a_model_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = (ROOT / "docs" / "guide" / "quickstart.md").read_text(encoding="utf-8")
+    [snippet] = [body for lang, body in FENCE.findall(text) if lang == "python"]
+    words = ("a", "red", "circle", "on", "grass")
+    write_tiny_model(tmp_path / "models" / "soft", words=words)  # 64-px crops, 4x4 cells
+    photo = tmp_path / "data" / "prepared" / "images" / "test_00000.png"
+    photo.parent.mkdir(parents=True)
+    Image.new("RGB", (90, 70), (200, 40, 40)).save(photo)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "docs/guide/quickstart.md", "exec"), {"__name__": "__main__"})
+    caption, shape = capsys.readouterr().out.splitlines()
+    assert caption.split() and set(caption.split()) <= set(words)
+    assert shape == f"({len(caption.split())}, 16)"  # an α over the 16 cells per word

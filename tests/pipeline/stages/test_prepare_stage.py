@@ -90,10 +90,13 @@ def test_main_reports_an_unusable_dataset_and_fails(
 ) -> None:
     (tmp_path / "params.yaml").write_text(TINY)
     monkeypatch.chdir(tmp_path)
-    # the sample-style config: a Flickr8k folder with no test list, but test is required
+    # every file in place, but no photo in any list
     root = tmp_path / "flickr"
     (root / "Flickr8k_text").mkdir(parents=True)
-    (root / "Flickr8k_text/Flickr8k.token.txt").write_text("")
+    (root / "Flickr8k_Dataset").mkdir()
+    for split in ("train", "dev", "test"):
+        (root / "Flickr8k_text" / f"Flickr_8k.{split}Images.txt").write_text("")
+    (root / "Flickr8k_text" / "Flickr8k.token.txt").write_text("")
     code = main(
         ["--params", "params.yaml", "-S", "data.source=flickr8k", "-S", f"data.root={root}"]
     )

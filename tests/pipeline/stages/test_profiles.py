@@ -2,7 +2,9 @@
 root pipeline, and the Flickr8k profile's prepare stage on the real train and dev photos."""
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -91,17 +93,80 @@ def test_every_library_dep_of_a_profile_exists() -> None:
                     assert (folder / dep).exists(), f"{folder.name}:{name}: {dep} does not exist"
 
 
+def _clone_with_profile(tmp_path: Path, name: str = "flickr8k") -> Path:
+    """A project root holding the Makefile, the profile's params and the environment: all that
+    ``make run PROFILE=<name>`` opens before its first stage."""
+    project = tmp_path / "sat"
+    (project / "profiles" / name).mkdir(parents=True)
+    for rel in ("Makefile", f"profiles/{name}/params.yaml"):
+        shutil.copy2(ROOT / rel, project / rel)
+    (project / ".venv").symlink_to(ROOT / ".venv")
+    return project
+
+
+def test_make_run_of_a_profile_without_its_dataset_stops_in_one_line_before_any_ray_head(
+    tmp_path: Path,
+) -> None:
+    project = _clone_with_profile(tmp_path)
+    run = subprocess.run(
+        ["make", "--no-print-directory", "-o", ".venv/.installed", "run", "PROFILE=flickr8k"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert run.returncode != 0
+    lines = run.stderr.splitlines()
+    # the line, then make's own
+    assert len(lines) == 2 and lines[1].startswith("make: *** "), run.stderr
+    where = project / "datasets" / "flickr8k"
+    assert lines[0].startswith(f"ray_head: Flickr8k: data.root {where} is not a folder. Get ")
+    assert "https://" in lines[0] and "Flickr8k_Dataset/" in lines[0]
+    assert "Ray head on" not in run.stdout and "Traceback" not in run.stderr + run.stdout
+
+
+def test_prepared_data_already_there_needs_no_dataset_to_start_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dvc pull` of data/prepared on a machine without Flickr8k: make run goes on (a cluster
+    given by address, so no head is started; the command run is `true`)."""
+    from pipeline.ray.head import main as head
+
+    params = _clone_with_profile(tmp_path) / "profiles" / "flickr8k" / "params.yaml"
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    assert head(["--params", str(params), "--", "true"]) == 1
+    assert "Flickr8k: data.root " in capsys.readouterr().err
+    (params.parent / "data" / "prepared").mkdir(parents=True)
+    assert head(["--params", str(params), "--", "true"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_the_profiles_prepare_stage_without_its_dataset_says_the_same_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What `dvc repro profiles/flickr8k/dvc.yaml` runs first."""
+    params = _clone_with_profile(tmp_path) / "profiles" / "flickr8k" / "params.yaml"
+    assert prepare(load_context(params, [])) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("prepare: error: Flickr8k: data.root ")
+    assert not (params.parent / "data").exists()
+
+
 @pytest.mark.slow
-def test_the_flickr8k_profile_prepares_the_real_train_and_dev_splits(tmp_path: Path) -> None:
-    """The profile's own params, run from its folder: data.root must reach the shared photos."""
-    folder = ROOT / "profiles" / "flickr8k"
-    params = load_params(folder / "params.yaml")
-    expected = (folder / params.data.root).resolve()
-    if expected != shared_data("flickr8k-trainval").resolve() or not expected.is_dir():
-        pytest.skip(f"Flickr8k train+dev not at {expected} (the profile reads ../shared/data)")
-    ctx = load_context(folder / "params.yaml", [f"data.prepared_dir={tmp_path / 'prepared'}"])
+def test_the_flickr8k_profile_prepares_its_dataset_placed_in_datasets(tmp_path: Path) -> None:
+    """The profile's own params, in a project whose datasets/flickr8k is our copy of the train
+    and dev photos, linked in as the datasets guide says."""
+    ours = shared_data("flickr8k-trainval")
+    if not ours.is_dir():
+        pytest.skip(f"Flickr8k train+dev not at {ours} (../shared/data or $SAT_SHARED_DATA)")
+    project = _clone_with_profile(tmp_path)
+    (project / "datasets").mkdir()
+    (project / "datasets" / "flickr8k").symlink_to(ours, target_is_directory=True)
+    ctx = load_context(project / "profiles" / "flickr8k" / "params.yaml", [])
     assert prepare(ctx) == 0
-    report = json.loads((tmp_path / "prepared" / "prepare_report.json").read_text())
+    prepared = project / "profiles" / "flickr8k" / "data" / "prepared"
+    report = json.loads((prepared / "prepare_report.json").read_text())
     assert (report["images_train"], report["images_val"], report["images_test"]) == (6000, 1000, 0)
     assert report["images_skipped"] == 0 and report["captions_total"] == 35_000
 

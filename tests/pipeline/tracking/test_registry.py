@@ -18,9 +18,11 @@ import pandas as pd
 import pytest
 from PIL import Image
 
+from pipeline.tracking.floor import floor_misses
 from pipeline.tracking.packaging import log_and_register
 from pipeline.tracking.registry import (
     CHAMPION_ALIAS,
+    RegistryError,
     checkpoint_sha256,
     decide_promotion,
     list_versions,
@@ -28,6 +30,7 @@ from pipeline.tracking.registry import (
     promote_if_better,
     promotion_allowed,
 )
+from pipeline.tracking.review import find_version
 from tests.factories import to_format_1, write_tiny_model
 from tests.pipeline.servers import mlflow_server
 
@@ -48,6 +51,22 @@ NAME = "sat-captioner"
 )
 def test_promotion_rule(candidate, champion, promote_it):
     assert decide_promotion(candidate, champion).promote is promote_it
+
+
+@pytest.mark.parametrize(
+    ("metrics", "missed"),
+    [
+        ({"bleu_4": 0.2, "cider": 0.3}, []),  # at the floor passes: it is the least score
+        ({"bleu_4": 0.2, "cider": 0.29}, ["cider 0.2900 is below the floor 0.3000"]),
+        ({"bleu_4": 0.05}, ["bleu_4 0.0500 is below the floor 0.2000", "cider has no value"]),
+        ({"bleu_4": math.nan, "cider": 1.0}, ["bleu_4 has no value"]),
+    ],
+)
+def test_the_floor_names_each_metric_that_missed(metrics, missed):
+    misses = floor_misses(metrics, {"bleu_4": 0.2, "cider": 0.3})
+    assert [m.split(" (floor")[0] for m in misses] == missed
+    # below the floor, a candidate that beats the champion is still not promoted
+    assert decide_promotion(0.9, 0.1, misses).promote is not missed
 
 
 @pytest.mark.parametrize(
@@ -301,3 +320,92 @@ def _with_dependencies(names: set[str]) -> set[str]:
 
 def _normalised(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@pytest.mark.mlflow
+def test_a_version_below_the_floor_is_registered_and_promoted_only_by_a_recorded_override(
+    tmp_path, monkeypatch, capsys
+):
+    from mlflow import MlflowClient
+
+    from pipeline.cli.main import main
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(store)
+    experiment_id = client.create_experiment("sat-test", (tmp_path / "mlartifacts").as_uri())
+    floor = {"bleu_4": 0.1, "cider": 0.3}
+
+    def register(seed: int, bleu_4: float, cider: float) -> str:
+        model_dir = write_tiny_model(tmp_path / f"m{seed}", resize=72, seed=seed)
+        return log_and_register(
+            client,
+            model_dir=model_dir,
+            model_name=NAME,
+            experiment_id=experiment_id,
+            metrics={"bleu_4": bleu_4, "cider": cider},
+            params={"eval.split": "test"},
+            tags={
+                "sat.attention": "soft",
+                "sat.dvc_experiment": f"try-{seed}",
+                "mlflow.source.git.commit": "c0ffee42",
+            },
+            run_name=f"m{seed}",
+        ).version
+
+    first = register(1, 0.20, 0.50)
+    assert promote_if_better(client, NAME, first, "bleu_4", floor).promoted
+    # better on bleu_4 than the champion, but its CIDEr is below the floor: registered, not
+    # promoted, and the reason names the metric that missed and the override
+    second = register(2, 0.30, 0.05)
+    kept = promote_if_better(client, NAME, second, "bleu_4", floor)
+    assert (kept.promoted, kept.champion) == (False, first)
+    assert "cider 0.0500 is below the floor 0.3000" in kept.reason
+    assert "bleu_4" not in kept.reason.split(";")[0]  # bleu_4 reached its floor
+    assert f"sat promote --version {second} --override-floor --reason" in kept.reason
+    assert [r.version for r in list_versions(client, NAME)] == [first, second]
+    # what `sat review` takes as a candidate: an experiment's, or a commit's best version
+    assert str(find_version(client, NAME, "exp:try-1", "bleu_4").version) == first
+    assert str(find_version(client, NAME, "commit:c0ffee", "bleu_4").version) == second
+    assert str(find_version(client, NAME, "commit:c0ffee", "cider").version) == first
+    with pytest.raises(RegistryError, match=f"no version of {NAME} was registered from exp x"):
+        find_version(client, NAME, "exp:x", "bleu_4")
+
+    # by hand: refused below the floor, then promoted with a reason that the version keeps
+    (tmp_path / "params.yaml").write_text(
+        f"mlflow: {{tracking_uri: '{store}'}}\npromotion: {{floor: {floor}}}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["promote", "--version", second]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("sat promote: error: version 2 is below the promotion floor: cider")
+    assert main(["promote", "--version", second, "--override-floor"]) == 1  # no reason
+    assert "--reason" in capsys.readouterr().err
+    assert str(client.get_model_version_by_alias(NAME, CHAMPION_ALIAS).version) == first
+    reason = "the new references make CIDEr lower for every model"
+    assert main(["promote", "--version", second, "--override-floor", "--reason", reason]) == 0
+    assert "champion moved" in capsys.readouterr().out
+    promoted = client.get_model_version_by_alias(NAME, CHAMPION_ALIAS)
+    assert str(promoted.version) == second
+    assert promoted.tags["sat.floor_override"] == reason
+    assert promoted.tags["sat.floor_override.missed"] == "cider 0.0500 is below the floor 0.3000"
+    assert main(["models"]) == 0
+    (row,) = [r for r in capsys.readouterr().out.splitlines() if r.split()[0] == second]
+    assert row.endswith(f"champion  (floor overridden: {reason})")
+    # registered without the register stage: no card, and `sat card` says so in one line
+    assert main(["card", "--version", second]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"sat card: error: {NAME} version 2 has no model card")
+    # the best above the floor, when nobody names a version: the first one
+    assert main(["promote"]) == 0
+    assert str(client.get_model_version_by_alias(NAME, CHAMPION_ALIAS).version) == first
+
+
+def test_a_floor_on_a_metric_evaluation_never_writes_is_refused_in_one_line(tmp_path, capsys):
+    from pipeline.stages import register
+
+    (tmp_path / "params.yaml").write_text("promotion: {floor: {bleu_4: 0.1, blue_4: 0.2}}\n")
+    assert register.main(["--params", str(tmp_path / "params.yaml")]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("register: error: promotion.floor.blue_4: not a metric evaluation")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # nothing registered

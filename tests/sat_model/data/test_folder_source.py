@@ -120,7 +120,7 @@ def test_a_captions_file_without_its_columns_is_a_source_error(
 
 def test_a_missing_captions_file_is_a_source_error(tmp_path: Path) -> None:
     data = DataConfig(source="folder", root=str(tmp_path))
-    with pytest.raises(SourceError, match="cannot read captions file"):
+    with pytest.raises(SourceError, match="lacks captions.csv"):
         read_source(data, tmp_path / "out", tmp_path)
 
 
