@@ -8,15 +8,19 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.settings import load_params
 from sat_model.config import DataConfig
-from sat_model.params import load_params
 from sat_model.data.datasets import GUIDE, missing_dataset
-from sat_model.data.sources import SourceError, dataset_missing, read_source
+from sat_model.data.sources import SourceError, dataset_missing, read_source, source_settings
 from tests.factories import ROOT
 
 URL = re.compile(r"https?://[^\s,;)]+")
 PROFILES = ("flickr8k", "flickr30k", "coco")
 
+
+
+def _missing(data: DataConfig, root: Path) -> str:
+    return missing_dataset(data, root, source_settings(data))
 
 def _profile_data(name: str, **changes: object) -> DataConfig:
     data = load_params(ROOT / "profiles" / name / "params.yaml").data
@@ -29,7 +33,7 @@ def test_a_profiles_absent_dataset_is_one_line_with_the_guides_addresses_and_its
 ) -> None:
     data = _profile_data(name)
     root = tmp_path / "datasets" / name
-    line = missing_dataset(data, root)
+    line = _missing(data, root)
     assert "\n" not in line and f"data.root {root} is not a folder" in line
     urls = URL.findall(line)
     assert urls, line  # where to get it
@@ -41,7 +45,7 @@ def test_a_profiles_absent_dataset_is_one_line_with_the_guides_addresses_and_its
 
 def test_the_flickr8k_line_lists_the_files_the_reader_opens() -> None:
     data = _profile_data("flickr8k")
-    line = missing_dataset(data, Path("/nowhere/datasets/flickr8k"))
+    line = _missing(data, Path("/nowhere/datasets/flickr8k"))
     for rel in (
         f"{data.flickr8k.images_dir}/",
         data.flickr8k.token_file,
@@ -53,7 +57,7 @@ def test_the_flickr8k_line_lists_the_files_the_reader_opens() -> None:
 
 
 def test_the_karpathy_split_of_coco_names_karpathys_zip_and_cocos_photos(tmp_path: Path) -> None:
-    line = missing_dataset(_profile_data("coco", source="karpathy"), tmp_path / "coco")
+    line = _missing(_profile_data("coco", source="karpathy"), tmp_path / "coco")
     assert line.startswith("MS COCO 2014: ")
     assert "dataset_coco.json" in line and "caption_datasets.zip" in line
     assert "https://cocodataset.org/#download" in line
@@ -70,7 +74,7 @@ def test_a_part_missing_is_named_with_the_near_name_found_instead(tmp_path: Path
     # the distributed zip unpacks to Flicker8k_Dataset/
     _flickr8k_layout(tmp_path, images="Flicker8k_Dataset")
     (tmp_path / "Flickr8k_text" / "Flickr_8k.devImages.txt").unlink()
-    line = missing_dataset(_profile_data("flickr8k"), tmp_path)
+    line = _missing(_profile_data("flickr8k"), tmp_path)
     assert "lacks Flickr8k_Dataset/ (found Flicker8k_Dataset: rename it), " in line
     assert "Flickr8k_text/Flickr_8k.devImages.txt. Get " in line  # the other one missing
 
@@ -79,9 +83,9 @@ def test_the_layout_in_place_is_nothing_missing_and_a_split_not_required_needs_n
     tmp_path: Path,
 ) -> None:
     _flickr8k_layout(tmp_path)  # no Flickr_8k.testImages.txt: our copy holds none
-    assert missing_dataset(_profile_data("flickr8k"), tmp_path) == ""  # train and val
+    assert _missing(_profile_data("flickr8k"), tmp_path) == ""  # train and val
     with_test = _profile_data("flickr8k", required_splits=("train", "val", "test"))
-    assert "lacks Flickr8k_text/Flickr_8k.testImages.txt. " in missing_dataset(with_test, tmp_path)
+    assert "lacks Flickr8k_text/Flickr_8k.testImages.txt. " in _missing(with_test, tmp_path)
 
 
 def test_read_source_refuses_before_reading_and_the_generated_scenes_need_no_folder(
