@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from pipeline.ray import runtime  # noqa: F401  (loopback env before ray is imported)
 from pipeline.stages import format_duration
-from sat_model.evaluation.metrics import metric_label
+from sat_model.evaluation.metrics import metric_keys, metric_label, metric_of_key
 from sat_model.train.model_dir import CURVE_KEYS
 from sat_model.train.trainer import Callback
 
@@ -79,9 +79,12 @@ class EpochReport:
 
 
 def _validation_keys(metrics: Sequence[Mapping[str, Any]]) -> list[str]:
-    """BLEU-4 and CIDEr, then every other ``val_<key>`` a rank reported, in report order."""
+    """BLEU-4 and CIDEr, then the reported ``val_<key>`` of any other metric family (the one
+    ``train.monitor`` names), in report order."""
+    shown = {metric_of_key(k) for k in CURVE_KEYS}
     reported = [k.removeprefix("val_") for m in metrics for k in m if k.startswith("val_")]
-    return list(dict.fromkeys([*CURVE_KEYS, *reported]))
+    others = [k for k in reported if k in metric_keys() and metric_of_key(k) not in shown]
+    return list(dict.fromkeys([*CURVE_KEYS, *others]))
 
 
 def _reported(metrics: Sequence[Mapping[str, Any]], key: str) -> float | None:

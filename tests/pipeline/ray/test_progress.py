@@ -30,7 +30,10 @@ def _rank(captions: int, train_s: float, epoch_s: float, loss: float, **val: flo
 def test_throughput_sums_the_ranks_captions_over_the_slowest_ranks_training_time() -> None:
     # rank 0 validates (longer epoch, the only scores); rank 1 trains slower
     report = EpochReport.from_ranks(
-        [_rank(600, 2.0, 5.0, 3.0, val_bleu_4=0.25, val_cider=0.61), _rank(600, 3.0, 3.5, 4.0)]
+        [
+            _rank(600, 2.0, 5.0, 3.0, val_bleu_1=0.5, val_bleu_4=0.25, val_cider=0.61),
+            _rank(600, 3.0, 3.5, 4.0),
+        ]
     )
     assert report.captions == 1200
     assert report.captions_per_s == pytest.approx(400.0)  # 1200 / 3 s
