@@ -19,7 +19,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from sat_model.evaluation.visualize import FIGURES_DIR, AttentionFigures
+from sat_model.evaluation.visualize import FIGURES_DIR, Attended, AttentionFigures
 from sat_model.train.model_dir import CURVE_COLUMNS
 from tests.factories import ROOT
 
@@ -45,7 +45,7 @@ def _write_outputs(repo: Path) -> dict[str, list[str]]:
         photo = Image.new("RGB", (32, 32), (200, 30, 30))
         alphas = np.array([[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]])
         with AttentionFigures(gallery, attention) as figures:  # index.html beside the figures
-            figures.add("x", "000", photo, ["a", attention], alphas, grid_h=2, grid_w=2)
+            figures.add("x", "000", photo, Attended(["a", attention], alphas, 2, 2))
         pngs[attention] = sorted(p.name for p in (gallery / FIGURES_DIR).glob("*.png"))
     return pngs
 
