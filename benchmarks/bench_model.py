@@ -546,9 +546,7 @@ def _compiled_beam_run(
     (``compile_decoding``), and a row of its first call's seconds (the compile), its second's
     (a new batch size, compiled again, and the whole search) and whether its captions are
     ``readable_captions``."""
-    compiled = ShowAttendTell(model.config, build_backend("native", compile_decoding=True))
-    compiled = compiled.to(device=annotations.device, dtype=annotations.dtype)
-    compiled.load_state_dict(model.state_dict())
+    compiled = _compiled_decoding_model(model).to(device=annotations.device)
     start = time.perf_counter()
     beam_search(compiled, annotations[:2], beam, max_length)
     first = time.perf_counter() - start
@@ -689,10 +687,13 @@ def _compiled_models(d: Dims) -> dict[str, ShowAttendTell]:
 
 
 def _compiled_decoding_model(native_model: ShowAttendTell) -> ShowAttendTell:
-    """``native_model``'s weights behind the native backend with ``compile_decoding``."""
+    """``native_model``'s weights and dtype behind the native backend with
+    ``compile_decoding``."""
     model = ShowAttendTell(native_model.config, build_backend("native", compile_decoding=True))
     model.load_state_dict(native_model.state_dict())
-    return model
+    # one graph per size and model in one process: the rows of several sizes outrun torch's 8
+    torch._dynamo.config.recompile_limit = 64
+    return model.to(next(native_model.parameters()).dtype)
 
 
 def _training_pass(

@@ -242,12 +242,17 @@ class ShowAttendTell(nn.Module):
         return logits
 
     def step(self, prev_tokens: Tensor, state: DecoderState, mode: str = "expected") -> StepOutput:
-        """One decoding step from y_{t-1} (B,) and the state at t-1."""
+        """One decoding step from y_{t-1} (B,) and the state at t-1: the backend's where it
+        gives one, else ``readable_step``."""
         _check_mode(mode)
         if self.backend is not None:
             out = self.backend.step(self, prev_tokens, state, mode)
             if out is not None:
                 return out
+        return self.readable_step(prev_tokens, state, mode)
+
+    def readable_step(self, prev_tokens: Tensor, state: DecoderState, mode: str) -> StepOutput:
+        """``step``'s equations: Eq. 4-6 and 1-3 (``advance``), then Eq. 7."""
         embedded = self.embedding(prev_tokens)  # (B, m)
         state, att, z, beta = self.advance(embedded, state, mode)
         logits = self.deep_output(embedded, state.h, z)  # (B, K)

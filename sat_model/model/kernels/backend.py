@@ -48,10 +48,10 @@ class NativeBackend:
     def step(
         self, model: ShowAttendTell, prev_tokens: Tensor, state: DecoderState, mode: str
     ) -> StepOutput | None:
-        """``ShowAttendTell.step`` compiled; None (the readable step) where not asked for, while
-        the compiler traces it, and where a compiled step would differ: with autograd, off the
-        CPU, or drawing a location (the compiled code draws from another random stream)."""
-        if torch.compiler.is_compiling() or not self.compile_decoding:
+        """``ShowAttendTell.readable_step`` compiled; None (the readable step) where not asked
+        for, and where a compiled step would differ: with autograd, off the CPU, or drawing a
+        location (the compiled code draws from another random stream)."""
+        if not self.compile_decoding:
             return None
         if mode not in _DETERMINISTIC or torch.is_grad_enabled() or state.h.device.type != "cpu":
             return None
@@ -131,9 +131,10 @@ def fits(model: ShowAttendTell, annotations: Tensor) -> bool:
 
 @functools.cache
 def _compiled_step(cls: type[ShowAttendTell]) -> Callable[..., StepOutput]:
-    """``cls.step`` under ``torch.compile``: one per class and process, compiled at its first
-    call (again for a new batch size, then once for any size)."""
-    return torch.compile(cls.step)  # type: ignore[no-any-return]
+    """``cls.readable_step`` under ``torch.compile``: one per class and process, compiled at
+    its first call (again for a new batch size, then once for any size; past torch's limit of
+    recompiles, the readable step runs as it is)."""
+    return torch.compile(cls.readable_step)  # type: ignore[no-any-return]
 
 
 def _training_kernels() -> native.NativeKernels:
