@@ -55,7 +55,7 @@ class NativeBackend:
             return None
         if mode not in _DETERMINISTIC or torch.is_grad_enabled() or state.h.device.type != "cpu":
             return None
-        return _compiled_step(type(model))(model, prev_tokens, state, mode)
+        return _compiled_step(type(model).readable_step)(model, prev_tokens, state, mode)
 
     def forward(
         self,
@@ -130,11 +130,11 @@ def fits(model: ShowAttendTell, annotations: Tensor) -> bool:
 
 
 @functools.cache
-def _compiled_step(cls: type[ShowAttendTell]) -> Callable[..., StepOutput]:
-    """``cls.readable_step`` under ``torch.compile``: one per class and process, compiled at
-    its first call (again for a new batch size, then once for any size; past torch's limit of
-    recompiles, the readable step runs as it is)."""
-    return torch.compile(cls.readable_step)  # type: ignore[no-any-return]
+def _compiled_step(step: Callable[..., StepOutput]) -> Callable[..., StepOutput]:
+    """A model class's ``readable_step`` under ``torch.compile``: one per class and process,
+    compiled at its first call (again for a new batch size, then once for any size; past
+    torch's limit of recompiles, the readable step runs as it is)."""
+    return torch.compile(step)
 
 
 def _training_kernels() -> native.NativeKernels:

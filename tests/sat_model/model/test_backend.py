@@ -165,9 +165,9 @@ def test_compiled_decoding_gives_the_readable_captions(
     fast.backend = build_backend("native", compile_decoding=True)
     compiled_calls = []
 
-    def counted(cls: type[ShowAttendTell]) -> Any:
-        compiled_calls.append(cls)
-        return compiled_step(cls)
+    def counted(step: Any) -> Any:
+        compiled_calls.append(step)
+        return compiled_step(step)
 
     compiled_step, readable_step = backend._compiled_step, readable.step
     monkeypatch.setattr(backend, "_compiled_step", counted)
@@ -181,8 +181,8 @@ def test_compiled_decoding_gives_the_readable_captions(
         assert g.score == pytest.approx(w.score, rel=1e-5)
         np.testing.assert_allclose(g.alphas, w.alphas, rtol=1e-4, atol=1e-6)
     # where torch.compile runs the function as it is (disabled, or past its recompile limit)
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    got = beam_search(fast, annotations, 3, 8, mode=mode)
+    with torch._dynamo.config.patch(disable=True):
+        got = beam_search(fast, annotations, 3, 8, mode=mode)
     assert [c.tokens for c in got] == [c.tokens for c in want]
 
 
@@ -209,7 +209,7 @@ def test_compiled_decoding_declines_where_the_compiled_step_would_differ(
         meta.step(captions[:, 0].to("meta"), meta.init_state(_batch(device="meta")[0]))
 
 
-def _never(cls: type) -> Any:
+def _never(step: Any) -> Any:
     raise AssertionError("the compiled step was asked for")
 
 
