@@ -691,7 +691,9 @@ def _compiled_decoding_model(native_model: ShowAttendTell) -> ShowAttendTell:
     ``compile_decoding``."""
     model = ShowAttendTell(native_model.config, build_backend("native", compile_decoding=True))
     model.load_state_dict(native_model.state_dict())
-    # one graph per size and model in one process: the rows of several sizes outrun torch's 8
+    # compiled afresh, as in a process of one model: sizes left from another row would make
+    # the step's dimensions dynamic, and its batch sizes would outrun torch's 8 recompiles
+    torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = 64
     return model.to(next(native_model.parameters()).dtype)
 
