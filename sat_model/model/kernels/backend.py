@@ -39,8 +39,8 @@ _DETERMINISTIC = ("expected", "argmax")  # the step modes that draw nothing
 
 class NativeBackend:
     """The compiled kernels behind ``ShowAttendTell.forward``; ``compile_decoding``: the
-    readable decoding step through ``torch.compile`` (it pays only over thousands of images:
-    docs/decisions/001-backend-against-torch-compile.md)."""
+    readable decoding step through ``torch.compile`` (off by default: it did not pay for its
+    compile time, docs/decisions/001-backend-against-torch-compile.md)."""
 
     def __init__(self, compile_decoding: bool = False) -> None:
         self.compile_decoding = compile_decoding
