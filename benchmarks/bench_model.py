@@ -458,12 +458,15 @@ def bench_beam(
     rounds: int = 10,
     dtype: torch.dtype = torch.float32,
     baseline: dict[str, ModuleType] | None = None,
+    compiled: bool = False,
 ) -> dict:
     """Batched beam search over ``images`` against one image at a time, same model and
     annotations, interleaved rounds. ``dtype`` other than float32: the model and annotations
     cast to it (the compiled kernels are float32-only, so both ways run PyTorch's ops); the row
     then also counts the images whose batched caption equals the float32 model's. With
-    ``baseline`` (``load_tree``), that tree's batched search on the same weights too."""
+    ``baseline`` (``load_tree``), that tree's batched search on the same weights too; with
+    ``compiled``, the batched search through the backend's ``torch.compile``'d step, its
+    compile time and whether its captions are the readable step's."""
     torch.manual_seed(0)
     fields = _soft_fields(d)
     model = ShowAttendTell(ModelConfig(**fields), build_backend("native")).to(device)
@@ -478,16 +481,23 @@ def bench_beam(
     batched = beam_search(model, annotations, beam, max_length)
     single = [beam_search(model, a.unsqueeze(0), beam, max_length)[0] for a in annotations]
     runs = _beam_runs(model, annotations, beam, max_length, device)
+    row: dict = {}
+    if compiled:
+        runs["compiled"], row = _compiled_beam_run(model, annotations, beam, max_length, batched)
     if baseline is not None:
         runs["baseline"] = _baseline_beam_run(
             baseline, fields, model, annotations, beam, max_length
         )
     best = _interleaved_best(runs, rounds, device)
     same = _same_captions(batched, single)
-    row: dict = {}
+    if compiled:
+        row["batched_compiled_captions_per_s"] = images / best["compiled"]
+        row["batched_compiled_over_batched"] = best["batched"] / best["compiled"]
     if baseline is not None:
         row["baseline_batched_captions_per_s"] = images / best["baseline"]
         row["batched_over_baseline"] = best["baseline"] / best["batched"]
+        if compiled:
+            row["batched_compiled_over_baseline"] = best["baseline"] / best["compiled"]
     if float32_captions is not None:
         row["images_with_the_same_caption_both_ways"] = same
         row["images_with_the_float32_caption"] = _same_captions(batched, float32_captions)
@@ -518,6 +528,31 @@ def _beam_runs(
         runs["readable"] = batched_readable
     runs["one_at_a_time"] = one_at_a_time
     return runs
+
+
+def _compiled_beam_run(
+    model: ShowAttendTell,
+    annotations: torch.Tensor,
+    beam: int,
+    max_length: int,
+    readable_captions: list[Caption],
+) -> tuple[Callable[[], object], dict]:
+    """Batched beam search through ``model``'s weights with the step compiled
+    (``compile_decoding``), and a row of its first call's seconds (the compile), its second's
+    (a new batch size, compiled again, and the whole search) and whether its captions are
+    ``readable_captions``."""
+    compiled = _compiled_decoding_model(model).to(device=annotations.device)
+    start = time.perf_counter()
+    beam_search(compiled, annotations[:2], beam, max_length)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    captions = beam_search(compiled, annotations, beam, max_length)
+    row = {
+        "decoding_compile_s": first,
+        "decoding_second_call_s": time.perf_counter() - start,
+        "compiled_same_captions": _same_captions(captions, readable_captions) == len(captions),
+    }
+    return lambda: beam_search(compiled, annotations, beam, max_length), row
 
 
 def _baseline_beam_run(
@@ -587,26 +622,27 @@ def _beam_row(
 
 def bench_compiled(d: Dims, batch: int, rounds: int, beam_images: int) -> dict:
     """The native backend against ``torch.compile`` of the readable code it stands in for
-    (Inductor's CPU backend over ``advance`` and ``deep_output``, the equations of a step) and
-    against the readable code itself: the training recurrence (soft, forward and backward of
-    the loss; the kept kernel) and decoding (batched beam search; no kernel kept, so native is
-    the readable code there). Interleaved rounds, best of each; each compile time apart. Where
-    Inductor cannot compile, the error instead. A kernel pays where ``native_over_compiled``
-    is at least 1.3."""
+    (Inductor's CPU backend) and against the readable code itself: the training recurrence
+    (soft, forward and backward of the loss; the kept kernel; compiled: ``advance`` and
+    ``deep_output``, the equations of a step) and decoding (batched beam search; no kernel
+    kept, so native is the readable code there; compiled: the backend's ``compile_decoding``).
+    Interleaved rounds, best of each; each compile time apart. Where Inductor cannot compile,
+    the error instead. A kernel pays where ``native_over_compiled`` is at least 1.3."""
     models = _compiled_models(d)
+    decoding_models = models | {"compiled": _compiled_decoding_model(models["native"])}
     criterion = build_criterion("soft", SoftTrainConfig())
     gen = torch.Generator().manual_seed(0)
     annotations = torch.randn(batch, d.L, d.D, generator=gen)
     captions = _captions(batch, 20, d.K, gen)
     images = annotations[:beam_images]
     pieces = {
-        "training_recurrence": (batch, _training_pass, (criterion, annotations, captions)),
-        "decoding": (beam_images, _beam_pass, (images,)),
+        "training_recurrence": (batch, _training_pass, (criterion, annotations, captions), models),
+        "decoding": (beam_images, _beam_pass, (images,), decoding_models),
     }
     row: dict = {"dims": d.name, "batch": batch, "beam_images": beam_images, "rounds": rounds}
     runs: dict[str, Callable[[], None]] = {}
-    for piece, (_, make, args) in pieces.items():
-        for name, model in models.items():
+    for piece, (_, make, args, piece_models) in pieces.items():
+        for name, model in piece_models.items():
             runs[f"{piece}/{name}"] = make(model, *args)  # type: ignore[operator]
         try:
             start = time.perf_counter()
@@ -617,7 +653,7 @@ def bench_compiled(d: Dims, batch: int, rounds: int, beam_images: int) -> dict:
     for run in runs.values():
         run()  # warm-up
     best = _interleaved_best(runs, rounds)
-    for piece, (count, _, _) in pieces.items():
+    for piece, (count, _, _, _) in pieces.items():
         rates = {name: count / best[f"{piece}/{name}"] for name in models}
         row[piece] = {f"{name}_per_s": rate for name, rate in rates.items()} | {
             "native_over_compiled": rates["native"] / rates["compiled"],
@@ -643,6 +679,18 @@ def _compiled_models(d: Dims) -> dict[str, ShowAttendTell]:
     for model in models.values():
         model.load_state_dict(native_model.state_dict())
     return models
+
+
+def _compiled_decoding_model(native_model: ShowAttendTell) -> ShowAttendTell:
+    """``native_model``'s weights and dtype behind the native backend with
+    ``compile_decoding``."""
+    model = ShowAttendTell(native_model.config, build_backend("native", compile_decoding=True))
+    model.load_state_dict(native_model.state_dict())
+    # compiled afresh, as in a process of one model: sizes left from another row would make
+    # the step's dimensions dynamic, and its batch sizes would outrun torch's 8 recompiles
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = 64
+    return model.to(next(native_model.parameters()).dtype)
 
 
 def _training_pass(
@@ -839,9 +887,9 @@ def comparison(
     default: Dims, beam_images: int, rounds: int, baseline: dict[str, ModuleType] | None
 ) -> dict:
     """Training against the tutorial's plain step at the tutorial's, the default and the
-    paper's sizes, and batched beam search against one image at a time (default and paper
-    sizes), each beside ``baseline``'s where given, and beam search's fraction of the float32
-    matmul bound at the paper's sizes."""
+    paper's sizes, and batched beam search (eager and with the step compiled) against one
+    image at a time at the default, the tutorial's and the Flickr8k profile's sizes, each
+    beside ``baseline``'s where given, with its fraction of the float32 matmul bound."""
     backends = matmul_flops()
     peak = max(backends.values())
     result: dict = {
@@ -855,10 +903,8 @@ def comparison(
             for d in (TUTORIAL, default, PAPER)
         ],
         "beam_search": [
-            bench_beam(
-                d, beam_images, 3, 20, rounds=rounds if d is default else 1, baseline=baseline
-            )
-            for d in (default, PAPER)
+            bench_beam(d, beam_images, 3, 20, rounds=rounds, baseline=baseline, compiled=True)
+            for d in (default, TUTORIAL, FLICKR8K)
         ],
         # what keeps each hand-written piece: its ratio over compiled readable code
         "kept_over_compiled": bench_compiled(FLICKR8K, 64, rounds, beam_images),

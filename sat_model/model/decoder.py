@@ -13,9 +13,9 @@ attention takes the expectation), ``"expected"`` (ẑ = β Σ α a, the authors'
 ``"sample"`` (one sampled location, no semi-sampling) and ``"argmax"`` (the most attended
 location).
 
-A ``Backend``, given by the model factory, may compute ``forward`` faster: the same function
-(``tests/sat_model/test_backend.py`` holds it to it), or None where it does not apply and the
-code here runs (docs/METHOD.md, "The backend").
+A ``Backend``, given by the model factory, may compute ``forward`` or ``step`` faster: the same
+function (``tests/sat_model/model/test_backend.py`` holds it to it), or None where it does not
+apply and the code here runs (docs/METHOD.md, "The backend").
 """
 
 from __future__ import annotations
@@ -135,14 +135,19 @@ def pick_location(alpha: Tensor, mode: str) -> Tensor:
 
 
 class Backend(Protocol):
-    """Another computation of ``ShowAttendTell.forward``: its result, or None where it does
-    not apply (then the code here runs)."""
+    """Another computation of ``ShowAttendTell.forward`` and ``step``: its result, or None
+    where it does not apply (then the code here runs)."""
 
     def forward(
         self, model: ShowAttendTell, a: Tensor, y: Tensor, mode: str, s: Tensor | None, k: int, /
     ) -> ForwardOutput | None:
         """The pass over annotations (B/k, L, D) and inputs y (B, T), forced s̃ (B, T) or
         None, k rows per image."""
+
+    def step(
+        self, model: ShowAttendTell, y: Tensor, state: DecoderState, mode: str, /
+    ) -> StepOutput | None:
+        """One decoding step from y_{t-1} (B,) and the state at t-1."""
 
 
 class ShowAttendTell(nn.Module):
@@ -237,8 +242,17 @@ class ShowAttendTell(nn.Module):
         return logits
 
     def step(self, prev_tokens: Tensor, state: DecoderState, mode: str = "expected") -> StepOutput:
-        """One decoding step from y_{t-1} (B,) and the state at t-1."""
+        """One decoding step from y_{t-1} (B,) and the state at t-1: the backend's where it
+        gives one, else ``readable_step``."""
         _check_mode(mode)
+        if self.backend is not None:
+            out = self.backend.step(self, prev_tokens, state, mode)
+            if out is not None:
+                return out
+        return self.readable_step(prev_tokens, state, mode)
+
+    def readable_step(self, prev_tokens: Tensor, state: DecoderState, mode: str) -> StepOutput:
+        """``step``'s equations: Eq. 4-6 and 1-3 (``advance``), then Eq. 7."""
         embedded = self.embedding(prev_tokens)  # (B, m)
         state, att, z, beta = self.advance(embedded, state, mode)
         logits = self.deep_output(embedded, state.h, z)  # (B, K)

@@ -1,7 +1,7 @@
 """``benchmarks/bench_model.py``: its beam search rows (batched against one image at a time in
 float32 and in bfloat16, and the bound the matrix products put on their ratio), its plain
-reference of the training step, the baseline tree it times beside this one, and the kept
-kernels against compiled readable code."""
+reference of the training step, the baseline tree and the compiled decoding step it times
+beside this one, and the kept kernels against compiled readable code."""
 
 from __future__ import annotations
 
@@ -94,8 +94,13 @@ def test_a_tree_loaded_beside_is_timed_in_the_same_rounds() -> None:
     reference_s = 4 / row["reference_captions_per_s"]
     at_peak_s = row["necessary_matmul_flops"] / row["interleaved_matmul_peak_flops_per_s"]
     assert row["speedup_bound_at_float32_matmul_peak"] == pytest.approx(reference_s / at_peak_s)
-    beam = bench_model.bench_beam(TINY, images=2, beam=2, max_length=4, rounds=1, baseline=tree)
+    beam = bench_model.bench_beam(
+        TINY, images=2, beam=2, max_length=4, rounds=1, baseline=tree, compiled=True
+    )
     assert beam["batched_over_baseline"] > 0 and beam["same_captions"] is True
+    # the step through torch.compile: its compile time, its rate beside both, its captions
+    assert beam["decoding_compile_s"] > 0 and beam["compiled_same_captions"] is True
+    assert beam["batched_compiled_over_baseline"] > 0 and beam["batched_compiled_over_batched"] > 0
 
 
 @pytest.mark.slow

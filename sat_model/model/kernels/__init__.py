@@ -4,7 +4,8 @@
 
 - ``native``: ``NativeBackend`` (``backend.py``) runs a training pass's recurrence
   (``recurrence.py``) on compiled kernels (``native.py``, ``native_kernels.cpp``) on float32
-  CPU tensors, and the readable code elsewhere (decoding included);
+  CPU tensors, and the readable code elsewhere: decoding, under ``torch.compile`` where
+  ``compile_decoding`` asks for it;
 - ``readable``: no backend, autograd through ``decoder.py`` alone.
 """
 
@@ -18,8 +19,9 @@ __all__ = ["BACKENDS", "NativeBackend", "build_backend"]
 BACKENDS = ("native", "readable")
 
 
-def build_backend(name: str) -> Backend | None:
-    """The backend named ``name`` (``model.backend``); None for the readable code alone."""
+def build_backend(name: str, *, compile_decoding: bool = False) -> Backend | None:
+    """The backend named ``name`` (``model.backend``); None for the readable code alone.
+    ``compile_decoding``: the native backend decodes through ``torch.compile``."""
     if name not in BACKENDS:
         raise RuntimeError(f"unknown model backend {name!r}; expected one of {BACKENDS}")
-    return NativeBackend() if name == "native" else None
+    return NativeBackend(compile_decoding) if name == "native" else None

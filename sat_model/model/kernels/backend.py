@@ -5,7 +5,10 @@ it answers a pass in the "train" or "expected" mode, or with forced locations fo
 attention, without autocast and with annotations that need no gradient: the T steps of
 Eq. 1-6 as one autograd node (``recurrence.py``), the embedding's share of Eq. 1 for all T
 steps in one product, and the deep output (Eq. 7) by the model's own ``deep_output``.
-Elsewhere it returns None and the readable code runs; decoding always does.
+Elsewhere it returns None and the readable code runs. Decoding is the readable step's, under
+``torch.compile`` where ``compile_decoding`` asks for it (compiled once per model class and
+process, at the first step; CPU tensors without autograd in the modes that draw nothing,
+where the compiled step gives the readable step's captions).
 
 Only float32 CPU tensors and a model of exactly the stock modules (``fits``) take it. Eq. 4's
 scores go through tanh(u) = 2σ(2u) - 1, whose constant term cancels in Eq. 5's softmax
@@ -14,13 +17,16 @@ scores go through tanh(u) = 2σ(2u) - 1, whose constant term cancels in Eq. 5's 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
 from sat_model.model.decoder import HardAttention, ShowAttendTell, SoftAttention
 from sat_model.model.kernels import native
 from sat_model.model.kernels.recurrence import Weights, recurrence
-from sat_model.model.outputs import ForwardOutput
+from sat_model.model.outputs import DecoderState, ForwardOutput, StepOutput
 
 __all__ = ["NativeBackend", "fits"]
 
@@ -28,10 +34,28 @@ _LINEARS = ("init_h", "init_c", "hidden_out", "context_out", "out")
 # the model's methods the backend stands in for or calls: a subclass that redefines one runs
 # the readable code
 _EQUATIONS = ("prepare", "advance", "deep_output", "semi_sampling_mask")
+_DETERMINISTIC = ("expected", "argmax")  # the step modes that draw nothing
 
 
 class NativeBackend:
-    """The compiled kernels behind ``ShowAttendTell.forward``."""
+    """The compiled kernels behind ``ShowAttendTell.forward``; ``compile_decoding``: the
+    readable decoding step through ``torch.compile`` (off by default: it did not pay for its
+    compile time, docs/decisions/001-backend-against-torch-compile.md)."""
+
+    def __init__(self, compile_decoding: bool = False) -> None:
+        self.compile_decoding = compile_decoding
+
+    def step(
+        self, model: ShowAttendTell, prev_tokens: Tensor, state: DecoderState, mode: str
+    ) -> StepOutput | None:
+        """``ShowAttendTell.readable_step`` compiled; None (the readable step) where not asked
+        for, and where a compiled step would differ: with autograd, off the CPU, or drawing a
+        location (the compiled code draws from another random stream)."""
+        if not self.compile_decoding:
+            return None
+        if mode not in _DETERMINISTIC or torch.is_grad_enabled() or state.h.device.type != "cpu":
+            return None
+        return _compiled_step(type(model).readable_step)(model, prev_tokens, state, mode)
 
     def forward(
         self,
@@ -103,6 +127,14 @@ def fits(model: ShowAttendTell, annotations: Tensor) -> bool:
         and (model.gate is None or type(model.gate) is nn.Linear)
         and all(getattr(cls, f) is getattr(ShowAttendTell, f) for f in _EQUATIONS)
     )
+
+
+@functools.cache
+def _compiled_step(step: Callable[..., StepOutput]) -> Callable[..., StepOutput]:
+    """A model class's ``readable_step`` under ``torch.compile``: one per class and process,
+    compiled at its first call (again for a new batch size, then once for any size; past
+    torch's limit of recompiles, the readable step runs as it is)."""
+    return torch.compile(step)
 
 
 def _training_kernels() -> native.NativeKernels:

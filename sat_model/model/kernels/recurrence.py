@@ -6,8 +6,8 @@ locations, ``D`` annotation size, ``n`` LSTM size, ``A`` attention-MLP size.
 The T steps of Eq. 1-6 with the gate β (Sec. 4.2.1), soft attention's expected context or
 hard attention's sampled one with semi-sampling (Sec. 4.1), run forward in one call into
 ``native_kernels.cpp`` and back through time in another; the weight gradients are then one
-matrix product each over all T·B rows. ``tests/sat_model/test_backend.py`` holds the loss and
-every gradient to the readable model's.
+matrix product each over all T·B rows. ``tests/sat_model/model/test_backend.py`` holds the
+loss and every gradient to the readable model's.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import ast
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pydantic
 import pytest
 import torch
@@ -151,6 +152,65 @@ def test_decoding_runs_the_readable_steps_and_captions(
     got_beams = beam_search(fast, annotations, beam_size=3, max_length=8)
     want_beams = beam_search(readable, annotations, beam_size=3, max_length=8)
     assert [c.tokens for c in got_beams] == [c.tokens for c in want_beams]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("attention", "mode"), [("soft", "expected"), ("hard", "argmax")])
+def test_compiled_decoding_gives_the_readable_captions(
+    attention: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``compile_decoding``: every step of a beam search through ``torch.compile`` of the
+    readable step, and the same captions, scores and α as the readable code."""
+    fast, readable = (m.eval() for m in _pair(attention))
+    fast.backend = build_backend("native", compile_decoding=True)
+    compiled_calls = []
+
+    def counted(step: Any) -> Any:
+        compiled_calls.append(step)
+        return compiled_step(step)
+
+    compiled_step, readable_step = backend._compiled_step, readable.step
+    monkeypatch.setattr(backend, "_compiled_step", counted)
+    readable_steps = []
+    monkeypatch.setattr(readable, "step", lambda *a: readable_steps.append(1) or readable_step(*a))
+    annotations = _batch()[0]
+    got, want = (beam_search(m, annotations, 3, 8, mode=mode) for m in (fast, readable))
+    assert len(compiled_calls) == len(readable_steps) > 1  # every step compiled
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    for g, w in zip(got, want, strict=True):
+        assert g.score == pytest.approx(w.score, rel=1e-5)
+        np.testing.assert_allclose(g.alphas, w.alphas, rtol=1e-4, atol=1e-6)
+    # where torch.compile runs the function as it is (disabled, or past its recompile limit)
+    with torch._dynamo.config.patch(disable=True):
+        got = beam_search(fast, annotations, 3, 8, mode=mode)
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+
+
+def test_compiled_decoding_declines_where_the_compiled_step_would_differ(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step that draws a location, one under autograd and one off the CPU run the readable
+    code: the compiled code draws from another random stream, and compiling for a training
+    step or a GPU was never measured to pay."""
+    fast, readable = _pair("hard")
+    fast.backend = build_backend("native", compile_decoding=True)
+    monkeypatch.setattr(backend, "_compiled_step", _never)
+    annotations, captions, _ = _batch()
+    sampled = []
+    for m in (fast, readable):
+        torch.manual_seed(3)
+        with torch.no_grad():
+            sampled.append(m.step(captions[:, 0], m.init_state(annotations), "sample").location)
+    assert sampled[0] is not None and torch.equal(sampled[0], sampled[1])
+    fast.step(captions[:, 0], fast.init_state(annotations))  # autograd on
+    meta = _pair("soft", device="meta")[0]
+    meta.backend = fast.backend
+    with torch.no_grad():
+        meta.step(captions[:, 0].to("meta"), meta.init_state(_batch(device="meta")[0]))
+
+
+def _never(step: Any) -> Any:
+    raise AssertionError("the compiled step was asked for")
 
 
 @pytest.mark.gpu
