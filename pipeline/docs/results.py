@@ -77,9 +77,8 @@ def quality_table(reports: Path, data: str, command: str) -> str | None:
         return None
     keys = metric_keys()
     point = any("pointing_accuracy" in m for m in found.values())
-    heads = [
-        metric_label(k) for k in keys
-    ]  # as the metric registry names them + (["pointing"] if point else [])
+    # as the metric registry labels them, then pointing accuracy where a report has it
+    heads = [metric_label(k) for k in keys] + (["pointing"] if point else [])
     lines = [
         "| model | data | " + " | ".join(heads) + " |",
         "|---|---|" + "---|" * len(heads),

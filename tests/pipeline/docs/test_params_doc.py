@@ -73,6 +73,8 @@ def test_results_tables_show_our_scores_in_percent_from_the_reports(tmp_path: Pa
     assert set(sections) == {"scenes", "paper"}  # no benchmark, no profile: nothing else
     row = "| **sat soft** | generated scenes, test | 50.0 | – | – | 25.0 | 12.5 | – | – | 87.5 |"
     assert row in sections["scenes"]
+    header = sections["scenes"].splitlines()[0]
+    assert header.endswith("| CIDEr | pointing |") and header.count("|") == row.count("|")
     assert "sat hard" not in sections["scenes"]  # no report, no row
     assert "`make run` · " in sections["scenes"]  # the command and the report's date
     assert "| Flickr8k | hard | 67 | 45.7 | 31.4 | 21.3 | 20.3 |" in sections["paper"]
