@@ -59,7 +59,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pipeline.stages import extract, load_context, prepare
     from pipeline.tracking.packaging import log_and_register
     from pipeline.tracking.registry import promote_if_better
-    from sat_model.train.run import train_model
+    from sat_model.train.run import TrainFolders, train_model
 
     root = tmp_path_factory.mktemp("drift")
     uri = f"sqlite:///{root / 'mlflow.db'}"
@@ -67,7 +67,9 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ctx = load_context(root / "params.yaml")
     assert prepare.run(ctx) == 0 and extract.run(ctx) == 0
     data = root / "data"
-    train_model(ctx.params, "soft", data / "prepared", data / "features", root / "models")
+    train_model(
+        ctx.params, "soft", TrainFolders(data / "prepared", data / "features", root / "models")
+    )
     client = MlflowClient(uri)
     registered = log_and_register(
         client,

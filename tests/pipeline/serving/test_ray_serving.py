@@ -101,7 +101,7 @@ def ray_served(tmp_path_factory: pytest.TempPathFactory):
             model_dir=model,
             model_name=NAME,
             experiment_id=experiment,
-            metrics={"bleu_4": 0.1},
+            metrics={"bleu_4": 0.1, "cider": 0.1},  # every metric the promotion floor names
             params={},
             tags={"attention": "soft"},
             decoding=DECODING,

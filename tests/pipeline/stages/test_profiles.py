@@ -114,7 +114,11 @@ def test_make_run_of_a_profile_without_its_dataset_stops_in_one_line_before_any_
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        # as a user's shell runs it, not as a sub-make of `make test` (make[1]: ...)
+        env={
+            **{k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS")},
+            "PYTHONPATH": str(ROOT),
+        },
     )
     assert run.returncode != 0
     lines = run.stderr.splitlines()
