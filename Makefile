@@ -10,7 +10,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export NO_MKDOCS_2_WARNING := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: run test test-fast typecheck fast-tests docs lint format bench clean
+.PHONY: run test test-fast typecheck fast-tests docs-check all-tests docs lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,13 +42,19 @@ run: $(VENV)/.installed
 		$(BIN)/dvc repro $(if $(PROFILE),$(PROJECT)/dvc.yaml)
 	$(BIN)/sat summary --reports $(PROJECT)/reports
 
+# mypy and the docs build run beside the tests: each is one process on one core, which the
+# tests' first minutes (clusters and pipelines starting) leave partly idle
 test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy
+	$(MAKE) --no-print-directory -j3 typecheck docs-check all-tests
+
+docs-check: $(VENV)/.installed-dev
 	$(BIN)/mkdocs build --strict --quiet
-	# two workers, each a whole module at a time (its servers, its cluster, its pipeline run):
-	# most tests wait on processes they started, so two share the two cores well
+
+# two workers, each a whole module at a time (its servers, its cluster, its pipeline run):
+# most tests wait on processes they started, so two share the two cores well
+all-tests: $(VENV)/.installed-dev
 	$(BIN)/pytest -n 2 --dist loadfile
 
 # The inner loop: lint, types and every test that is no real-path integration (tests/conftest.py:
