@@ -143,7 +143,7 @@ def _models(args: argparse.Namespace) -> int:
 def _promote(args: argparse.Namespace) -> int:
     from mlflow import MlflowClient
 
-    from pipeline.tracking.floor import check_floor
+    from pipeline.tracking.governance.floor import check_floor
     from pipeline.tracking.registry import promote
 
     params = params_or_defaults(args)
@@ -171,7 +171,7 @@ def _promote(args: argparse.Namespace) -> int:
 def _card(args: argparse.Namespace) -> int:
     from mlflow import MlflowClient
 
-    from pipeline.tracking.card import card_text
+    from pipeline.tracking.governance.card import card_text
 
     name = model_name(args)
     # a RegistryError (no such version or alias, no card) is a user error: main prints it
@@ -183,7 +183,7 @@ def _review(args: argparse.Namespace) -> int:
     from mlflow import MlflowClient
 
     from pipeline.cli.project import context
-    from pipeline.tracking.review import review_photos, write_review
+    from pipeline.tracking.governance.review import review_photos, write_review
 
     if args.photos < 1:
         raise CommandError(f"--photos must be at least 1, got {args.photos}")

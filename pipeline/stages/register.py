@@ -33,7 +33,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     ctx = cli_context("register", args)
-    from pipeline.tracking.floor import check_floor
+    from pipeline.tracking.governance.floor import check_floor
     from sat_model.config import ParamsError
 
     try:

@@ -10,7 +10,8 @@ no known training run (trained ``--in-process``) gets a run of its own,
 ``register-<attention>-<hash>``. ``champion`` moves to a new version only when it beats the
 current champion on ``mlflow.champion_metric``, and only where ``mlflow.promote`` allows
 (``auto``: not inside a ``dvc exp run``) and only to a version that reaches
-``promotion.floor``. Each new version gets its model card (:mod:`pipeline.tracking.card`).
+``promotion.floor``. Each new version gets its model card
+(:mod:`pipeline.tracking.governance.card`).
 :func:`register_models` returns what happened (the content of ``reports/registry.json``).
 """
 
@@ -225,7 +226,7 @@ def _log_card(
     card: _CardOf,
 ) -> None:
     """Write the version's model card into its run and tag the version with it."""
-    from pipeline.tracking.card import (
+    from pipeline.tracking.governance.card import (
         CARD_PATH,
         CARD_SUMMARY_TAG,
         CARD_TAG,
@@ -233,7 +234,7 @@ def _log_card(
         render_card,
         summary_line,
     )
-    from pipeline.tracking.seeds import seed_scores
+    from pipeline.tracking.governance.seeds import seed_scores
 
     name, version = card.registered.model_name, card.registered.version
     facts = gather_card_facts(

@@ -3,7 +3,8 @@
 Versions are identified by the sha256 of their checkpoint (tag ``sat.checkpoint_sha256``; logging
 and registering a model is :mod:`pipeline.tracking.packaging`). The ``champion`` alias (aliases,
 not the deprecated stages) moves only when a version beats the current champion on the chosen
-metric, on the same split, and reaches the promotion floor (:mod:`pipeline.tracking.floor`);
+metric, on the same split, and reaches the promotion floor
+(:mod:`pipeline.tracking.governance.floor`);
 every caption metric here is better when higher. :func:`promotion_allowed` says whether the
 register stage may move it at all (``mlflow.promote``; not inside a ``dvc exp run`` by default).
 """
@@ -21,7 +22,7 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
-from pipeline.tracking.floor import FLOOR_OVERRIDE_TAG, floor_misses, record_override
+from pipeline.tracking.governance.floor import FLOOR_OVERRIDE_TAG, floor_misses, record_override
 from pipeline.tracking.runs import ATTENTION_TAG, CHECKPOINT_TAG
 from sat_model.model.checkpoint import model_files
 
@@ -89,8 +90,8 @@ def decide_promotion(
     candidate: float | None, champion: float | None, misses: Sequence[str] = ()
 ) -> PromotionDecision:
     """The rule: promote when the candidate reaches the floor (``misses``: what it missed,
-    :func:`~pipeline.tracking.floor.floor_misses`) and there is no champion, or the candidate
-    is strictly better.
+    :func:`~pipeline.tracking.governance.floor.floor_misses`) and there is no champion, or the
+    candidate is strictly better.
 
     A tie keeps the incumbent (moving the alias on noise would churn what is being served); a
     candidate without the metric (or NaN) is never promoted.

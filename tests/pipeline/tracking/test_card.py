@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.settings import load_params
-from pipeline.tracking.card import gather_card_facts, render_card
+from pipeline.tracking.governance.card import gather_card_facts, render_card
 
 PARAMS = "data: {source: karpathy, root: coco, karpathy: {json_file: dataset_coco.json}}\n"
 

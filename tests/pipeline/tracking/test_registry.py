@@ -18,7 +18,8 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from pipeline.tracking.floor import floor_misses
+from pipeline.tracking.governance.floor import floor_misses
+from pipeline.tracking.governance.review import find_version
 from pipeline.tracking.packaging import log_and_register
 from pipeline.tracking.registry import (
     CHAMPION_ALIAS,
@@ -30,7 +31,6 @@ from pipeline.tracking.registry import (
     promote_if_better,
     promotion_allowed,
 )
-from pipeline.tracking.review import find_version
 from tests.factories import to_format_1, write_tiny_model
 from tests.pipeline.servers import mlflow_server
 

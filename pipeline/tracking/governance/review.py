@@ -2,8 +2,8 @@
 
 What a reviewer compares on a pull request, in one page (``sat review``): both versions'
 scores side by side with the deltas, the seeds' spread where several seeds ran
-(:mod:`pipeline.tracking.seeds`), the captions both give to the same test photos (the first
-ones of the project's test split, by id) with their attention figures
+(:mod:`~pipeline.tracking.governance.seeds`), the captions both give to the same test
+photos (the first ones of the project's test split, by id) with their attention figures
 (:class:`~sat_model.evaluation.visualize.AttentionFigures`, as ``sat caption --attention-out``
 draws them), and the params that differ. Each model is fetched from the registry and checked
 against its recorded sha256, and decodes as it was scored (its ``sat.decoding`` tag).
@@ -25,11 +25,11 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 
-from pipeline.tracking.card import spread_line
+from pipeline.tracking.governance.card import spread_line
+from pipeline.tracking.governance.seeds import seed_scores
 from pipeline.tracking.packaging import DECODING_TAG
 from pipeline.tracking.registry import RegistryError, version_of
 from pipeline.tracking.runs import ATTENTION_TAG, EXPERIMENT_TAG, GIT_COMMIT_TAG
-from pipeline.tracking.seeds import seed_scores
 
 __all__ = ["HTML_FILE", "MARKDOWN_FILE", "Side", "find_version", "review_photos", "write_review"]
 

@@ -21,7 +21,7 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 
-from pipeline.tracking.floor import FLOOR_MISSED_TAG, FLOOR_OVERRIDE_TAG
+from pipeline.tracking.governance.floor import FLOOR_MISSED_TAG, FLOOR_OVERRIDE_TAG
 from pipeline.tracking.registry import RegistryError, version_of
 from pipeline.tracking.runs import GIT_COMMIT_TAG, flatten
 from sat_model.data.tables import REPORT_FILE as PREPARE_REPORT_FILE
@@ -69,7 +69,7 @@ LIMITS = (
 
 @dataclass(frozen=True)
 class CardFacts:
-    """What a card says, each from one record (the docstring of :mod:`pipeline.tracking.card`)."""
+    """What a card says, each from one record (this module's docstring)."""
 
     model_name: str
     version: str
