@@ -188,6 +188,8 @@ def _rank_zero(
         "train": {"seed": params.train.seed, **setup.cfg.model_dump()},
         # what the model knows: the scenes' shapes or photos (sat caption and sat serve say so)
         "data": {"source": params.data.source},
+        # what trained it, for the model card
+        "hardware": {"device": describe_device(setup.device)},
     }
     if identity is not None:
         extra_config["identity"] = identity
@@ -204,3 +206,10 @@ def _rank_zero(
         monitor=params.train.monitor,
     )
     return validate, writer
+
+
+def describe_device(device: torch.device) -> str:
+    """``cuda (<its name>)`` or ``cpu (<N> threads)``: the device one rank trained on."""
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"{device.type} ({torch.get_num_threads()} threads)"

@@ -153,6 +153,7 @@ def gather_card_facts(
         training={
             **{k: trained[k] for k in ("epochs", "best_epoch", "train_captions") if k in trained},
             "workers": trained.get("world_size"),
+            "device": config.get("hardware", {}).get("device"),
             "seconds": training_seconds,
         },
         seeds=dict(seeds or {}),
@@ -219,10 +220,15 @@ def _scores(f: CardFacts) -> list[str]:
 def _training(f: CardFacts) -> list[str]:
     t = f.training
     seconds = t.get("seconds")
-    rows = [(k.replace("_", " "), str(v)) for k, v in t.items() if k not in ("seconds", "workers")]
+    rows = [
+        (k.replace("_", " "), str(v))
+        for k, v in t.items()
+        if k not in ("seconds", "workers", "device")
+    ]
     rows.append(("training time", f"{seconds / 60:.1f} min" if seconds else "unrecorded"))
     workers = f"{t['workers']} worker(s)" if t.get("workers") else "workers unrecorded"
-    rows.append(("hardware", f"{workers}; the device is not recorded"))
+    device = f"each on {t['device']}" if t.get("device") else "the device is not recorded"
+    rows.append(("hardware", f"{workers}; {device}"))
     return ["## Training", "", *_table(rows, ("record", "value")), ""]
 
 

@@ -23,6 +23,7 @@ def _profile(root: Path) -> Path:
         (folder / sub).mkdir(parents=True)
     (folder / "params.yaml").write_text(PARAMS)
     config = {"data": {"source": "karpathy"}, "train": {"seed": 2}, "model": {"embed_dim": 512}}
+    config["hardware"] = {"device": "cuda (NVIDIA H200)"}
     (folder / "models/soft/config.json").write_text(json.dumps(config))
     (folder / "models/soft/train_metrics.json").write_text(
         json.dumps({"epochs": 7, "world_size": 4})
@@ -56,7 +57,8 @@ def test_a_card_says_what_the_data_allows_and_the_spread_of_the_seeds(tmp_path: 
     assert "| images train | 113287 |" in card
     assert "| prepared data (dvc.lock md5) | `abc.dir` |" in card
     assert "on the test split (5000 images)" in card and ", seed 2." in card
-    assert "| training time | 90.0 min |" in card and "| hardware | 4 worker(s);" in card
+    assert "| training time | 90.0 min |" in card
+    assert "| hardware | 4 worker(s); each on cuda (NVIDIA H200) |" in card
     values = np.array(list(bleu.values()))
     spread = f"mean {values.mean():.4f}, sd {values.std(ddof=1):.4f}, 0.2410-0.2520"
     assert f"- bleu_4 over 3 seeds (0, 1, 2): {spread}" in card
