@@ -278,8 +278,13 @@ def test_evaluate_register_models_promote_and_caption_the_champion(project, caps
     _summary_models_and_promote_name_the_champion(capsys, metrics)
     _caption_with_the_champion(project, capsys)
 
-    assert main(["evaluate", "--model", "models:/sat-captioner@champion"]) == 0
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as env:  # as in a fresh shell: no earlier command's quiet
+        env.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
+        assert main(["evaluate", "--model", "models:/sat-captioner@champion"]) == 0
     assert (project / "reports/eval/sat-captioner@champion/metrics.json").exists()
+    shown = capsys.readouterr()
+    assert "Downloading artifacts" not in shown.err and shown.out.startswith("evaluate: test")
 
     _another_length_penalty_is_a_new_version(project, capsys, tracking)
 
