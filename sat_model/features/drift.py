@@ -132,19 +132,6 @@ def pooled_features(store: FeatureStore) -> np.ndarray:
     return out
 
 
-def _ledoit_wolf(x: np.ndarray) -> tuple[np.ndarray, float]:
-    """The covariance of centred rows ``x`` (N, D) and its Ledoit-Wolf shrinkage towards
-    ``tr(S)/D · I`` (the estimator of scikit-learn's ``ledoit_wolf_shrinkage``)."""
-    n, dims = x.shape
-    covariance = x.T @ x / n  # (D, D)
-    mu = np.trace(covariance) / dims
-    delta = ((covariance - mu * np.eye(dims)) ** 2).sum() / dims
-    squares = x * x
-    beta = ((squares.T @ squares).sum() / n - (covariance**2).sum()) / (dims * n)
-    shrinkage = 0.0 if delta == 0 else min(beta, delta) / delta
-    return covariance, shrinkage
-
-
 def fit_drift(
     train: np.ndarray,
     val: np.ndarray,
@@ -158,11 +145,14 @@ def fit_drift(
         raise ValueError(
             f"drift statistics need 2 training and 1 validation photo, got {len(train)}, {len(val)}"
         )
+    from sklearn.covariance import ledoit_wolf
+
     mean = train.mean(0)  # (D,)
-    covariance, shrinkage = _ledoit_wolf(train - mean)
-    mu = np.trace(covariance) / covariance.shape[0]
+    # the covariance shrunk towards tr(S)/D · I (Ledoit-Wolf): N photos, D >> N dimensions
+    covariance, _ = ledoit_wolf(train - mean, assume_centered=True)  # (D, D)
+    mu = np.trace(covariance) / covariance.shape[0]  # shrinking keeps the trace
     eigenvalues, eigenvectors = np.linalg.eigh(covariance)  # ascending
-    shrunk = (1 - shrinkage) * eigenvalues[::-1] + shrinkage * mu  # (D,) descending
+    shrunk = eigenvalues[::-1]  # (D,) descending
     k = min(components, len(shrunk) - 1)
     residual = float(shrunk[k:].mean())
     if not (residual > 0 and math.isfinite(residual)):  # every photo alike: nothing to measure
