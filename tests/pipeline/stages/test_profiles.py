@@ -344,3 +344,95 @@ def test_photos_away_from_the_project_are_named_by_absolute_path(tmp_path: Path)
     data = load_params(folder / "params.yaml").data
     assert data.root == str((tmp_path / "photos").resolve())
     assert data.folder.captions_file == "../captions.csv"  # beside the photos folder
+
+
+_STUB = """import pathlib, sys
+for out in map(pathlib.Path, sys.argv[2:]):  # each output, with the files later stages read
+    if out.suffix:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("{}")
+        continue
+    out.mkdir(parents=True, exist_ok=True)
+    for name in sys.argv[1].split(","):
+        (out / name).write_text("{}")
+"""
+
+
+def _set(params_file: Path, dotted: str, value: Any) -> None:
+    """Set one key as a user's editor would: that line changes, the rest stays."""
+    from ruamel.yaml import YAML
+
+    writer = YAML()
+    tree = writer.load(params_file.read_text(encoding="utf-8"))
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    out = io.StringIO()
+    writer.dump(tree, out)
+    params_file.write_text(out.getvalue(), encoding="utf-8")
+
+
+def _changed_params(project: Path, dvc_file: str) -> dict[str, list[str]]:
+    """`dvc status` of a pipeline: each stage with changed params, and which."""
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("dvc")), "status", dvc_file, "--json"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    changed: dict[str, list[str]] = {}
+    for stage, changes in json.loads(done.stdout or "{}").items():
+        deps = [c["changed deps"] for c in changes if isinstance(c, dict) and "changed deps" in c]
+        for path, what in (item for d in deps for item in d.items()):
+            if isinstance(what, dict):  # a params file: {key: modified}
+                changed.setdefault(stage.split(":")[-1], []).extend(f"{path}:{k}" for k in what)
+    return changed
+
+
+@pytest.mark.slow
+def test_dvc_reruns_the_profile_stages_that_read_a_changed_root_or_profile_key(
+    tmp_path: Path,
+) -> None:
+    """The Flickr8k profile's generated dvc.yaml, its real params and deps, with each command a
+    stub that writes the stage's outputs: after `dvc repro`, `dvc status` names the stages a
+    root key the profile inherits, and one it sets itself, feed; a root key it overrides, none."""
+    project = copy_project(tmp_path / "sat")
+    folder = project / "profiles" / "flickr8k"
+    (folder / "dvc.lock").unlink(missing_ok=True)
+    (project / "stub.py").write_text(_STUB)
+    spec = _yaml(folder / "dvc.yaml")
+    deps = [Path(d).name for stage in spec["stages"].values() for d in stage["deps"]]
+    names = sorted({d for d in deps if d.endswith((".json", ".parquet"))})
+    for stage in spec["stages"].values():
+        outs = " ".join(stage["outs"])
+        stage["cmd"] = f"{sys.executable} ../../stub.py {','.join(names)} {outs}"
+    (folder / "dvc.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    dvc = str(Path(sys.executable).with_name("dvc"))
+    repro = subprocess.run(
+        [dvc, "repro", "-q", "profiles/flickr8k/dvc.yaml"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert repro.returncode == 0, repro.stdout + repro.stderr
+    assert _changed_params(project, "profiles/flickr8k/dvc.yaml") == {}
+
+    _set(project / "params.yaml", "model.embed_dim", 64)  # the profile sets its own: 256
+    assert _changed_params(project, "profiles/flickr8k/dvc.yaml") == {}
+    _set(project / "params.yaml", "encoder.batch_size", 8)  # the profile takes the root's
+    _set(folder / "params.yaml", "eval.length_penalty.hard", 1.5)  # the profile's own
+    assert _changed_params(project, "profiles/flickr8k/dvc.yaml") == {
+        "extract": ["params.yaml:encoder.batch_size"],
+        "evaluate@soft": ["profiles/flickr8k/params.yaml:eval.length_penalty"],
+        "evaluate@hard": ["profiles/flickr8k/params.yaml:eval.length_penalty"],
+        "register": ["profiles/flickr8k/params.yaml:eval"],
+    }
+    # the root pipeline reads the root's change, not the profile's
+    root = _changed_params(project, "dvc.yaml")
+    assert "params.yaml:encoder.batch_size" in root["extract"]
+    assert not [k for keys in root.values() for k in keys if k.startswith("profiles/")], root
