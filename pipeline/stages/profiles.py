@@ -1,20 +1,23 @@
 """Dataset profiles: ``profiles/<name>/`` runs the whole pipeline on one dataset.
 
-A profile folder holds a ``params.yaml`` (every key of the root one, with the values chosen for
-that dataset) and a ``dvc.yaml`` written from the root pipeline by this module. The folder is the
-profile's project root: the stages run there (``--params params.yaml``), so its ``data/``,
-``models/``, ``reports/``, ``mlflow.db`` and ``ray_results/`` sit beside the default pipeline's
-instead of over them, and ``dvc repro profiles/<name>/dvc.yaml`` needs no other switch.
+A profile folder holds a ``params.yaml`` that holds only what differs from the root one (its
+``extends: ../../params.yaml``; :func:`sat_model.params.read_params_file` merges the two) and a
+``dvc.yaml`` written from the root pipeline by this module. The folder is the profile's project
+root: the stages run there (``--params params.yaml``), so its ``data/``, ``models/``,
+``reports/``, ``mlflow.db`` and ``ray_results/`` sit beside the default pipeline's instead of over
+them, and ``dvc repro profiles/<name>/dvc.yaml`` needs no other switch.
 
 The profile's ``dvc.yaml`` is the root one with the library paths (``pipeline/``,
-``sat_model/``) made relative to the profile folder, so a stage, dep or param added to the root
-pipeline reaches every profile when this module runs again::
+``sat_model/``) made relative to the profile folder, and each stage's params split between the
+two files: DVC reads params files as they are, not merged, so a key is tracked in the file that
+sets it for the profile. A stage, dep or param added to the root pipeline, or a key added to
+either params file, reaches the profile when this module runs again::
 
     python -m pipeline.stages.profiles          # rewrite profiles/*/dvc.yaml
     python -m pipeline.stages.profiles --check  # exit 1 if one is stale (make test runs the test)
 
 :func:`new_profile` (``sat profile new NAME --images DIR --captions FILE``) writes a profile for
-your own photos: the Flickr8k profile's params (real photographs, chosen on Flickr8k's dev
+your own photos: the Flickr8k profile's values (real photographs, chosen on Flickr8k's dev
 split) with the ``folder`` source, its split sizes and the model name set.
 """
 
@@ -37,23 +40,24 @@ from sat_model.params import EXTENDS, read_yaml
 __all__ = [
     "LIBRARY_DIRS",
     "PROFILES_DIR",
+    "Layers",
     "ProfileError",
     "new_profile",
+    "overlay_text",
     "profile_dvc",
     "profile_dvc_text",
     "profiles",
-    "overlay_text",
     "read_layers",
-    "Layers",
 ]
 
 PROFILES_DIR = "profiles"
 # top-level folders of the repository that stage deps name; data outputs stay profile-relative
 LIBRARY_DIRS = ("pipeline", "sat_model")
 _HEADER = """\
-# Written by `python -m pipeline.stages.profiles` from the root dvc.yaml: edit that, then run it.
-# The profile's stages run in this folder, with this folder's params.yaml; the library paths
-# point back to the repository root (docs/guide/datasets.md). Its scores:
+# Written by `python -m pipeline.stages.profiles` from the root dvc.yaml and the two params
+# files: edit those, then run it. The profile's stages run in this folder, with this folder's
+# params.yaml over the root's; each param is tracked in the file that sets it, and the library
+# paths point back to the repository root (docs/guide/datasets.md). Its scores:
 # `sat summary --reports profiles/<name>/reports`, or name the files to `dvc metrics show`.
 """
 
@@ -87,7 +91,10 @@ def read_layers(folder: Path) -> Layers:
     base_file = own.pop(EXTENDS, None)
     if base_file is None:
         return Layers(own)
-    base = read_yaml((folder / base_file).read_text(encoding="utf-8")) or {}
+    try:
+        base = read_yaml((folder / base_file).read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise ProfileError(f"{folder.name}: {EXTENDS} names {base_file}, not found") from None
     if EXTENDS in base:
         raise ProfileError(f"{folder.name}: {base_file} extends another file; DVC reads only two")
     return Layers(own, base_file, base)
@@ -108,7 +115,11 @@ def _inherited(key: str, base: Any, own: Any) -> list[str]:
         return [key]
     if not (isinstance(base, dict) and isinstance(own, dict)):
         return []
-    return [k for child in base for k in _inherited(f"{key}.{child}", base[child], own.get(child, _UNSET))]
+    return [
+        k
+        for child in base
+        for k in _inherited(f"{key}.{child}", base[child], own.get(child, _UNSET))
+    ]
 
 
 def _instances(key: str, matrix: dict[str, list[Any]]) -> list[str]:
@@ -121,12 +132,15 @@ def _instances(key: str, matrix: dict[str, list[Any]]) -> list[str]:
 
 def _stage_params(name: str, stage: dict[str, Any], layers: Layers) -> list[Any]:
     """A stage's params split between the profile's file and the one it extends, so that a
-    change to either re-runs the stage when, and only when, it changes a value the stage reads.
-    A key a matrix stage reads per item (``train.${item.attention}``) is tracked whole in the
-    base file: DVC gives every item one list."""
+    change to either re-runs the stage when it changes a value the stage reads, and a base value
+    the profile overrides re-runs nothing. Except: a key a matrix stage reads per item
+    (``train.${item.attention}``) is tracked whole in the base file, as DVC gives every item
+    one list."""
     own: list[str] = []
     base: list[str] = []
     for key in stage["params"]:
+        if not isinstance(key, str):
+            raise ProfileError(f"stage {name}: a params file of its own ({key}) is not supported")
         keys = _instances(key, stage.get("matrix", {}))
         held = [k for k in keys if _get(layers.own, k) is not _UNSET]
         if held and len(held) < len(keys):
@@ -143,7 +157,9 @@ def _stage_params(name: str, stage: dict[str, Any], layers: Layers) -> list[Any]
     return [*own, {layers.base_file: base}] if base else own
 
 
-def profile_dvc(root_dvc: dict[str, Any], layers: Layers | None = None, depth: int = 2) -> dict[str, Any]:
+def profile_dvc(
+    root_dvc: dict[str, Any], layers: Layers | None = None, depth: int = 2
+) -> dict[str, Any]:
     """The stages of the root ``dvc.yaml`` (parsed) as they read from a folder ``depth`` levels
     down, each stage's params split between the profile's ``layers``. The top-level ``metrics``
     and ``plots`` stay out: DVC collects them from every ``dvc.yaml`` of the repository, so a
@@ -289,9 +305,10 @@ def new_profile(project_root: Path, name: str, images: Path, captions: Path) -> 
         f"# Profile {name!r}, written by `sat profile new`: your photos in {images}, captions\n"
         f"# from {captions} ({n_images} images). Run: make run PROFILE={name}; then\n"
         f"# sat caption --params profiles/{name}/params.yaml photo.jpg. What is not here is\n"
-        "# ../../params.yaml's; what is, the Flickr8k profile's values (real photographs, chosen on\n"
-        "# its dev split; docs/decisions/) and your photos'. Expected time of `make run` on 2 CPU\n"
-        f"# cores, scaled from that profile's measured run (docs/results.md): ~{_minutes(n_images)} minutes.\n\n"
+        "# ../../params.yaml's; what is, your photos' and the Flickr8k profile's values (real\n"
+        "# photographs, chosen on its dev split; docs/decisions/). Expected time of `make run`\n"
+        "# on 2 CPU cores, scaled from that profile's measured run (docs/results.md):\n"
+        f"# ~{_minutes(n_images)} minutes.\n\n"
     )
     text = header + body
     folder.mkdir(parents=True)

@@ -145,9 +145,9 @@ def test_the_committed_encoder_table_is_the_registry() -> None:
 def test_a_registered_encoder_reaches_the_docs_table(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from pipeline.docs.results import main
     from torch import nn
 
+    from pipeline.docs.results import main
     from sat_model.features import encoders
 
     monkeypatch.setattr(encoders._ENCODERS, "_entries", dict(encoders._ENCODERS._entries))
