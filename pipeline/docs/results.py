@@ -7,7 +7,10 @@ leaves the others as recorded, so the page holds the newest figure of each kind 
 command, date and machine that produced it.
 
     python -m pipeline.docs.results           # print the tables this checkout can build
-    python -m pipeline.docs.results --write   # rewrite them in docs/results.md
+    python -m pipeline.docs.results --write   # rewrite them in docs/results.md (and the guides)
+
+Another page may hold a table the same way: docs/guide/datasets.md the encoder table, from the
+registry (:mod:`pipeline.docs.encoders`).
 """
 
 from __future__ import annotations
@@ -22,12 +25,23 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pipeline.docs.encoders import encoder_table
 from sat_model.atomic import write_text_atomic
 from sat_model.config import ATTENTION_KINDS
 from sat_model.evaluation.metrics import metric_keys, metric_label
 from sat_model.evaluation.reports import read_metrics
 
-__all__ = ["PAPER_TABLE_1", "build_sections", "quality_table", "serving_table", "update_page"]
+__all__ = [
+    "PAGES",
+    "PAPER_TABLE_1",
+    "build_sections",
+    "quality_table",
+    "serving_table",
+    "update_page",
+]
+
+# the pages with generated tables, each between its markers
+PAGES = ("docs/results.md", "docs/guide/datasets.md")
 
 # the paper's Table 1 (BLEU and METEOR in %): dataset, model, BLEU-1..4, METEOR
 PAPER_TABLE_1 = (
@@ -148,6 +162,7 @@ def build_sections(root: Path) -> dict[str, str]:
         "paper": paper_table,
         "serving": lambda: serving_table(root / "benchmarks/results/serving.json"),
         "batch": lambda: batch_table(root / "benchmarks/results/serving.json"),
+        "encoders": encoder_table,
     }
     for params in sorted((root / "profiles").glob("*/params.yaml")):
         builders[params.parent.name] = partial(_profile_table, params.parent)
@@ -181,15 +196,16 @@ def update_page(text: str, sections: dict[str, str]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="rewrite the page in place")
-    parser.add_argument("--page", default="docs/results.md", help="the page with the markers")
+    parser.add_argument("--page", action="append", help="a page with markers (default: PAGES)")
     parser.add_argument("--root", default=".", help="the project whose outputs are read")
     args = parser.parse_args(argv)
     sections = build_sections(Path(args.root))
     if not args.write:
         print("\n\n".join(f"<!-- {name} -->\n{body}" for name, body in sections.items()))
         return 0
-    path = Path(args.page)
-    write_text_atomic(path, update_page(path.read_text(encoding="utf-8"), sections))
+    for page in args.page or PAGES:
+        path = Path(page)
+        write_text_atomic(path, update_page(path.read_text(encoding="utf-8"), sections))
     return 0
 
 

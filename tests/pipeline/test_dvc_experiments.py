@@ -19,11 +19,11 @@ import yaml
 
 from tests.factories import ROOT
 
-# (params file, key, value): a key of each file, as a user sets it
+# (params file, key, value): a key of each file, as a user sets it (a profile's: one it sets)
 SETS = [
     ("params.yaml", "train.soft.max_epochs", "1"),
     ("profiles/flickr8k/params.yaml", "train.hard.lr", "0.001"),
-    ("profiles/coco/params.yaml", "eval.beam_size", "5"),
+    ("profiles/coco/params.yaml", "train.val_images", "500"),
     ("profiles/flickr30k/params.yaml", "model.dropout", "0.25"),
 ]
 

@@ -70,7 +70,8 @@ def test_results_tables_show_our_scores_in_percent_from_the_reports(tmp_path: Pa
     scores = {"bleu_1": 0.5, "bleu_4": 0.25, "meteor": 0.125, "pointing_accuracy": 0.875}
     (tmp_path / "reports" / "soft" / "metrics.json").write_text(json.dumps(scores))
     sections = build_sections(tmp_path)
-    assert set(sections) == {"scenes", "paper"}  # no benchmark, no profile: nothing else
+    # no benchmark, no profile: nothing else (the encoders come from the registry)
+    assert set(sections) == {"scenes", "paper", "encoders"}
     row = "| **sat soft** | generated scenes, test | 50.0 | – | – | 25.0 | 12.5 | – | – | 87.5 |"
     assert row in sections["scenes"]
     header = sections["scenes"].splitlines()[0]
@@ -121,3 +122,41 @@ def test_results_serving_tables_come_from_the_serving_benchmarks_json(tmp_path: 
     assert "2 CPUs (x86_64)" in sections["serving"]
     assert "| `sat caption`, one process | 80.0 | 0.80 |" in sections["batch"]
     assert "| `sat caption --engine ray` (Ray Data, streaming) | 84.0 | 0.84 |" in sections["batch"]
+
+
+def _encoder_block(page: str) -> str:
+    start, end = "<!-- results:encoders:start -->\n", "\n<!-- results:encoders:end -->"
+    return page.split(start, 1)[1].split(end, 1)[0]
+
+
+def test_the_committed_encoder_table_is_the_registry() -> None:
+    """docs/guide/datasets.md lists the encoders as `@register_encoder` holds them now:
+    `python -m pipeline.docs.results --write` rewrites the table after a change."""
+    from pipeline.docs.encoders import encoder_table
+    from sat_model.features.encoders import encoder_layers, list_encoders
+
+    page = (ROOT / "docs" / "guide" / "datasets.md").read_text(encoding="utf-8")
+    assert _encoder_block(page) == encoder_table(), "stale: python -m pipeline.docs.results --write"
+    for name in list_encoders():  # each name, with its default layer first on its row
+        row = next(line for line in _encoder_block(page).splitlines() if f"`{name}`" in line)
+        assert row.split(" | ")[1].startswith(f"`{encoder_layers(name)[0]}`"), row
+
+
+def test_a_registered_encoder_reaches_the_docs_table(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from torch import nn
+
+    from pipeline.docs.results import main
+    from sat_model.features import encoders
+
+    monkeypatch.setattr(encoders._ENCODERS, "_entries", dict(encoders._ENCODERS._entries))
+    encoders.register_encoder("toy_pool", ("pool4", "pool2"), ("toy-weights",))(
+        lambda layer, weights, seed: encoders.Trunk(nn.Identity(), "toy")
+    )
+    page = tmp_path / "datasets.md"
+    page.write_text("x\n<!-- results:encoders:start -->\nold\n<!-- results:encoders:end -->\ny\n")
+    assert main(["--write", "--root", str(tmp_path), "--page", str(page)]) == 0
+    block = _encoder_block(page.read_text(encoding="utf-8"))
+    assert "| `toy_pool` | `pool4`, `pool2` | `toy-weights` |" in block.splitlines()
+    assert "old" not in block and "`vgg19`" in block

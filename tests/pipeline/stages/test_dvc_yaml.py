@@ -109,15 +109,16 @@ def test_every_stage_param_is_written_out_in_params_yaml(name: str, stage: dict)
 
 
 @pytest.mark.parametrize(
-    ("dvc_file", "params_file"),
+    ("dvc_file", "params_files"),
     [
-        ("dvc.yaml", "params.yaml"),
-        ("sweeps/dvc.yaml", "params.yaml"),  # the sweep runs in the repository root (wdir: ..)
-        ("profiles/flickr8k/dvc.yaml", "profiles/flickr8k/params.yaml"),
+        ("dvc.yaml", ["params.yaml"]),
+        ("sweeps/dvc.yaml", ["params.yaml"]),  # the sweep runs in the repository root (wdir: ..)
+        # a profile's own keys, and the root's it extends
+        ("profiles/flickr8k/dvc.yaml", ["profiles/flickr8k/params.yaml", "params.yaml"]),
     ],
 )
 def test_every_params_file_a_stage_reads_is_the_committed_one(
-    dvc_file: str, params_file: str
+    dvc_file: str, params_files: list[str]
 ) -> None:
     """DVC resolves a stage's params file against the stage's wdir, as it runs it: a path that
     points elsewhere fails `dvc repro` at once ("Parameters ... are missing")."""
@@ -127,7 +128,8 @@ def test_every_params_file_a_stage_reads_is_the_committed_one(
     with Repo(str(ROOT)) as repo:
         stages = repo.stage.collect(str(ROOT / dvc_file))
         files = {Path(d.fs_path) for s in stages for d in s.deps if isinstance(d, ParamsDependency)}
-    assert files == {ROOT / params_file}, f"{dvc_file}: stages read {sorted(map(str, files))}"
+    expected = {ROOT / f for f in params_files}
+    assert files == expected, f"{dvc_file}: stages read {sorted(map(str, files))}"
 
 
 def test_the_committed_dvc_lock_is_current_with_the_code_and_params(tmp_path: Path) -> None:

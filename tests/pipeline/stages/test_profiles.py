@@ -1,11 +1,15 @@
-"""Dataset profiles (profiles/<name>/): a params file and a dvc.yaml that stay in step with the
-root pipeline, and the Flickr8k profile's prepare stage on the real train and dev photos."""
+"""Dataset profiles (profiles/<name>/): a params file that holds only what differs from the root
+one, a dvc.yaml that stays in step with the root pipeline and tracks both params files, and the
+Flickr8k profile's prepare stage on the real train and dev photos."""
 
+import io
 import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -13,19 +17,39 @@ import yaml
 from pipeline.settings import load_params
 from pipeline.stages import load_context
 from pipeline.stages.prepare import run as prepare
-from pipeline.stages.profiles import main, profile_dvc, profile_dvc_text, profiles
+from pipeline.stages.profiles import (
+    Layers,
+    ProfileError,
+    main,
+    profile_dvc,
+    profile_dvc_text,
+    profiles,
+)
+from sat_model.params import EXTENDS
 from sat_model.paths import shared_data
-from tests.factories import ROOT
+from tests.factories import ROOT, copy_project
 
 PROFILES = profiles(ROOT)
 
 
-def _key_paths(tree: dict, prefix: str = "") -> set[str]:
-    paths = set()
+def _leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """Every leaf of ``tree`` by its dotted key."""
+    leaves: dict[str, Any] = {}
     for key, value in tree.items():
         path = f"{prefix}{key}"
-        paths |= _key_paths(value, f"{path}.") if isinstance(value, dict) else {path}
-    return paths
+        leaves |= _leaves(value, f"{path}.") if isinstance(value, dict) else {path: value}
+    return leaves
+
+
+def _assert_overlay(params_file: Path) -> None:
+    """``params_file`` extends the root params and sets only keys the root has, each to a value
+    of its own."""
+    own = _yaml(params_file)
+    assert own.pop(EXTENDS) == "../../params.yaml"
+    root, leaves = _leaves(_yaml(ROOT / "params.yaml")), _leaves(own)
+    assert not set(leaves) - set(root), f"not root keys: {sorted(set(leaves) - set(root))}"
+    same = sorted(k for k, v in leaves.items() if root[k] == v)
+    assert not same, f"{params_file} repeats the root's values of {same}"
 
 
 def _yaml(path: Path) -> dict:
@@ -38,21 +62,56 @@ def test_the_flickr8k_profile_exists() -> None:
 
 @pytest.mark.parametrize("folder", PROFILES, ids=[p.name for p in PROFILES])
 def test_profile_dvc_yaml_is_the_root_pipeline_as_written_now(folder: Path) -> None:
-    assert (folder / "dvc.yaml").read_text(encoding="utf-8") == profile_dvc_text(ROOT), (
+    assert (folder / "dvc.yaml").read_text(encoding="utf-8") == profile_dvc_text(ROOT, folder), (
         f"{folder.name}/dvc.yaml is stale: run python -m pipeline.stages.profiles"
     )
     assert main(["--check", "--root", str(ROOT)]) == 0
 
 
 @pytest.mark.parametrize("folder", PROFILES, ids=[p.name for p in PROFILES])
-def test_profile_params_hold_every_root_key_and_validate(folder: Path) -> None:
-    root_keys = _key_paths(_yaml(ROOT / "params.yaml"))
-    profile_keys = _key_paths(_yaml(folder / "params.yaml"))
-    assert profile_keys == root_keys, (
-        f"only in {folder.name}: {sorted(profile_keys - root_keys)}; "
-        f"only in the root params.yaml: {sorted(root_keys - profile_keys)}"
-    )
+def test_profile_params_hold_only_what_differs_from_the_root_and_validate(folder: Path) -> None:
+    _assert_overlay(folder / "params.yaml")
     load_params(folder / "params.yaml")  # raises ParamsError naming every bad value
+
+
+ROOT_PARAMS = {
+    "data": {"source": "synthetic", "vocab": {"min_count": 5, "max_size": 10}, "seed": 0},
+    "model": {"dim": 8, "gate": True},
+    "train": {"seed": 0, "soft": {"lr": 1.0, "beta": 1}, "hard": {"lr": 1.0, "gamma": 2}},
+}
+ROOT_STAGES = {
+    "prepare": {"cmd": "prepare", "params": ["data"]},
+    "train": {
+        "matrix": {"attention": ["soft", "hard"]},
+        "cmd": "train ${item.attention}",
+        "params": ["data.source", "model.dim", "train.seed", "train.${item.attention}"],
+    },
+}
+
+
+def test_each_stage_param_is_tracked_in_the_file_that_sets_it() -> None:
+    """The profile's file for what it sets, the root's for the rest (a section the profile sets
+    in part: the rest key by key), so a root change the profile overrides re-runs nothing."""
+    own = {"data": {"source": "flickr8k", "vocab": {"min_count": 1}}, "train": {"soft": {"lr": 2}}}
+    own["train"]["hard"] = {}  # an empty section: DVC gives both items of a matrix one list
+    layers = Layers(own, "../../params.yaml", ROOT_PARAMS)
+    stages = profile_dvc({"stages": ROOT_STAGES}, layers)["stages"]
+    assert stages["prepare"]["params"] == [
+        "data",
+        {"../../params.yaml": ["data.vocab.max_size", "data.seed"]},
+    ]
+    assert stages["train"]["params"] == [
+        "data.source",
+        "train.${item.attention}",
+        # tracked whole: soft and hard hold different keys, and a matrix gives one list
+        {"../../params.yaml": ["model.dim", "train.seed", "train.${item.attention}"]},
+    ]
+    del own["train"]["hard"]
+    with pytest.raises(ProfileError, match=r"train\.hard an empty section"):
+        profile_dvc({"stages": ROOT_STAGES}, layers)
+    # a profile that holds every key itself (no `extends`) tracks its own file alone
+    full = profile_dvc({"stages": ROOT_STAGES}, Layers(ROOT_PARAMS))["stages"]
+    assert full["train"]["params"] == ROOT_STAGES["train"]["params"]
 
 
 def test_library_deps_climb_to_the_repository_and_data_deps_stay_in_the_profile() -> None:
@@ -94,11 +153,11 @@ def test_every_library_dep_of_a_profile_exists() -> None:
 
 
 def _clone_with_profile(tmp_path: Path, name: str = "flickr8k") -> Path:
-    """A project root holding the Makefile, the profile's params and the environment: all that
-    ``make run PROFILE=<name>`` opens before its first stage."""
+    """A project root holding the Makefile, the profile's params, the root params it extends and
+    the environment: all that ``make run PROFILE=<name>`` opens before its first stage."""
     project = tmp_path / "sat"
     (project / "profiles" / name).mkdir(parents=True)
-    for rel in ("Makefile", f"profiles/{name}/params.yaml"):
+    for rel in ("Makefile", "params.yaml", f"profiles/{name}/params.yaml"):
         shutil.copy2(ROOT / rel, project / rel)
     (project / ".venv").symlink_to(ROOT / ".venv")
     return project
@@ -199,8 +258,8 @@ def test_sat_profile_new_writes_a_profile_of_the_folder(
     assert sat(["profile", "new", "mine", "--images", images, "--captions", captions]) == 0
     assert "make run PROFILE=mine" in capsys.readouterr().out
     folder = project / "profiles" / "mine"
-    assert (folder / "dvc.yaml").read_text(encoding="utf-8") == profile_dvc_text(ROOT)
-    assert _key_paths(_yaml(folder / "params.yaml")) == _key_paths(_yaml(ROOT / "params.yaml"))
+    assert (folder / "dvc.yaml").read_text(encoding="utf-8") == profile_dvc_text(project, folder)
+    _assert_overlay(folder / "params.yaml")
     data = load_params(folder / "params.yaml").data
     assert (data.source, data.folder.images_dir) == ("folder", ".")
     assert (folder / data.root).resolve() == (tmp_path / "photos").resolve()  # type: ignore[operator]
@@ -255,15 +314,17 @@ def test_sat_profile_new_refuses_bad_arguments_in_one_line(
     assert sorted(p.name for p in (project / "profiles").iterdir()) == before
 
 
-def test_set_values_keeps_the_other_lines_and_names_a_missing_key() -> None:
-    from pipeline.stages.profiles import ProfileError, set_values
+def test_overlay_text_sets_adds_and_drops_keys_in_dvcs_form() -> None:
+    from pipeline.stages.profiles import overlay_text
 
-    text = "a:\n  b: 1   # why b\n  c:  # why c\n  - x\n  - y\n  e: 3\nd: 2\n"
-    out = set_values(text, {"a.c": ["z"], "a.e": None, "d": "three"}, "set")
+    template = "extends: base.yaml\na:\n  b: 1   # why b\n  c:  # why c\n  - x\n  - y\nd: 2\n"
+    base = {"a": {"b": 0, "c": ["z"], "e": None}, "d": 2, "f": {"g": 1}}
+    out = overlay_text(template, {"a.c": ["z"], "f.g": 3, "f.h": 4}, base, "set")
+    # a.c and d are the base's values now: left out; f.g and f.h added; a.b keeps its comment
+    assert " ".join(out.split()) == "extends: base.yaml a: b: 1 # why b f: g: 3 # set h: 4 # set"
     # DVC's block form, as `dvc exp run -S` writes the file back: a list one item a line
-    assert out == "a:\n  b: 1   # why b\n  c:  # set\n  - z\n  e:  # set\nd: three  # set\n"
-    with pytest.raises(ProfileError, match=r"a\.f"):
-        set_values(text, {"a.f": 1}, "set")
+    out = overlay_text(template, {"a.c": ["q"], "a.e": None}, base, "set")
+    assert out.endswith("\n  c:     # set\n  - q\n") and "e:" not in out
 
 
 def test_photos_away_from_the_project_are_named_by_absolute_path(tmp_path: Path) -> None:
@@ -283,3 +344,95 @@ def test_photos_away_from_the_project_are_named_by_absolute_path(tmp_path: Path)
     data = load_params(folder / "params.yaml").data
     assert data.root == str((tmp_path / "photos").resolve())
     assert data.folder.captions_file == "../captions.csv"  # beside the photos folder
+
+
+_STUB = """import pathlib, sys
+for out in map(pathlib.Path, sys.argv[2:]):  # each output, with the files later stages read
+    if out.suffix:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("{}")
+        continue
+    out.mkdir(parents=True, exist_ok=True)
+    for name in sys.argv[1].split(","):
+        (out / name).write_text("{}")
+"""
+
+
+def _set(params_file: Path, dotted: str, value: Any) -> None:
+    """Set one key as a user's editor would: that line changes, the rest stays."""
+    from ruamel.yaml import YAML
+
+    writer = YAML()
+    tree = writer.load(params_file.read_text(encoding="utf-8"))
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    out = io.StringIO()
+    writer.dump(tree, out)
+    params_file.write_text(out.getvalue(), encoding="utf-8")
+
+
+def _changed_params(project: Path, dvc_file: str) -> dict[str, list[str]]:
+    """`dvc status` of a pipeline: each stage with changed params, and which."""
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("dvc")), "status", dvc_file, "--json"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    changed: dict[str, list[str]] = {}
+    for stage, changes in json.loads(done.stdout or "{}").items():
+        deps = [c["changed deps"] for c in changes if isinstance(c, dict) and "changed deps" in c]
+        for path, what in (item for d in deps for item in d.items()):
+            if isinstance(what, dict):  # a params file: {key: modified}
+                changed.setdefault(stage.split(":")[-1], []).extend(f"{path}:{k}" for k in what)
+    return changed
+
+
+@pytest.mark.slow
+def test_dvc_reruns_the_profile_stages_that_read_a_changed_root_or_profile_key(
+    tmp_path: Path,
+) -> None:
+    """The Flickr8k profile's generated dvc.yaml, its real params and deps, with each command a
+    stub that writes the stage's outputs: after `dvc repro`, `dvc status` names the stages a
+    root key the profile inherits, and one it sets itself, feed; a root key it overrides, none."""
+    project = copy_project(tmp_path / "sat")
+    folder = project / "profiles" / "flickr8k"
+    (folder / "dvc.lock").unlink(missing_ok=True)
+    (project / "stub.py").write_text(_STUB)
+    spec = _yaml(folder / "dvc.yaml")
+    deps = [Path(d).name for stage in spec["stages"].values() for d in stage["deps"]]
+    names = sorted({d for d in deps if d.endswith((".json", ".parquet"))})
+    for stage in spec["stages"].values():
+        outs = " ".join(stage["outs"])
+        stage["cmd"] = f"{sys.executable} ../../stub.py {','.join(names)} {outs}"
+    (folder / "dvc.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    dvc = str(Path(sys.executable).with_name("dvc"))
+    repro = subprocess.run(
+        [dvc, "repro", "-q", "profiles/flickr8k/dvc.yaml"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert repro.returncode == 0, repro.stdout + repro.stderr
+    assert _changed_params(project, "profiles/flickr8k/dvc.yaml") == {}
+
+    _set(project / "params.yaml", "model.embed_dim", 64)  # the profile sets its own: 256
+    assert _changed_params(project, "profiles/flickr8k/dvc.yaml") == {}
+    _set(project / "params.yaml", "encoder.batch_size", 8)  # the profile takes the root's
+    _set(folder / "params.yaml", "eval.length_penalty.hard", 1.5)  # the profile's own
+    assert _changed_params(project, "profiles/flickr8k/dvc.yaml") == {
+        "extract": ["params.yaml:encoder.batch_size"],
+        "evaluate@soft": ["profiles/flickr8k/params.yaml:eval.length_penalty"],
+        "evaluate@hard": ["profiles/flickr8k/params.yaml:eval.length_penalty"],
+        "register": ["profiles/flickr8k/params.yaml:eval"],
+    }
+    # the root pipeline reads the root's change, not the profile's
+    root = _changed_params(project, "dvc.yaml")
+    assert "params.yaml:encoder.batch_size" in root["extract"]
+    assert not [k for keys in root.values() for k in keys if k.startswith("profiles/")], root
