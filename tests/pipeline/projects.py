@@ -104,7 +104,7 @@ def check_recorded_sweep(project: Path, out: str, trials: int) -> None:
     """What a finished sweep of ``trials`` soft-attention trials leaves in ``project``: the trial
     table in its output ``out``, best_params.yaml, one MLflow parent run and a child per trial,
     and a ``dvc exp run`` line that trains the winner. The sweep itself is run the way the README
-    gives it, in tests/pipeline/dvc/test_dvc_pipeline.py."""
+    gives it, in tests/pipeline/test_dvc_pipeline.py."""
     best = yaml.safe_load((project / "reports" / "tune" / "best_params.yaml").read_text())
     assert best["metric"] == "val_bleu_4" and best["attention"] == "soft"
     assert set(best["params"]) == {"train.soft.lr", "train.soft.doubly_stochastic"}

@@ -4,15 +4,20 @@ artifacts proxied to an S3-compatible object store, configured only by ``MLFLOW_
 One set of servers and one `dvc repro` per module (a git clone of HEAD with tiny params): the
 stages reach the server over HTTP alone (no S3 credentials in their environment), the champion
 loads in a second process, and from the champion one walks to its training run's curves, test
-metrics, artifacts and dataset inputs. Then a real `dvc exp run` of a soft-model param re-runs only
-the soft branch, shows in `dvc metrics` and `dvc exp show`, and registers a version without moving
-the champion. Every server is stopped by its PID (tests/pipeline/servers.py).
+metrics, artifacts and dataset inputs. Then a real `dvc exp run` of a soft-model param (the
+learning rate, an uncommitted change) re-runs only the soft branch: the train stage trains new
+weights from epoch 1 as a new run of a new identity with a whole new curve, which shows in `dvc
+metrics` and `dvc exp show` and registers a version without moving the champion; the train stage
+run again with nothing changed trains nothing. Which changes make a new identity (a param that is
+no hyperparameter, a line of the model's code) test_run_identity.py shows without training. Every
+server is stopped by its PID (tests/pipeline/servers.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,11 +25,15 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
+from pipeline.tracking.registry import checkpoint_sha256
 from sat_model.data.vocab import load_vocab
 from sat_model.params import apply_overrides, read_yaml
 from tests.factories import ROOT
@@ -237,6 +246,50 @@ def test_from_the_champion_to_its_training_run(team: Team) -> None:
     assert inputs == expected
 
 
+def _soft_training_runs(client: Any) -> list:
+    """The MLflow runs of train@soft, oldest first."""
+    experiment = client.get_experiment_by_name("sat")
+    return client.search_runs(
+        [experiment.experiment_id], "tags.`sat.attention` = 'soft'", order_by=["start_time ASC"]
+    )
+
+
+def _check_a_new_run_from_epoch_1(
+    team: Team, client: Any, before: list, first_weights: dict[str, torch.Tensor], out: str
+) -> None:
+    """The lr changes the weights a run trains, so new weights tell a new run from a stage that
+    only rewrote the model's config (or resumed the finished run of the old identity)."""
+    assert "train@soft: training from epoch 1 as run" in out, out
+    soft = team.project / "models" / "soft"
+    weights = load_file(soft / "model.safetensors")
+    assert {k: v.shape for k, v in weights.items()} == {
+        k: v.shape for k, v in first_weights.items()
+    }
+    assert not all(torch.equal(weights[k], first_weights[k]) for k in weights), "not retrained"
+    after = _soft_training_runs(client)
+    assert len(after) == len(before) + 1  # a new MLflow run ...
+    newest = after[-1]
+    history = client.get_metric_history(newest.info.run_id, "train_loss")
+    epochs = pd.read_csv(soft / "curves.csv")["epoch"].tolist()
+    assert sorted(m.step for m in history) == epochs == [1]  # ... with a whole new curve
+    assert newest.data.tags["sat.identity"] not in {r.data.tags["sat.identity"] for r in before}
+    assert newest.data.params["train.soft.lr"] == "0.02"
+    config = json.loads((soft / "config.json").read_text())
+    assert config["identity"] == newest.data.tags["sat.identity"]
+
+
+def _check_the_stage_again_trains_nothing(team: Team, client: Any) -> None:
+    soft = team.project / "models" / "soft"
+    runs, model = len(_soft_training_runs(client)), checkpoint_sha256(soft)
+    attempts = sorted(p.name for p in (team.project / "ray_results").iterdir())
+    stage = ["-m", "pipeline.stages.train", "--params", "params.yaml", "--attention", "soft"]
+    out = run(team, sys.executable, *stage)
+    assert re.search(r"train@soft: nothing to train: run sat-soft-\w+-1 of this identity", out)
+    assert checkpoint_sha256(soft) == model
+    assert len(_soft_training_runs(client)) == runs
+    assert sorted(p.name for p in (team.project / "ray_results").iterdir()) == attempts
+
+
 def test_exp_run_registers_without_moving_the_champion(team: Team) -> None:
     from mlflow import MlflowClient
 
@@ -244,6 +297,8 @@ def test_exp_run_registers_without_moving_the_champion(team: Team) -> None:
     # no champion at all: a `dvc repro` register would now promote any version it registers
     client.delete_registered_model_alias(NAME, "champion")
     dvc = str(Path(sys.executable).parent / "dvc")
+    runs = _soft_training_runs(client)
+    first_weights = load_file(team.project / "models" / "soft" / "model.safetensors")
     # a soft-model param: only the soft branch and register run again
     out = assert_repro_ran(
         team.project,
@@ -251,6 +306,8 @@ def test_exp_run_registers_without_moving_the_champion(team: Team) -> None:
         ran={"train@soft", "evaluate@soft", "register"},
     )
     assert "experiment" in out.lower()
+    _check_a_new_run_from_epoch_1(team, client, runs, first_weights, out)
+    _check_the_stage_again_trains_nothing(team, client)
     shown = json.loads(run(team, dvc, "metrics", "show", "--json"))
     workspace = next(iter(shown.values()))["data"]
     for attention in ("soft", "hard"):
