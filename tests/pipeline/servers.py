@@ -375,6 +375,8 @@ class RayNodes:
             extra += [f"--dashboard-port={self.dashboard_port}"]
         self.commands["head"] = self._cmd("head", num_cpus, extra)
         self._launch("head", self.env)
+        # its GCS port first (a socket, not a Python probe that imports Ray each time)
+        _wait_for_port(self.port, self.procs["head"], "ray start --head", 120)
         self._wait_for_nodes(1)
         if self.dashboard_port is not None:
             self._wait_for_dashboard()
