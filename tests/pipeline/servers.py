@@ -6,6 +6,7 @@
 - :func:`mlflow_server`: ``mlflow server`` on a backend store and an artifact destination.
 - :func:`ray_nodes`: a Ray cluster of several ``ray start --block`` nodes (a head, optionally
   with the dashboard that serves Ray Jobs, and named nodes with a resource of their own).
+- :func:`sat_serve`: ``sat serve`` (either engine) in a project folder, once its ``/ping`` answers.
 
 Every server is a child process in its own process group, stopped by its own PID afterwards
 (never by name: other test runs on the machine may run the same servers). Context managers, so
@@ -14,7 +15,9 @@ that a module-scoped fixture can hold one server for all its tests.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import http.client
 import json
 import os
 import pwd
@@ -39,11 +42,14 @@ __all__ = [
     "PostgresServer",
     "RayNodes",
     "S3Server",
+    "SatServe",
     "free_port",
     "mlflow_server",
+    "post_images",
     "postgres_server",
     "ray_nodes",
     "s3_server",
+    "sat_serve",
     "stop_process_group",
 ]
 
@@ -369,6 +375,8 @@ class RayNodes:
             extra += [f"--dashboard-port={self.dashboard_port}"]
         self.commands["head"] = self._cmd("head", num_cpus, extra)
         self._launch("head", self.env)
+        # its GCS port first (a socket, not a Python probe that imports Ray each time)
+        _wait_for_port(self.port, self.procs["head"], "ray start --head", 120)
         self._wait_for_nodes(1)
         if self.dashboard_port is not None:
             self._wait_for_dashboard()
@@ -457,3 +465,85 @@ def ray_nodes(
         yield cluster
     finally:
         cluster.stop()
+
+
+# ------------------------------------------------------------------------------- sat serve
+@dataclass(frozen=True)
+class SatServe:
+    url: str  # http://127.0.0.1:<port>
+    process: subprocess.Popen  # ``sat serve`` itself: its front door reads every body
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> None:
+        """SIGTERM to ``sat serve`` alone (it shuts down what it started, a local Ray among
+        it), then SIGKILL to whatever of its process group is left."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=90)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+def _answers_ping(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -> bool:
+    """True once ``url``/ping answers 200; False if the server exited first (a port another
+    program took between our choosing and its binding it, say); a failure past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            pytest.fail(f"sat serve did not answer in {timeout_s:.0f} s: {log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/ping", timeout=5) as answer:
+                if answer.status == 200:
+                    return True
+        except (OSError, http.client.HTTPException):  # not up yet, or not ours
+            pass
+        time.sleep(0.5)
+    return False
+
+
+@contextmanager
+def sat_serve(
+    cwd: Path, args: list[str], env: dict[str, str], log: Path, timeout_s: float = 300
+) -> Iterator[SatServe]:
+    """``sat serve ARGS --port <free>`` in ``cwd`` (its own process group, output to ``log``)
+    until the block ends; a server that exits before it answers is started once more on
+    another port, then the test fails with its log."""
+    sat = Path(sys.executable).with_name("sat")
+    for _attempt in (1, 2):
+        port = free_port()
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                [str(sat), "serve", *args, "--port", str(port)],
+                cwd=cwd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        served = SatServe(f"http://127.0.0.1:{port}", proc)
+        try:
+            if _answers_ping(proc, served.url, log, timeout_s):
+                yield served
+                return
+        finally:
+            served.stop()
+    pytest.fail(f"sat serve {' '.join(args)} did not answer: {log.read_text()[-3000:]}")
+
+
+def post_images(url: str, images: list[Path]) -> list[dict]:
+    """Every image as a base64 row of one JSON request to ``url``/invocations, as clients send
+    them; the answer's predictions, one per image in order."""
+    rows = [{"image": base64.b64encode(p.read_bytes()).decode()} for p in images]
+    body = json.dumps({"dataframe_records": rows}).encode()
+    request = urllib.request.Request(
+        f"{url}/invocations", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=600) as answer:
+        predictions = json.loads(answer.read())["predictions"]
+    assert len(predictions) == len(images), predictions
+    return predictions

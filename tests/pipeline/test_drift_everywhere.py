@@ -15,20 +15,17 @@ is past it), and the ways must agree photo by photo.
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.factories import sample_photos
-from tests.pipeline.servers import free_port, stop_process_group
+from tests.pipeline.servers import post_images, sat_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.mlflow]
 SAT = Path(sys.executable).with_name("sat")
@@ -167,44 +164,12 @@ def test_sat_caption_on_ray_data_flags_the_same_photos(
 
 
 def _served_rows(project: Path, *engine: str) -> dict[str, dict]:
-    """Start ``sat serve`` (its process group), post every image as base64 JSON, stop it."""
+    """Every image of ``mixed/`` posted as base64 JSON to ``sat serve`` (``engine``)."""
     images = sorted((project / "mixed").iterdir())
-    rows = [{"image": base64.b64encode(p.read_bytes()).decode()} for p in images]
-    body = json.dumps({"dataframe_records": rows}).encode()
-    port = free_port()
     log = project / f"serve{'-'.join(engine)}.log"
-    with log.open("wb") as out:
-        server = subprocess.Popen(
-            [str(SAT), "serve", *engine, "--port", str(port)],
-            cwd=project,
-            env=_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        _wait_until_serving(server, f"http://127.0.0.1:{port}", log)
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/invocations", body, {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=600) as answer:
-            predictions = json.loads(answer.read())["predictions"]
-    finally:
-        stop_process_group(server, timeout_s=90)
+    with sat_serve(project, list(engine), _env(), log) as served:
+        predictions = post_images(served.url, images)
     return {p.name: r for p, r in zip(images, predictions, strict=True)}
-
-
-def _wait_until_serving(server: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + 300
-    while server.poll() is None and time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/ping", timeout=5) as answer:
-                if answer.status == 200:
-                    return
-        except (OSError, http.client.HTTPException):  # not up yet
-            pass
-        time.sleep(1)
-    raise AssertionError(f"sat serve did not answer: {log.read_text()[-3000:]}")
 
 
 @pytest.mark.parametrize("engine", [(), ("--engine", "ray")], ids=["local", "ray"])

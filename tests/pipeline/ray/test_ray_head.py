@@ -1,7 +1,7 @@
 """``python -m pipeline.ray.head -- CMD``: one loopback Ray head per command, stopped by PID.
 
-Two heads: one command that connects and fails, which the tests of a whole command share, and
-one whose wrapper is killed.
+Three heads: one command that connects and fails, which the tests of a whole command share, and
+one whose wrapper is killed, with a second head beside it while it runs.
 """
 
 from __future__ import annotations
@@ -108,10 +108,49 @@ def test_a_given_address_starts_no_head(tmp_path: Path) -> None:
     assert "Ray head" not in out.stdout
 
 
+_ANSWER = "import ray; ray.init(); print(ray.get(ray.remote(lambda: 42).remote()))"
+
+
+def _client_server_port(address: str) -> int | None:
+    """The port of the Ray client server that serves the head at ``address``, if one runs."""
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "ray.util.client.server" in cmd and f"--address={address}" in cmd:
+            return int(next(a for a in cmd if a.startswith("--port=")).split("=", 1)[1])
+    return None
+
+
+def _answer_on_two_heads(address: str) -> None:
+    """A task answers on the head at ``address`` and on a second one started meanwhile, each
+    with a client server of its own."""
+    from pipeline.ray.head import ray_head
+
+    env = loopback_env()
+    env.pop("RAY_ADDRESS", None)
+    with ray_head(1) as second:  # each in /tmp/sat-ray-<its port>
+        for head in (address, second):
+            out = subprocess.run(
+                [sys.executable, "-c", _ANSWER],
+                env={**env, "RAY_ADDRESS": head, "RAY_AUTH_MODE": "token"},
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert out.stdout.split()[-1:] == ["42"], out.stderr[-2000:]
+        ports = [_client_server_port(a) for a in (address, second)]
+    assert None not in ports and len(set(ports)) == 2 and 10001 not in ports, ports
+
+
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_sigkilled_wrapper_leaves_no_head_and_no_temp_dir(tmp_path: Path) -> None:
-    # `make run`'s wrapper killed with SIGKILL runs no finally: its watchdog stops the head
+def test_two_heads_run_at_once_and_a_sigkilled_wrapper_leaves_no_head_and_no_temp_dir(
+    tmp_path: Path,
+) -> None:
+    """Two `make run`s: each head has ports of its own, none of Ray's fixed defaults (the
+    client server's 10001 was asked for by both heads). Then the first `make run`'s wrapper,
+    killed with SIGKILL, runs no finally: its watchdog stops its head."""
     import os
     import signal
     import time
@@ -143,6 +182,7 @@ def test_a_sigkilled_wrapper_leaves_no_head_and_no_temp_dir(tmp_path: Path) -> N
             if f"--port={port}" in " ".join(p.info["cmdline"] or [])
         ]
         assert head and _listening(port)
+        _answer_on_two_heads(seen.read_text())
         wrapper.send_signal(signal.SIGKILL)
         wrapper.wait()
         deadline = time.monotonic() + 15
@@ -155,39 +195,3 @@ def test_a_sigkilled_wrapper_leaves_no_head_and_no_temp_dir(tmp_path: Path) -> N
         assert not [p for p in head if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     finally:
         os.killpg(wrapper.pid, signal.SIGKILL)  # the stage (sleep) is the test's to end
-
-
-_ANSWER = "import ray; ray.init(); print(ray.get(ray.remote(lambda: 42).remote()))"
-
-
-def _client_server_port(address: str) -> int | None:
-    """The port of the Ray client server that serves the head at ``address``, if one runs."""
-    import psutil
-
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if "ray.util.client.server" in cmd and f"--address={address}" in cmd:
-            return int(next(a for a in cmd if a.startswith("--port=")).split("=", 1)[1])
-    return None
-
-
-@pytest.mark.ray
-def test_two_heads_on_one_machine_run_at_once() -> None:
-    """Two `make run`s: each head has ports of its own, none of Ray's fixed defaults (the
-    client server's 10001 was asked for by both heads)."""
-    from pipeline.ray.head import ray_head
-
-    env = loopback_env()
-    env.pop("RAY_ADDRESS", None)
-    with ray_head(1) as first, ray_head(1) as second:  # each in /tmp/sat-ray-<its port>
-        for address in (first, second):
-            out = subprocess.run(
-                [sys.executable, "-c", _ANSWER],
-                env={**env, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"},
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            assert out.stdout.split()[-1:] == ["42"], out.stderr[-2000:]
-        ports = [_client_server_port(a) for a in (first, second)]
-    assert None not in ports and len(set(ports)) == 2 and 10001 not in ports, ports

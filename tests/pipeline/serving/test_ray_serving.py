@@ -1,21 +1,24 @@
-"""``sat serve --engine ray``: the champion on Ray Serve on a local Ray, over real HTTP.
+"""``sat serve --engine ray --address``: the champion on Ray Serve on a shared cluster, over HTTP.
 
-One module-scoped server: a SQLite store with two registered versions of a tiny model,
-``sat serve --engine ray`` on a free 127.0.0.1 port (its own local Ray), stopped by its process
+One module-scoped server: a SQLite store with two registered versions of a tiny model, a Ray
+head (``ray start``, 127.0.0.1) that already runs another user's Serve application, and
+``sat serve --engine ray --address <head>`` on a free 127.0.0.1 port, stopped by its process
 group. Clients send real Flickr8k-sample JPEGs as base64 in JSON, as they do to ``sat serve``.
+The last test stops the server and finds the other application still serving. ``sat serve
+--engine ray`` on a local Ray of its own is walked by test_drift_everywhere,
+test_one_caption_everywhere and test_serving_limits.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +30,7 @@ from pipeline.tracking.registry import promote_if_better
 from sat_model.captioner import Captioner
 from sat_model.paths import shared_data
 from tests.factories import bmp_bomb, png_bomb, write_tiny_model
-from tests.pipeline.servers import free_port
+from tests.pipeline.servers import RayNodes, SatServe, free_port, ray_nodes, sat_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.mlflow]
 SAT = Path(sys.executable).with_name("sat")
@@ -45,11 +48,17 @@ serve:
 
 @dataclass(frozen=True)
 class RayServed:
-    url: str
+    server: SatServe  # ``sat serve --engine ray --address``
     root: Path
     uri: str  # the tracking store
-    pid: int  # ``sat serve --engine ray``
     models: dict[str, Path]  # version -> its checkpoint folder
+    nodes: RayNodes  # the shared cluster
+    env: dict[str, str]
+    neighbour: str  # the other application's URL
+
+    @property
+    def url(self) -> str:
+        return self.server.url
 
 
 def _photos(n: int) -> list[Path]:
@@ -85,12 +94,39 @@ def _version(url: str) -> str:
         return str(json.loads(answer.read())["version"])
 
 
-@pytest.fixture(scope="module")
-def ray_served(tmp_path_factory: pytest.TempPathFactory):
+# another user's Serve application on the same cluster, at "/" behind Serve's own proxy
+NEIGHBOUR = """
+import sys, ray
+from ray import serve
+ray.init(address=sys.argv[1], logging_level="ERROR")
+serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[2])})
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+def neighbour(request):
+    return "neighbour"
+
+serve.run(neighbour.bind(), name="neighbour", route_prefix="/")
+"""
+APPLICATIONS = """
+import json, sys, ray
+from ray import serve
+ray.init(address=sys.argv[1], logging_level="ERROR")
+print(json.dumps({n: a.status.value for n, a in serve.status().applications.items()}))
+"""
+
+
+def _driver(code: str, env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+
+
+def _register_two_versions(root: Path, uri: str) -> dict[str, Path]:
+    """Versions 1 and 2 of a tiny model (other weights), version 1 the champion."""
     from mlflow import MlflowClient
 
-    root = tmp_path_factory.mktemp("ray-serving")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(uri)
     experiment = client.create_experiment("serving", artifact_location=str(root / "artifacts"))
     models = {}
@@ -108,38 +144,27 @@ def ray_served(tmp_path_factory: pytest.TempPathFactory):
         )
         models[registered.version] = model
     promote_if_better(client, NAME, "1", "bleu_4")
+    return models
+
+
+@pytest.fixture(scope="module")
+def ray_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayServed]:
+    from pipeline.ray.runtime import loopback_env
+
+    root = tmp_path_factory.mktemp("ray-serving")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    models = _register_two_versions(root, uri)
     (root / "params.yaml").write_text(PARAMS.format(uri=uri))
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
-    log = (root / "serve.log").open("wb")
-    process = subprocess.Popen(
-        [str(SAT), "serve", "--engine", "ray", "--port", str(port)],
-        cwd=root,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert process.poll() is None, (root / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, (root / "serve.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(f"{url}/ping", timeout=5).close()
-                break
-            except OSError:
-                time.sleep(1)
-        yield RayServed(url, root, uri, process.pid, models)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
+    env = {**loopback_env(), "RAY_AUTH_MODE": "token"}
+    env = {k: v for k, v in env.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    with ray_nodes(root, env, {}, head_cpus=3) as nodes:
+        neighbour_port = free_port()
+        _driver(NEIGHBOUR, env, nodes.address, str(neighbour_port))
+        args = ["--engine", "ray", "--address", nodes.address]
+        with sat_serve(root, args, env, root / "serve.log") as server:
+            yield RayServed(
+                server, root, uri, models, nodes, env, f"http://127.0.0.1:{neighbour_port}/"
+            )
 
 
 def test_16_concurrent_clients_with_real_photos_are_all_captioned(ray_served: RayServed) -> None:
@@ -197,10 +222,9 @@ def test_a_promoted_version_reaches_the_running_deployment(ray_served: RayServed
     assert json.loads(body)["predictions"][0]["caption"] == expected.caption.text
 
 
-def _session_logs(pid: int) -> list[Path]:
-    """The log files of the local Ray that ``sat serve`` (process ``pid``) started: Ray names
-    its session folder after the process that started it."""
-    (session,) = Path("/tmp/ray").glob(f"session_*_{pid}")
+def _session_logs(nodes: RayNodes) -> list[Path]:
+    """The log files of the cluster's head (its replicas' among them)."""
+    (session,) = nodes.temp_dir("head").glob("session_2*")
     return [p for p in (session / "logs").rglob("*") if p.is_file()]
 
 
@@ -233,79 +257,23 @@ def test_a_champion_that_fails_its_check_is_refused_once(ray_served: RayServed) 
     assert _version(ray_served.url) == served_now
     said = sum(
         p.read_text(errors="replace").count(f"refusing models:/{NAME}/{forged.version}")
-        for p in _session_logs(ray_served.pid)
+        for p in _session_logs(ray_served.nodes)
     )
     assert said == 1, said
 
 
-# another user's Serve application on the same cluster, at "/" behind Serve's own proxy
-NEIGHBOUR = """
-import sys, ray
-from ray import serve
-ray.init(address=sys.argv[1], logging_level="ERROR")
-serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[2])})
-
-@serve.deployment(ray_actor_options={"num_cpus": 0})
-def neighbour(request):
-    return "neighbour"
-
-serve.run(neighbour.bind(), name="neighbour", route_prefix="/")
-"""
-APPLICATIONS = """
-import json, sys, ray
-from ray import serve
-ray.init(address=sys.argv[1], logging_level="ERROR")
-print(json.dumps({n: a.status.value for n, a in serve.status().applications.items()}))
-"""
-
-
-def _driver(code: str, env: dict[str, str], *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-
-
 def test_on_a_shared_cluster_only_its_own_application_comes_and_goes(
-    ray_served: RayServed, tmp_path: Path
+    ray_served: RayServed,
 ) -> None:
-    from pipeline.ray.runtime import loopback_env
-    from tests.pipeline.servers import ray_nodes
-
-    env = {**loopback_env(), "RAY_AUTH_MODE": "token"}
-    env = {k: v for k, v in env.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
-    (photo,) = _photos(1)
-    with ray_nodes(tmp_path, env, {}, head_cpus=3) as nodes:
-        neighbour_port = free_port()
-        _driver(NEIGHBOUR, env, nodes.address, str(neighbour_port))
-        neighbour = f"http://127.0.0.1:{neighbour_port}/"
-        port = free_port()
-        command = [str(SAT), "serve", "--engine", "ray", "--address", nodes.address]
-        command += ["--port", str(port), "--model", f"models:/{NAME}/1"]
-        with (tmp_path / "serve.log").open("wb") as log:
-            process = subprocess.Popen(
-                command, cwd=ray_served.root, env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 240
-            while True:
-                assert process.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-                try:
-                    urllib.request.urlopen(f"{url}/ping", timeout=5).close()
-                    break
-                except OSError:
-                    time.sleep(1)
-            assert _post(url, _rows([_b64(photo)]))[0] == 200
-            running = json.loads(_driver(APPLICATIONS, env, nodes.address))
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=90)
-        after = json.loads(_driver(APPLICATIONS, env, nodes.address))
-        with urllib.request.urlopen(neighbour, timeout=30) as answer:
-            assert answer.read() == b"neighbour"
+    """Runs last: it stops the module's server."""
+    env, address = ray_served.env, ray_served.nodes.address
+    running = json.loads(_driver(APPLICATIONS, env, address))
+    ray_served.server.stop()
+    after = json.loads(_driver(APPLICATIONS, env, address))
+    with urllib.request.urlopen(ray_served.neighbour, timeout=30) as answer:
+        assert answer.read() == b"neighbour"
+    port = ray_served.url.rsplit(":", 1)[1]
     ours = [name for name in running if name != "neighbour"]
+    assert running["neighbour"] == "RUNNING", running
     assert len(ours) == 1 and ours[0].startswith("sat-") and ours[0].endswith(f"-{port}")
     assert after == {"neighbour": "RUNNING"}, after

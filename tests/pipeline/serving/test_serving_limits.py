@@ -1,7 +1,8 @@
 """Slow, big and crafted bodies against ``sat serve`` on both engines, from outside, over HTTP.
 
-One server per engine (``sat serve`` and ``sat serve --engine ray``, each on a free 127.0.0.1
-port, a SQLite store with one registered tiny model), stopped by its process group. Each test
+One server per engine (``sat serve`` of the champion and ``sat serve --engine ray`` of the pinned
+version 1, each on a free 127.0.0.1 port, a SQLite store with one registered tiny model), stopped
+by its process group. Each test
 does what a hostile or clumsy client does and measures what the issue asks: the status, how
 long a well-behaved client waits meanwhile, and the memory of the process that reads the bodies
 (``sat serve`` itself: on both engines the front door runs there).
@@ -13,10 +14,7 @@ import base64
 import contextlib
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -30,10 +28,9 @@ from pipeline.tracking.packaging import log_and_register
 from pipeline.tracking.registry import promote_if_better
 from sat_model.paths import shared_data
 from tests.factories import write_tiny_model
-from tests.pipeline.servers import free_port
+from tests.pipeline.servers import sat_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlflow]
-SAT = Path(sys.executable).with_name("sat")
 NAME = "sat-captioner"
 PHOTOS = shared_data("flickr8k-sample") / "Flickr8k_Dataset"
 # the default body limit (32 MB, so the 31 MB body below is within it); read_timeout_s short, so
@@ -56,18 +53,6 @@ class Server:
     log: Path
 
 
-def _wait_until_up(process: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + 300
-    while True:
-        assert process.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        try:
-            urllib.request.urlopen(f"{url}/ping", timeout=5).close()
-            return
-        except OSError:
-            time.sleep(1)
-
-
 @pytest.fixture(scope="module", params=["local", pytest.param("ray", marks=pytest.mark.ray)])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     from mlflow import MlflowClient
@@ -87,26 +72,15 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     )
     promote_if_better(client, NAME, registered.version, "bleu_4")
     (root / "params.yaml").write_text(PARAMS.format(uri=uri))
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
     log = root / "serve.log"
-    command = [str(SAT), "serve", "--engine", request.param, "--port", str(port)]
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_until_up(process, url, log)
-        assert _post(url, _photo_body())[0] == 200  # warm: memory is measured after a caption
-        yield Server(request.param, url, port, process.pid, log)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    # the Ray engine serves a pinned version (the champion alias is followed by test_ray_serving)
+    args = ["--engine", request.param]
+    args += ["--model", f"models:/{NAME}/1"] if request.param == "ray" else []
+    with sat_serve(root, args, env, log) as served:
+        assert _post(served.url, _photo_body())[0] == 200  # warm: memory is measured after one
+        port = int(served.url.rsplit(":", 1)[1])
+        yield Server(request.param, served.url, port, served.pid, log)
 
 
 def _rss(pid: int) -> int:
