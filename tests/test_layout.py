@@ -1,6 +1,6 @@
 """The suite's own layout: tests mirror the packages, no folder is flat, and shared helpers live
-in helper modules (``factories``, ``figures``, ``pipeline/servers``, ``pipeline/projects``),
-never in another test module."""
+in helper modules (``factories``, ``figures``, ``pipeline/servers``, ``pipeline/ray_cluster``,
+``pipeline/projects``), never in another test module."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ from tests.pipeline.projects import (
     check_recorded_sweep,
     stages_run,
 )
-from tests.pipeline.servers import _wait_for_port, free_port, stop_process_group
+from tests.pipeline.servers import free_port, stop_process_group, wait_for_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -176,7 +176,7 @@ def test_quickstart_from_make_run_to_a_served_caption(project: Path, tmp_path: P
             start_new_session=True,
         )
     try:
-        _wait_for_port(int(port), server, "sat serve", timeout_s=120)
+        wait_for_port(int(port), server, "sat serve", timeout_s=120)
         out = _bash(project, request.replace("127.0.0.1:8080", f"127.0.0.1:{port}"))
     finally:
         stop_process_group(server)

@@ -37,14 +37,8 @@ from pipeline.ray.runtime import loopback_env
 from pipeline.settings import load_params
 from pipeline.tracking.runs import PARENT_TAG, connect
 from tests.factories import ROOT
-from tests.pipeline.servers import (
-    RayNodes,
-    free_port,
-    mlflow_server,
-    ray_nodes,
-    s3_server,
-    stop_process_group,
-)
+from tests.pipeline.ray_cluster import RayNodes, ray_nodes
+from tests.pipeline.servers import free_port, mlflow_server, s3_server, stop_process_group
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.mlflow, pytest.mark.slow]
 

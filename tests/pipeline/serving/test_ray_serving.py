@@ -30,7 +30,8 @@ from pipeline.tracking.registry import promote_if_better
 from sat_model.captioner import Captioner
 from sat_model.paths import shared_data
 from tests.factories import bmp_bomb, png_bomb, write_tiny_model
-from tests.pipeline.servers import RayNodes, SatServe, free_port, ray_nodes, sat_serve
+from tests.pipeline.ray_cluster import RayNodes, ray_nodes
+from tests.pipeline.servers import SatServe, free_port, sat_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.mlflow]
 SAT = Path(sys.executable).with_name("sat")
