@@ -1,7 +1,7 @@
 """Ray Train across nodes: one worker on one node against two DDP workers on two nodes.
 
 A real two-node Ray cluster on this machine (``ray start --head`` and ``ray start --address``,
-one CPU each, each in its own process group: ``tests/pipeline/servers.py``'s ``ray_nodes``, the
+one CPU each, each in its own process group: ``tests/pipeline/ray_cluster.py``'s ``ray_nodes``, the
 cluster the cluster tests start) runs, in one invocation and on the same data, the ``train``
 stage's own worker function (:func:`pipeline.ray.train.sat_train_fn` on a
 :class:`~pipeline.ray.train.TrainJob`) with one worker (1 CPU), then with two workers placed
@@ -44,7 +44,7 @@ from sat_model.data.tables import CAPTIONS_FILE, VOCAB_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the cluster helpers of the tests: run as a script from anywhere
-from tests.pipeline.servers import ray_nodes  # noqa: E402
+from tests.pipeline.ray_cluster import ray_nodes  # noqa: E402
 
 __all__ = ["main", "write_synthetic_project"]
 
