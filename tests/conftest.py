@@ -16,6 +16,11 @@ from collections.abc import Generator, Iterator
 
 import pytest
 
+# two pytest workers share two cores, and most processes they start run PyTorch: with as many
+# threads as cores each, OpenMP's spinning threads fight over them. One thread each, unless a
+# test or a stage sets its own (Ray Train's workers, extract's torch_threads)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # markers of real-path integrations (clusters, servers, pipelines, Java's METEOR and PTB):
 # the whole suite runs them, the fast tier does not
 INTEGRATION = ("slow", "ray", "mlflow", "cluster", "java")
@@ -73,9 +78,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
-# a module's weight: its heaviest marker (clusters, then other integrations, then the rest),
-# then the share of its tests that are integrations (a module that is one pipeline run, say),
-# then how many tests it has
+# the longest modules of the last whole run, longest first (docs/decisions/012): started before
+# all others, so that none of them is the last one left running on one worker
+LONGEST = (
+    "tests/pipeline/tracking/test_team_mlflow.py",
+    "tests/pipeline/test_dvc_pipeline.py",
+    "tests/pipeline/stages/test_own_data.py",
+    "tests/pipeline/test_drift_everywhere.py",
+    "tests/pipeline/ray/test_ray_multinode.py",
+    "tests/pipeline/ray/test_ray_train.py",
+)
+# then a module's weight: its heaviest marker (clusters, then other integrations, then the
+# rest), then the share of its tests that are integrations (a module that is one pipeline run,
+# say), then how many tests it has
 WEIGHTS = {"cluster": 0, "slow": 1, "ray": 1, "mlflow": 1, "java": 2}
 
 
@@ -91,10 +106,11 @@ def _heaviest_modules_first(items: list[pytest.Item]) -> None:
         heaviest[module] = min(heaviest.get(module, 3), *marks, 3)
         tests.setdefault(module, []).append(min(marks, default=3) < 2)
 
-    def weight(item: pytest.Item) -> tuple[int, float, int]:
+    def weight(item: pytest.Item) -> tuple[int, int, float, int]:
         module = item.nodeid.partition("::")[0]
         integrations = tests[module]
-        return heaviest[module], -sum(integrations) / len(integrations), -len(integrations)
+        longest = LONGEST.index(module) if module in LONGEST else len(LONGEST)
+        return longest, heaviest[module], -sum(integrations) / len(integrations), -len(integrations)
 
     items.sort(key=weight)
 

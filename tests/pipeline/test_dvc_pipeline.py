@@ -399,7 +399,7 @@ def test_every_registered_version_has_a_card_that_agrees_with_the_reports(projec
         assert "captions the generated scenes of coloured shapes" in card
         training = re.search(r"\| training time \| ([\d.]+) min \|", card)
         assert training and 0 < float(training[1]) < 60, card
-        hardware = r"\| hardware \| 1 worker\(s\); each on (cpu \(\d+ threads\)|cuda \()"
+        hardware = r"\| hardware \| 1 worker\(s\); each on (cpu \(\d+ threads?\)|cuda \()"
         assert re.search(hardware, card), card
         aliases = "champion" if entry["version"] == registry["champion"] else "none"
         assert card.endswith(f"## In the registry now\n\n- aliases: {aliases}\n")
