@@ -78,8 +78,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
-# the longest modules of the last whole run, longest first (docs/decisions/012): started before
-# all others, so that none of them is the last one left running on one worker
+# the longest modules of a whole run (`--durations`), longest first: started before all others,
+# so that none of them is the last one left running on one worker
 LONGEST = (
     "tests/pipeline/tracking/test_team_mlflow.py",
     "tests/pipeline/test_dvc_pipeline.py",

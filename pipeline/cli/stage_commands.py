@@ -92,7 +92,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     add_params_args(p)
     evaluate.add_arguments(p)
-    p.set_defaults(handler=_evaluate, quiet=True)  # a registered model's download, unbarred
+    p.set_defaults(handler=_evaluate, quiet=True)  # no MLflow progress bar over a download
 
 
 def _forward_params(args: argparse.Namespace) -> list[str]:
