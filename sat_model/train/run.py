@@ -212,4 +212,5 @@ def describe_device(device: torch.device) -> str:
     """``cuda (<its name>)`` or ``cpu (<N> threads)``: the device one rank trained on."""
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
-    return f"{device.type} ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"{device.type} ({threads} thread{'s' if threads > 1 else ''})"
