@@ -83,10 +83,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 LONGEST = (
     "tests/pipeline/tracking/test_team_mlflow.py",
     "tests/pipeline/test_dvc_pipeline.py",
-    "tests/pipeline/stages/test_own_data.py",
-    "tests/pipeline/test_drift_everywhere.py",
     "tests/pipeline/ray/test_ray_multinode.py",
     "tests/pipeline/ray/test_ray_train.py",
+    "tests/pipeline/stages/test_own_data.py",
+    "tests/pipeline/test_one_caption_everywhere.py",
+    "tests/pipeline/test_drift_everywhere.py",
 )
 # then a module's weight: its heaviest marker (clusters, then other integrations, then the
 # rest), then the share of its tests that are integrations (a module that is one pipeline run,
