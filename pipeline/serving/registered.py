@@ -17,7 +17,7 @@ from typing import Any
 
 from pipeline.settings import ServeConfig
 from pipeline.tracking.model_uri import FetchedModel, ModelCheckError, fetch_model, is_model_uri
-from pipeline.tracking.runs import redact
+from pipeline.tracking.store import redact
 from sat_model.caption_request import CaptionService
 
 __all__ = ["ServeError", "ServedModel", "load_served_model"]
