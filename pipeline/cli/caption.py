@@ -180,20 +180,23 @@ def _caption(args: argparse.Namespace) -> int:
     missing = [i for i in args.inputs if not Path(i).exists()]
     if len(missing) == len(args.inputs):  # the first cause, before any model is looked up
         raise CommandError(f"no such file or folder: {' '.join(missing)}")
-    import tempfile
-    from contextlib import nullcontext
-
-    from tqdm import tqdm
-
-    from sat_model.captioner import Captioner, find_image_files
+    from sat_model.features.image_files import find_image_files
 
     paths = find_image_files(args.inputs)
     if not paths:
         raise CommandError(f"no image files in {' '.join(args.inputs)}")
     params = params_or_defaults(args)
+    import tempfile
+    from contextlib import nullcontext
+
+    from tqdm import tqdm
+
     with tempfile.TemporaryDirectory() as tmp:
+        model_dir = _caption_model_dir(args, Path(tmp))  # checked before PyTorch loads
+        from sat_model.captioner import Captioner
+
         captioner = Captioner.from_dir(
-            _caption_model_dir(args, Path(tmp)),
+            model_dir,
             device=_caption_device(args.device),
             **_captioner_options(params.eval, args.batch_size),
         )
