@@ -14,9 +14,7 @@ checksum must match the one recorded: the decoder never reads features of anothe
 from __future__ import annotations
 
 import functools
-import os
-import stat
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,11 +39,9 @@ from sat_model.model.decoder import ShowAttendTell
 from sat_model.model.decoding import Decoding, beam_search, decode_mode, length_penalty_for
 
 __all__ = [
-    "IMAGE_EXTENSIONS",
     "Captioner",
     "FileCaption",
     "ImageCaption",
-    "find_image_files",
 ]
 
 
@@ -80,40 +76,6 @@ class FileCaption:
     path: str
     caption: ImageCaption | None = None
     error: str | None = None
-
-
-# what a folder given to ``sat caption`` is searched for (case-insensitive); a file named
-# explicitly is read whatever its name
-IMAGE_EXTENSIONS = frozenset(
-    {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
-)
-
-
-def find_image_files(inputs: Iterable[str | Path]) -> list[Path]:
-    """Each input file as given, and every image file under each input folder (recursive,
-    sorted, symlinked files included, symlinked folders not followed)."""
-    out: list[Path] = []
-    for item in map(Path, inputs):
-        if not item.is_dir():
-            out.append(item)  # a missing or unreadable file gets its error when read
-            continue
-        for root, dirs, files in os.walk(item):
-            dirs.sort()
-            out += [
-                Path(root) / f
-                for f in sorted(files)
-                if Path(f).suffix.lower() in IMAGE_EXTENSIONS and not _special(Path(root) / f)
-            ]
-    return out
-
-
-def _special(path: Path) -> bool:
-    """A FIFO, socket or device: not a photo, and opening a FIFO waits for a writer forever.
-    A dangling link is no special file: it is listed and its error said when it is read."""
-    try:
-        return not stat.S_ISREG(path.stat().st_mode)
-    except OSError:
-        return False
 
 
 class Captioner:

@@ -26,7 +26,6 @@ from ruamel.yaml import YAMLError
 from sat_model.config import DataConfig, EncoderConfig, LibraryParams, ParamsError, TrainConfig
 from sat_model.data.sources.registry import SOURCES, list_sources
 from sat_model.evaluation.metrics import metric_keys
-from sat_model.features.encoders import list_encoders
 
 __all__ = [
     "EXTENDS",
@@ -214,6 +213,8 @@ def _registry_errors(tree: Mapping[str, Any]) -> list[str]:
         errors.append(f"data.source: unknown data source {source!r}; registered: {list_sources()}")
     elif SOURCES[source].needs_root and not _named(tree, "data", "root"):
         errors.append(f"data: data.root is required for source {source!r}")
+    from sat_model.features.encoders import list_encoders  # PyTorch: only once params are read
+
     if encoder not in list_encoders():
         errors.append(f"encoder.name: unknown encoder {encoder!r}; registered: {list_encoders()}")
     if monitor not in metric_keys():

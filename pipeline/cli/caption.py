@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.cli.commands import CommandError, add_command
-from pipeline.cli.project import model_name, params_or_defaults, tracking_uri
+from pipeline.cli.project import model_name, params_or_defaults, tracking_uri, use_mlflow
 from pipeline.stages import add_params_args
 
 __all__ = ["NO_CHAMPION", "add_parser"]
@@ -33,22 +33,24 @@ def _caption_model_dir(args: argparse.Namespace, workdir: Path) -> Path:
     """The model folder to caption with: ``--model`` as a folder, or a downloaded MLflow model
     (by default the champion); a missing model is a :class:`CommandError`."""
     from pipeline.tracking.model_uri import is_model_uri, resolve_model_dir
-    from sat_model.model.checkpoint import MODEL_FILE, is_checkpoint_dir
 
     model = args.model or f"models:/{model_name(args)}@champion"
     if not is_model_uri(model):
+        from sat_model.model.checkpoint import MODEL_FILE, is_checkpoint_dir
+
         if not is_checkpoint_dir(model):
             raise CommandError(f"{model} is not a model folder (no {MODEL_FILE} in it)")
         return Path(model)
-    from mlflow.exceptions import MlflowException
-
-    from pipeline.tracking.runs import redact
+    from pipeline.tracking.store import redact
 
     uri = tracking_uri(args)
     missing = CommandError(NO_CHAMPION.format(uri=model, store=redact(uri)))
     # an absent SQLite store holds no model: say so before MLflow creates an empty one here
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         raise missing
+    use_mlflow(args)
+    from mlflow.exceptions import MlflowException
+
     try:
         return resolve_model_dir(model, workdir, uri)
     except MlflowException as e:
@@ -104,10 +106,10 @@ def _print_caption(found, fmt: str, figures) -> None:
 
 def _attention_figures(folder: str | None, mode: str) -> Any:
     """``--attention-out``: a figure per image and ``index.html`` (written when captioning ends)."""
-    from sat_model.evaluation.visualize import AttentionFigures
-
     if not folder:
         return None
+    from sat_model.evaluation.visualize import AttentionFigures
+
     return AttentionFigures(folder, "sat caption: where the model looked for each word", mode=mode)
 
 
@@ -124,12 +126,6 @@ def _captioner_options(ev: Any, batch_size: int) -> dict[str, Any]:
 
 def _caption_on_ray(args: argparse.Namespace) -> int:
     """``sat caption SOURCE --engine ray --out DEST``: Ray Data over a folder or a bucket."""
-    import tempfile
-
-    from pipeline.cli.notices import model_source
-    from pipeline.ray.caption import caption_with_ray_data
-    from pipeline.ray.runtime import ray_session
-
     if len(args.inputs) != 1 or not args.out:
         raise CommandError("--engine ray captions one folder or bucket prefix into --out DEST")
     if args.attention_out:
@@ -140,7 +136,11 @@ def _caption_on_ray(args: argparse.Namespace) -> int:
             raise CommandError(f"{source} is not a folder (or an s3:// prefix)")
         source = str(Path(source).resolve())  # Ray's workers run elsewhere
     out = args.out if "://" in args.out else str(Path(args.out).resolve())
-    from pipeline.ray.caption import check_destination
+    import tempfile
+
+    from pipeline.cli.notices import model_source
+    from pipeline.ray.caption import caption_with_ray_data, check_destination
+    from pipeline.ray.runtime import ray_session
 
     check_destination(out)  # before any model loads: an earlier run's files only, or nothing
     params = params_or_defaults(args)
@@ -173,13 +173,6 @@ def _caption_on_ray(args: argparse.Namespace) -> int:
 def _caption(args: argparse.Namespace) -> int:
     """Caption image files and folders in batches; a bad image gets its own error, the others
     still run; exit 1 when no image could be captioned."""
-    import tempfile
-    from contextlib import nullcontext
-
-    from tqdm import tqdm
-
-    from sat_model.captioner import Captioner, find_image_files
-
     if args.engine == "ray":
         return _caption_on_ray(args)
     if args.out:
@@ -187,13 +180,23 @@ def _caption(args: argparse.Namespace) -> int:
     missing = [i for i in args.inputs if not Path(i).exists()]
     if len(missing) == len(args.inputs):  # the first cause, before any model is looked up
         raise CommandError(f"no such file or folder: {' '.join(missing)}")
+    from sat_model.features.image_files import find_image_files
+
     paths = find_image_files(args.inputs)
     if not paths:
         raise CommandError(f"no image files in {' '.join(args.inputs)}")
     params = params_or_defaults(args)
+    import tempfile
+    from contextlib import nullcontext
+
+    from tqdm import tqdm
+
     with tempfile.TemporaryDirectory() as tmp:
+        model_dir = _caption_model_dir(args, Path(tmp))  # checked before PyTorch loads
+        from sat_model.captioner import Captioner
+
         captioner = Captioner.from_dir(
-            _caption_model_dir(args, Path(tmp)),
+            model_dir,
             device=_caption_device(args.device),
             **_captioner_options(params.eval, args.batch_size),
         )
@@ -317,4 +320,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="write one attention figure per image here (the photo, then a map per word) "
         "and index.html listing them",
     )
-    p.set_defaults(handler=_caption, quiet=True)
+    p.set_defaults(handler=_caption)

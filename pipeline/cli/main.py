@@ -2,17 +2,20 @@
 
 Each subcommand is a thin handler that imports what it needs inside the function, so that
 ``sat --help`` stays fast and a handler's heavy dependencies (Ray, MLflow, torch) load only when
-that handler runs. The commands live by group: :mod:`~pipeline.cli.summary`,
-:mod:`~pipeline.cli.stage_commands` (train, tune, evaluate), :mod:`~pipeline.cli.registry`
-(models, promote), :mod:`~pipeline.cli.profile`, ``sat serve`` in
-:mod:`pipeline.serving.command`, ``sat caption`` in :mod:`~pipeline.cli.caption`.
+that handler runs, after what it can check without them (its arguments, that the paths it is
+given and a local tracking store exist): a user error is told before any of them loads. The
+commands live by group: :mod:`~pipeline.cli.summary`, :mod:`~pipeline.cli.stage_commands`
+(train, tune, evaluate), :mod:`~pipeline.cli.registry` (models, promote),
+:mod:`~pipeline.cli.profile`, ``sat serve`` in :mod:`pipeline.serving.command`, ``sat caption``
+in :mod:`~pipeline.cli.caption`.
 
 Every command keeps one convention (:mod:`~pipeline.cli.commands`): ``sat <command> --help``
 says what it does with examples, and a user error (bad params, a missing model or file, an
 unusable input, a tracking store that does not answer) ends with one line ``sat <command>:
 error: ...`` on stderr and exit status 1, the first cause first; ``-v`` shows the traceback
-instead, and MLflow's warnings and download progress bars, which ``sat`` otherwise keeps
-quiet. Any other exception is a bug and keeps its traceback.
+instead, and MLflow's warnings and download progress bars, which ``sat`` otherwise keeps quiet
+from where a command first needs MLflow (:func:`pipeline.cli.project.use_mlflow`). Any other
+exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from pipeline.cli import caption, profile, registry, stage_commands, summary
 from pipeline.cli.commands import CommandError, one_line_usage_errors
 from pipeline.serving import command as serve
 from pipeline.stages.user_errors import is_user_error, one_line
-from pipeline.tracking.quiet import quiet_mlflow
 
 __all__ = ["CommandError", "build_parser", "main"]
 
@@ -82,8 +84,6 @@ def _is_user_error(err: BaseException) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
-    if not args.verbose and getattr(args, "quiet", False):
-        quiet_mlflow()
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -4,6 +4,8 @@ MLflow store and the registered model's name.
 Commands that only read (``sat models``, ``sat caption``, ``sat serve``) run outside a project
 too: without ``params.yaml`` the defaults and ``MLFLOW_TRACKING_URI`` apply. They never create
 state there: an absent SQLite store is reported, not created empty (MLflow's client would).
+MLflow is imported only where a command first needs it (:func:`use_mlflow`), after what can be
+checked without it: a user error, or a caption with a model folder, never pays for it.
 """
 
 from __future__ import annotations
@@ -16,9 +18,19 @@ from pipeline.cli.commands import CommandError
 from pipeline.stages import StageContext, load_context, params_given, project_root
 
 if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
     from pipeline.settings import MlflowConfig, Params
 
-__all__ = ["context", "model_name", "params_or_defaults", "store_uri", "tracking_uri"]
+__all__ = [
+    "context",
+    "model_name",
+    "params_or_defaults",
+    "registry_client",
+    "store_uri",
+    "tracking_uri",
+    "use_mlflow",
+]
 
 
 def context(args: argparse.Namespace) -> StageContext:
@@ -43,7 +55,7 @@ def _mlflow(args: argparse.Namespace) -> MlflowConfig:
 
 def tracking_uri(args: argparse.Namespace) -> str:
     """The tracking store every stage of this project uses (``MLFLOW_TRACKING_URI`` first)."""
-    from pipeline.tracking.runs import resolve_tracking_uri
+    from pipeline.tracking.store import resolve_tracking_uri
 
     return resolve_tracking_uri(_mlflow(args), project_root(args.params))
 
@@ -51,7 +63,7 @@ def tracking_uri(args: argparse.Namespace) -> str:
 def store_uri(args: argparse.Namespace) -> str:
     """:func:`tracking_uri`, refused with the reason when it is a SQLite file that does not
     exist: nothing was registered there, and MLflow's client would create an empty store."""
-    from pipeline.tracking.runs import redact
+    from pipeline.tracking.store import redact
 
     uri = tracking_uri(args)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
@@ -65,3 +77,22 @@ def store_uri(args: argparse.Namespace) -> str:
 def model_name(args: argparse.Namespace) -> str:
     """``--name``, else ``mlflow.model_name``."""
     return getattr(args, "name", None) or _mlflow(args).model_name
+
+
+def use_mlflow(args: argparse.Namespace) -> None:
+    """Called where a command first needs MLflow: from here on MLflow's logs, warnings and
+    progress bars stay off the terminal, unless ``-v``."""
+    if not args.verbose:
+        from pipeline.tracking.quiet import quiet_mlflow
+
+        quiet_mlflow()
+
+
+def registry_client(args: argparse.Namespace) -> MlflowClient:
+    """A client of the project's store (:func:`store_uri`, checked before MLflow is imported),
+    MLflow kept quiet (:func:`use_mlflow`)."""
+    uri = store_uri(args)
+    use_mlflow(args)
+    from mlflow import MlflowClient
+
+    return MlflowClient(uri)

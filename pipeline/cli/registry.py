@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from pipeline.cli.commands import CommandError, add_command
-from pipeline.cli.project import model_name, params_or_defaults, store_uri
+from pipeline.cli.project import model_name, params_or_defaults, registry_client
 from pipeline.stages import add_params_args
 
 __all__ = ["add_parsers"]
@@ -34,7 +34,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     add_params_args(p)
     p.add_argument("--name", default=None, help=NAME_HELP)
-    p.set_defaults(handler=_models, quiet=True)
+    p.set_defaults(handler=_models)
 
     p = add_command(
         sub,
@@ -63,7 +63,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="with --version and --reason: promote it even below promotion.floor",
     )
     p.add_argument("--reason", default=None, help="why the floor is overridden (recorded)")
-    p.set_defaults(handler=_promote, quiet=True)
+    p.set_defaults(handler=_promote)
     _add_card(sub)
 
 
@@ -83,7 +83,7 @@ def _add_card(sub: argparse._SubParsersAction) -> None:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--version", default=None, help="the version (default: --alias)")
     which.add_argument("--alias", default="champion", help="the alias (%(default)s)")
-    p.set_defaults(handler=_card, quiet=True)
+    p.set_defaults(handler=_card)
     _add_review(sub)
 
 
@@ -114,20 +114,20 @@ def _add_review(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="where the report is written")
     p.add_argument("--photos", type=int, default=4, help="test photos captioned (%(default)s)")
     p.add_argument("--name", default=None, help=NAME_HELP)
-    p.set_defaults(handler=_review, quiet=True)
+    p.set_defaults(handler=_review)
 
 
 def _models(args: argparse.Namespace) -> int:
-    from mlflow import MlflowClient
-
-    from pipeline.tracking.registry import list_versions
     from sat_model.evaluation.metrics import headline_keys, metric_label
     from sat_model.params import load_plugins
 
     load_plugins()  # metrics registered outside the repository
 
     name = model_name(args)
-    rows = list_versions(MlflowClient(store_uri(args)), name)
+    client = registry_client(args)
+    from pipeline.tracking.registry import list_versions
+
+    rows = list_versions(client, name)
     if not rows:
         raise CommandError(f"no registered version of {name!r}: run `make run` to register one")
     keys = headline_keys()  # the registered metrics' headline scores
@@ -141,19 +141,19 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _promote(args: argparse.Namespace) -> int:
-    from mlflow import MlflowClient
-
     from pipeline.tracking.governance.floor import check_floor
-    from pipeline.tracking.registry import promote
 
     params = params_or_defaults(args)
     metric = args.metric or params.mlflow.champion_metric
     check_floor(params.promotion.floor)  # a ParamsError naming the key: main prints it
     if args.override_floor and not (args.version and args.reason):
         raise CommandError("--override-floor needs --version and --reason (both are recorded)")
+    client = registry_client(args)
+    from pipeline.tracking.registry import promote
+
     # a RegistryError (no such version, no metric, below the floor) is a user error
     out = promote(
-        MlflowClient(store_uri(args)),
+        client,
         model_name(args),
         metric,
         args.version,
@@ -169,29 +169,27 @@ def _promote(args: argparse.Namespace) -> int:
 
 
 def _card(args: argparse.Namespace) -> int:
-    from mlflow import MlflowClient
-
+    name = model_name(args)
+    client = registry_client(args)
     from pipeline.tracking.governance.card import card_text
 
-    name = model_name(args)
     # a RegistryError (no such version or alias, no card) is a user error: main prints it
-    print(card_text(MlflowClient(store_uri(args)), name, args.version, args.alias), end="")
+    print(card_text(client, name, args.version, args.alias), end="")
     return 0
 
 
 def _review(args: argparse.Namespace) -> int:
-    from mlflow import MlflowClient
-
     from pipeline.cli.project import context
-    from pipeline.tracking.governance.review import review_photos, write_review
 
     if args.photos < 1:
         raise CommandError(f"--photos must be at least 1, got {args.photos}")
     ctx = context(args)
+    from pipeline.tracking.governance.review import review_photos, write_review
+
     photos = review_photos(ctx.params, ctx.root, args.photos)
     if not photos:
         raise CommandError("no test photos in the project's prepared data: run `make run` first")
-    client = MlflowClient(store_uri(args))
+    client = registry_client(args)
     sides = (args.candidate, args.against)
     metric = ctx.params.mlflow.champion_metric  # picks among an experiment's versions
     md, page = write_review(client, model_name(args), sides, photos, Path(args.out), metric)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from pipeline.cli.commands import CommandError, add_command
-from pipeline.cli.project import context
+from pipeline.cli.project import context, use_mlflow
 from pipeline.stages import StageContext, add_params_args, evaluate
 from sat_model.config import ATTENTION_KINDS
 
@@ -92,7 +92,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     add_params_args(p)
     evaluate.add_arguments(p)
-    p.set_defaults(handler=_evaluate, quiet=True)  # no MLflow progress bar over a download
+    p.set_defaults(handler=_evaluate)
 
 
 def _forward_params(args: argparse.Namespace) -> list[str]:
@@ -157,10 +157,10 @@ def _shown(path: Path) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from pipeline.stages import train
-
     ctx = context(args)
     _refuse_dvc_output(ctx, args)
+    from pipeline.stages import train
+
     resume = ["--resume"] if args.resume else []
     submitted = _as_ray_job(args, ["train", "--attention", args.attention, *resume])
     if submitted is not None:
@@ -169,9 +169,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
+    ctx = context(args)
     from pipeline.stages import tune
 
-    ctx = context(args)
     submitted = _as_ray_job(args, ["tune", *(["--apply"] if args.apply else [])])
     if submitted is not None:
         return submitted
@@ -211,6 +211,10 @@ def _evaluate_out(ctx: StageContext, args: argparse.Namespace) -> str | None:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
+    from pipeline.tracking.model_uri import is_model_uri
+
     ctx = context(args)
     out = _evaluate_out(ctx, args)
+    if args.model and is_model_uri(args.model):
+        use_mlflow(args)  # no MLflow progress bar over the download
     return evaluate.run(ctx, args.attention, model=args.model, split=args.split, out=out)

@@ -133,14 +133,14 @@ def _load(args: argparse.Namespace) -> tuple[Any, str, str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     """``sat serve``: load the model, then serve it until stopped."""
-    from pipeline.cli.notices import scenes_notice
-    from pipeline.serving.front_door import build_app
-    from pipeline.serving.http_server import run_server
-
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     for name in ("mlflow", "alembic"):  # store migrations and downloads log at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
     params, tracking_uri, model_uri, served = _load(args)
+    from pipeline.cli.notices import scenes_notice
+    from pipeline.serving.front_door import build_app
+    from pipeline.serving.http_server import run_server
+
     host, port = _address(args, params)
     shown = f"{model_uri} (version {served.version})" if served.version else model_uri
     notice = scenes_notice(served.service.captioner.data_source)

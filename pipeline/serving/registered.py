@@ -13,12 +13,14 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.settings import ServeConfig
 from pipeline.tracking.model_uri import FetchedModel, ModelCheckError, fetch_model, is_model_uri
-from pipeline.tracking.runs import redact
-from sat_model.caption_request import CaptionService
+from pipeline.tracking.store import redact
+
+if TYPE_CHECKING:
+    from sat_model.caption_request import CaptionService
 
 __all__ = ["ServeError", "ServedModel", "load_served_model"]
 
@@ -49,11 +51,13 @@ class ServedModel:
 def load_served_model(model_uri: str, tracking_uri: str, serve: ServeConfig) -> ServedModel:
     """Fetch ``model_uri``, check its checkpoint and load it; :class:`ServeError` if unusable.
     Downloaded files are removed once the model is in memory."""
-    from sat_model.features.encoders import EncoderError
-    from sat_model.model.checkpoint import CheckpointError
-
     with tempfile.TemporaryDirectory(prefix="sat-serve-") as tmp:
         fetched = _fetch(model_uri, tracking_uri, Path(tmp))
+        # PyTorch once the model is there: a missing one is told without it
+        from sat_model.caption_request import CaptionService
+        from sat_model.features.encoders import EncoderError
+        from sat_model.model.checkpoint import CheckpointError
+
         assert fetched.sha256 is not None  # an MLflow model, checked against its record
         decode = dict(fetched.pyfunc_config.get("decode") or {})
         try:
@@ -68,13 +72,15 @@ def _fetch(model_uri: str, tracking_uri: str, dst: Path) -> FetchedModel:
     MLflow model only, never a bare checkpoint folder, which has no record to check."""
     if not is_model_uri(model_uri) and not (Path(model_uri).expanduser() / "MLmodel").is_file():
         raise ServeError(f"{model_uri} is not an MLflow model folder (no MLmodel file)")
-    from mlflow.exceptions import MlflowException
-
     try:
         return fetch_model(model_uri, dst, tracking_uri)
-    except ModelCheckError as e:
+    except ModelCheckError as e:  # an absent local store among them: told without MLflow
         raise ServeError(str(e)) from None
-    except (MlflowException, OSError) as e:
+    except Exception as e:
+        from mlflow.exceptions import MlflowException
+
+        if not isinstance(e, MlflowException | OSError):
+            raise
         first = str(getattr(e, "message", e)).strip().splitlines()[0][:300]
         raise ServeError(
             f"cannot load {model_uri} from {redact(tracking_uri)}: {redact(first)}"

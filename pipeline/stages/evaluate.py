@@ -222,7 +222,7 @@ def _tracking_uri(ctx: StageContext, model: str) -> str | None:
     """The project's tracking store for an MLflow model URI (``mlflow.tracking_uri`` honoured)."""
     if not is_model_uri(model):
         return None
-    from pipeline.tracking.runs import resolve_tracking_uri
+    from pipeline.tracking.store import resolve_tracking_uri
 
     return resolve_tracking_uri(ctx.params.mlflow, ctx.root)
 

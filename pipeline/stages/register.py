@@ -102,7 +102,7 @@ def summary(report: Mapping[str, Any]) -> str:
 def _fail(err: BaseException) -> int:
     """Print a tracking failure (retries spent) without the traceback, credentials redacted:
     DVC keeps stage output in logs, and the tracking URI may hold a token."""
-    from pipeline.tracking.runs import redact
+    from pipeline.tracking.store import redact
 
     notes = "; ".join(getattr(err, "__notes__", []))
     print(f"register: error: {redact(str(err))} ({redact(notes)})", file=sys.stderr)

@@ -56,10 +56,9 @@ def one_line(err: BaseException) -> str:
             err = MlflowException(err.message)  # without MLflow's error-code prefix
     text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
     text = text or type(err).__name__
-    # tracking URIs (which may hold a token) reach messages only through pipeline.tracking.runs;
-    # importing it (and MLflow) just to print a params error would cost seconds
-    tracking = sys.modules.get("pipeline.tracking.runs")
-    return tracking.redact(text) if tracking else text
+    # tracking URIs (which may hold a token) reach messages only through pipeline.tracking.store
+    store = sys.modules.get("pipeline.tracking.store")
+    return store.redact(text) if store else text
 
 
 def user_errors_in_one_line(stage: str, run: Callable[[], int]) -> int:

@@ -50,13 +50,13 @@ def fetch_model(model: str, workdir: Path, tracking_uri: str | None = None) -> F
         if not (local / "MLmodel").is_file():
             return FetchedModel(local, None, None, {})
         return _checked(model, local.resolve(), None, None)
-    import mlflow
-
     if tracking_uri and tracking_uri.startswith("sqlite:///"):
         store = Path(tracking_uri.removeprefix("sqlite:///"))  # four slashes: absolute
         if model.startswith(("models:/", "runs:/")) and not store.is_file():
             # MLflow would create an empty store and then not find the model in it
             raise ModelCheckError(f"cannot load {model}: there is no MLflow store at {store}")
+    import mlflow
+
     version, recorded, location = _registered(model, tracking_uri)
     downloaded = mlflow.artifacts.download_artifacts(
         artifact_uri=location, dst_path=str(workdir), tracking_uri=tracking_uri

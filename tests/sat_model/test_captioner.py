@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sat_model.captioner import Captioner, find_image_files
+from sat_model.captioner import Captioner
 from sat_model.features.encoders import EncoderError, build_encoder, rebuild_encoder
+from sat_model.features.image_files import find_image_files
 from sat_model.features.spec import EncoderSpec
 from tests.factories import photo_of_another_shape, write_tiny_model
 

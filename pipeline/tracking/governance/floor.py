@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from mlflow import MlflowClient
+if TYPE_CHECKING:  # a client is passed in: checking a floor needs no MLflow
+    from mlflow import MlflowClient
 
 __all__ = [
     "FLOOR_MISSED_TAG",

@@ -225,7 +225,7 @@ def _assert_model_is_code_not_pickle(model_dir: Path) -> None:
 
 
 def test_redact_removes_userinfo_from_every_url_in_a_message() -> None:
-    from pipeline.tracking.runs import redact
+    from pipeline.tracking.store import redact
 
     text = (
         "API request to http://alice:pa55@10.0.0.1:5000/api failed; "

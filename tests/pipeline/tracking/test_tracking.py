@@ -11,15 +11,8 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UN
 
 from pipeline.settings import MlflowConfig
 from pipeline.tracking.lineage import dvc_experiment, lineage_tags
-from pipeline.tracking.runs import (
-    PARENT_TAG,
-    Tracking,
-    artifact_location,
-    connect,
-    flatten,
-    resolve_tracking_uri,
-    with_retries,
-)
+from pipeline.tracking.runs import PARENT_TAG, Tracking, connect, flatten, with_retries
+from pipeline.tracking.store import artifact_location, resolve_tracking_uri
 
 
 @pytest.fixture(scope="module")

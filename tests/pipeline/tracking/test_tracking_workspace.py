@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.settings import MlflowConfig
-from pipeline.tracking.runs import artifact_location, resolve_tracking_uri, tracking_root
+from pipeline.tracking.store import artifact_location, resolve_tracking_uri, tracking_root
 
 
 @pytest.fixture(autouse=True)
