@@ -1,15 +1,22 @@
 """Your own photos and captions, as the README's "Your own data" walks them: a folder of shared
-Flickr8k-sample photos and a CSV with every kind of bad row, `sat profile new`, `dvc repro` of
-the profile (tiny model, one epoch) to a registered champion, then `sat caption` with it.
+Flickr8k-sample photos with a captions CSV holding every kind of bad row, the README's two
+commands as written (`sat profile new`, then `make run PROFILE=mine`: one Ray head around the
+profile's `dvc repro` of a tiny model, one epoch, to a registered champion, then `sat
+summary`), and `sat caption` with the profile's params.
 
 The project is a temporary git repository holding this working tree's files; the photos are
-copied from ../shared/data into the test's temporary folder, never into the repository."""
+copied from ../shared/data into the test's temporary folder, never into the repository. As in
+test_dvc_pipeline.py, three departures, all outside the commands' text: ``~/photos`` is that
+folder, the profile's params are made tiny between the two commands, and ``.venv`` in the
+project links to the environment running the tests (its ``pyproject.toml`` dated before that
+environment's install, so make installs nothing)."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,10 +27,12 @@ import yaml
 
 from sat_model.params import apply_overrides, read_yaml
 from sat_model.paths import shared_data
-from tests.factories import copy_project
+from tests.factories import ROOT, copy_project
+from tests.pipeline.projects import METRIC_KEYS
 
 SAMPLE = shared_data("flickr8k-sample")
 BIN = Path(sys.executable).parent
+VENV = Path(sys.prefix)
 
 pytestmark = [
     pytest.mark.slow,
@@ -68,21 +77,30 @@ TINY = [
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RAY_ADDRESS"))}
+    # as a user's shell runs make, not as a sub-make of `make test`
+    drop = ("MLFLOW_", "RAY_ADDRESS", "MAKELEVEL", "MAKEFLAGS")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
     return env
 
 
-def _run(cwd: Path, *command: str) -> subprocess.CompletedProcess[str]:
+def _bash(project: Path, line: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(BIN / command[0]), *command[1:]],
-        cwd=cwd,
+        ["bash", "-euo", "pipefail", "-c", line],
+        cwd=project,
         env=_env(),
         capture_output=True,
         text=True,
         timeout=900,
     )
+
+
+def _readme_commands(photos: Path) -> list[str]:
+    """The README's "Your own data" block, a command a line, with ``photos`` for ~/photos."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.partition("**Your own data**")[2].partition("```bash\n")[2].partition("```")[0]
+    return [line.replace("~/photos", str(photos)) for line in block.splitlines()]
 
 
 def _sample_captions() -> dict[str, list[str]]:
@@ -95,10 +113,9 @@ def _sample_captions() -> dict[str, list[str]]:
     return {name: c for name, c in captions.items() if len(c) >= CAPTIONS_PER_PHOTO}
 
 
-def _dataset(folder: Path) -> tuple[Path, dict[str, str]]:
-    """300 photos and a CSV of 600 good rows and 30 bad ones (5 % of the good), five
-    kinds, each kind's rows unique; returns the CSV and {file or line: expected reason}."""
-    photos = folder / "photos"
+def _dataset(photos: Path) -> tuple[Path, dict[str, str]]:
+    """300 photos and, among them, a CSV of 600 good rows and 30 bad ones (5 % of the good),
+    five kinds, each kind's rows unique; returns the CSV and {file or line: expected reason}."""
     photos.mkdir(parents=True)
     captions = _sample_captions()
     names = sorted(captions)[:PHOTOS]
@@ -118,7 +135,7 @@ def _dataset(folder: Path) -> tuple[Path, dict[str, str]]:
         bad.append(((f"../outside_{i}.jpg", "a dog"), f"../outside_{i}.jpg", "leaves the dataset"))
     for i in range(9):
         bad.append(((names[10 + i], captions[names[10 + i]][0]), "line", "duplicate row"))
-    csv_path = folder / "captions.csv"
+    csv_path = photos / "captions.csv"
     expected: dict[str, str] = {}
     with csv_path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
@@ -132,29 +149,44 @@ def _dataset(folder: Path) -> tuple[Path, dict[str, str]]:
     return csv_path, expected
 
 
+def _check_summary(out: str, reports: Path) -> None:
+    """What `make run` ended with (`sat summary`): a row per model with the scores its
+    evaluation recorded, the registered champion, and a caption command for the profile."""
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("model "))
+    rows = lines[header + 1 : header + 3]
+    assert [row.split()[0] for row in rows] == ["soft", "hard"], out
+    for row in rows:
+        metrics = json.loads((reports / row.split()[0] / "metrics.json").read_text())
+        assert {f"{metrics[k]:.4f}" for k in METRIC_KEYS} <= set(row.split()[1:]), (row, metrics)
+    registry = json.loads((reports / "registry.json").read_text())
+    champion = f"champion: sat-captioner-mine version {registry['champion']} ("
+    assert any(line.startswith(champion) for line in lines[header + 3 :]), out
+    assert "sat caption --params profiles/mine/params.yaml " in out, out
+
+
 def test_a_folder_of_photos_to_a_captioning_champion(tmp_path: Path) -> None:
+    if not (VENV / ".installed").is_file():
+        pytest.skip("tests run outside the project's .venv: make run would install one")
     project = copy_project(tmp_path / "sat")
-    csv_path, expected = _dataset(tmp_path / "mine")
-    made = _run(
-        project,
-        "sat",
-        "profile",
-        "new",
-        "mine",
-        "--images",
-        str(csv_path.parent / "photos"),
-        "--captions",
-        str(csv_path),
-    )
+    (project / ".venv").symlink_to(VENV)
+    os.utime(project / "pyproject.toml", (0, 0))  # older than .venv/.installed: no install
+    photos = tmp_path / "photos"
+    csv_path, expected = _dataset(photos)
+    new_profile, make_run = _readme_commands(photos)
+    assert make_run == "make run PROFILE=mine"
+
+    made = _bash(project, new_profile)
     assert made.returncode == 0, made.stderr
     assert "make run PROFILE=mine" in made.stdout
     params = project / "profiles" / "mine" / "params.yaml"
     raw = apply_overrides(read_yaml(params.read_text()), TINY)
     params.write_text(yaml.safe_dump(raw, sort_keys=False))
 
-    repro = _run(project, "dvc", "repro", "profiles/mine/dvc.yaml")
-    assert repro.returncode == 0, repro.stdout[-3000:] + repro.stderr[-3000:]
-    assert "Traceback" not in repro.stdout + repro.stderr
+    run = _bash(project, make_run)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "Traceback" not in run.stdout + run.stderr
+    _check_summary(run.stdout, project / "profiles/mine/reports")
 
     report = json.loads((project / "profiles/mine/data/prepared/prepare_report.json").read_text())
     reasons = {entry["item"]: entry["reason"] for entry in report["skipped"]}
@@ -170,17 +202,9 @@ def test_a_folder_of_photos_to_a_captioning_champion(tmp_path: Path) -> None:
     assert registry["model_name"] == "sat-captioner-mine" and registry["champion"] is not None
 
     first = csv_path.read_text(encoding="utf-8").splitlines()[1].split(",")[0]
-    photo = csv_path.parent / "photos" / first
-    captioned = _run(
-        project,
-        "sat",
-        "caption",
-        "--params",
-        "profiles/mine/params.yaml",
-        "--format",
-        "jsonl",
-        str(photo),
-    )
+    photo = photos / first
+    caption = ".venv/bin/sat caption --params profiles/mine/params.yaml --format jsonl"
+    captioned = _bash(project, f"{caption} {shlex.quote(str(photo))}")
     assert captioned.returncode == 0, captioned.stderr
     row = json.loads(captioned.stdout.strip().splitlines()[-1])
     assert row["path"] == str(photo) and row["error"] is None
