@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from pipeline.cli.commands import CommandError, add_command
 from pipeline.cli.project import model_name, params_or_defaults, tracking_uri, use_mlflow
 from pipeline.stages import add_params_args
+from sat_model.features.image_files import find_image_files
 
 __all__ = ["NO_CHAMPION", "add_parser"]
 
@@ -136,8 +139,6 @@ def _caption_on_ray(args: argparse.Namespace) -> int:
             raise CommandError(f"{source} is not a folder (or an s3:// prefix)")
         source = str(Path(source).resolve())  # Ray's workers run elsewhere
     out = args.out if "://" in args.out else str(Path(args.out).resolve())
-    import tempfile
-
     from pipeline.cli.notices import model_source
     from pipeline.ray.caption import caption_with_ray_data, check_destination
     from pipeline.ray.runtime import ray_session
@@ -180,15 +181,10 @@ def _caption(args: argparse.Namespace) -> int:
     missing = [i for i in args.inputs if not Path(i).exists()]
     if len(missing) == len(args.inputs):  # the first cause, before any model is looked up
         raise CommandError(f"no such file or folder: {' '.join(missing)}")
-    from sat_model.features.image_files import find_image_files
-
     paths = find_image_files(args.inputs)
     if not paths:
         raise CommandError(f"no image files in {' '.join(args.inputs)}")
     params = params_or_defaults(args)
-    import tempfile
-    from contextlib import nullcontext
-
     from tqdm import tqdm
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -18,6 +19,7 @@ import yaml
 
 from pipeline.settings import Params, load_params
 from pipeline.tracking.runs import PARENT_TAG, connect
+from tests.factories import copy_project
 
 METRIC_KEYS = {"bleu_1", "bleu_2", "bleu_3", "bleu_4", "meteor", "rouge_l", "cider"}
 
@@ -46,6 +48,19 @@ TINY = [
     "ray.num_workers=1",
     "ray.cpus_per_worker=1",
 ]
+
+
+def project_for_make_run(dest: Path) -> Path:
+    """:func:`~tests.factories.copy_project` to ``dest``, where `make run` uses the environment
+    running the tests: ``.venv`` links to it and ``pyproject.toml`` is dated before its install,
+    so make installs nothing. Skips outside the project's ``.venv`` (make would install one)."""
+    venv = Path(sys.prefix)
+    if not (venv / ".installed").is_file():
+        pytest.skip("tests run outside the project's .venv: make run would install one")
+    project = copy_project(dest)
+    (project / ".venv").symlink_to(venv)
+    os.utime(project / "pyproject.toml", (0, 0))
+    return project
 
 
 def stages_run(output: str) -> set[str]:

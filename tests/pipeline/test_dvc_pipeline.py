@@ -33,13 +33,14 @@ import pytest
 import yaml
 
 from sat_model.params import apply_overrides, read_yaml
-from tests.factories import ROOT, copy_project
+from tests.factories import ROOT
 from tests.figures import figure_panels
 from tests.pipeline.projects import (
     METRIC_KEYS,
     TINY,
     assert_repro_ran,
     check_recorded_sweep,
+    project_for_make_run,
     stages_run,
 )
 from tests.pipeline.servers import free_port, stop_process_group, wait_for_port
@@ -75,7 +76,6 @@ def dvc(project: Path, *args: str) -> str:
 
 
 PAGE = ROOT / "docs" / "guide" / "quickstart.md"
-VENV = Path(sys.prefix)
 BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
 
 # quickstart blocks that this module does not run, by their first line, and why
@@ -110,9 +110,7 @@ def _bash(project: Path, block: str, **kw: object) -> subprocess.CompletedProces
 def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The project with tiny params (committed) and a free serving port, after the quickstart's
     `make run`; its output in ``first_repro.log``."""
-    if not (VENV / ".installed").is_file():
-        pytest.skip("tests run outside the project's .venv: make run would install one")
-    path = copy_project(tmp_path_factory.mktemp("clone") / "sat")
+    path = project_for_make_run(tmp_path_factory.mktemp("clone") / "sat")
     port = free_port()
     raw = apply_overrides(
         read_yaml((path / "params.yaml").read_text()), [*TINY, f"serve.port={port}"]
@@ -120,8 +118,6 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     (path / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "commit", "-qam", "tiny params"], cwd=path, check=True)
-    (path / ".venv").symlink_to(VENV)
-    os.utime(path / "pyproject.toml", (0, 0))  # older than .venv/.installed: make installs nothing
     (path / "port").write_text(str(port))
     with (path / ".git" / "info" / "exclude").open("a") as exclude:  # this module's own files
         exclude.write("/port\n/first_repro.log\n")

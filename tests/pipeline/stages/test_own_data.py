@@ -27,12 +27,11 @@ import yaml
 
 from sat_model.params import apply_overrides, read_yaml
 from sat_model.paths import shared_data
-from tests.factories import ROOT, copy_project
-from tests.pipeline.projects import METRIC_KEYS
+from tests.factories import ROOT
+from tests.pipeline.projects import METRIC_KEYS, project_for_make_run
 
 SAMPLE = shared_data("flickr8k-sample")
 BIN = Path(sys.executable).parent
-VENV = Path(sys.prefix)
 
 pytestmark = [
     pytest.mark.slow,
@@ -166,11 +165,7 @@ def _check_summary(out: str, reports: Path) -> None:
 
 
 def test_a_folder_of_photos_to_a_captioning_champion(tmp_path: Path) -> None:
-    if not (VENV / ".installed").is_file():
-        pytest.skip("tests run outside the project's .venv: make run would install one")
-    project = copy_project(tmp_path / "sat")
-    (project / ".venv").symlink_to(VENV)
-    os.utime(project / "pyproject.toml", (0, 0))  # older than .venv/.installed: no install
+    project = project_for_make_run(tmp_path / "sat")
     photos = tmp_path / "photos"
     csv_path, expected = _dataset(photos)
     new_profile, make_run = _readme_commands(photos)
