@@ -41,12 +41,18 @@ def context(args: argparse.Namespace) -> StageContext:
 def params_or_defaults(args: argparse.Namespace) -> Params:
     """``--params`` with ``-S``; outside a project (no ``params.yaml`` here, no ``--params``,
     no ``-S``) the defaults. A ``--params`` file that does not exist is an error: a mistyped
-    profile path would otherwise run with the defaults."""
+    profile path would otherwise run with the defaults. Read once per command: a command asks
+    for the store, the model's name and its settings, and validating costs a second each time."""
     from pipeline.settings import Params, load_params
 
-    if not Path(args.params).exists() and not args.overrides and not params_given(args):
-        return Params()
-    return load_params(args.params, args.overrides)
+    loaded: Params | None = getattr(args, "_params", None)
+    if loaded is None:
+        if not Path(args.params).exists() and not args.overrides and not params_given(args):
+            loaded = Params()
+        else:
+            loaded = load_params(args.params, args.overrides)
+        args._params = loaded
+    return loaded
 
 
 def _mlflow(args: argparse.Namespace) -> MlflowConfig:

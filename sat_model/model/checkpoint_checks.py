@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from sat_model.model.decoder import ModelConfig, ShowAttendTell
 
@@ -154,12 +155,30 @@ def _required(f: dataclasses.Field[Any]) -> bool:
     return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
+class _NoNormalInit(TorchFunctionMode):
+    """Skips ``normal_`` (``nn.Embedding``'s initialiser): on the meta device it computes nothing,
+    yet runs one of PyTorch's Python decompositions, whose first call imports the compiler (about
+    1.5 CPU-s in every process that loads a model)."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.init.normal_ or func is torch.Tensor.normal_:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def check_shapes(
     config: ModelConfig, state: Mapping[str, torch.Tensor], path: Path, what: str
 ) -> None:
     """Every tensor of ``state`` has the name and shape ``config`` implies, checked on a model
     built on the meta device (shapes only: nothing is allocated, whatever the config says)."""
-    with torch.device("meta"):
+    with torch.device("meta"), _NoNormalInit():
         expected = {k: tuple(v.shape) for k, v in ShowAttendTell(config).state_dict().items()}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

@@ -334,10 +334,13 @@ class ShowAttendTell(nn.Module):
 
 
 def _cell_coordinates(config: ModelConfig) -> Tensor:
-    """(x, y) of every cell centre in [-1, 1], row-major as the feature map is flattened: (L, 2)."""
+    """(x, y) of every cell centre in [-1, 1], row-major as the feature map is flattened: (L, 2).
+    On the CPU, whatever the default device (the meta device of a shape check): moved with the
+    model."""
     grid_h, grid_w = config.num_locations // config.grid_w, config.grid_w
-    ys = (torch.arange(grid_h, dtype=torch.float32) + 0.5) / grid_h * 2 - 1  # (grid_h,)
-    xs = (torch.arange(grid_w, dtype=torch.float32) + 0.5) / grid_w * 2 - 1  # (grid_w,)
+    cpu = torch.device("cpu")
+    ys = (torch.arange(grid_h, dtype=torch.float32, device=cpu) + 0.5) / grid_h * 2 - 1  # (grid_h,)
+    xs = (torch.arange(grid_w, dtype=torch.float32, device=cpu) + 0.5) / grid_w * 2 - 1  # (grid_w,)
     y, x = torch.meshgrid(ys, xs, indexing="ij")  # (grid_h, grid_w) each
     return torch.stack([x.reshape(-1), y.reshape(-1)], dim=1)  # (L, 2)
 

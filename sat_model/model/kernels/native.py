@@ -2,11 +2,11 @@
 
 The first call compiles the source through ``torch.utils.cpp_extension`` with the machine's C++
 compiler (``$CXX``, else ``c++``) for this CPU (``-march=native``) into
-``$XDG_CACHE_HOME/sat/kernels`` (default ``~/.cache``), in a folder named by the CPU's features,
-so another machine builds its own; later processes load the built library (ninja rebuilds it
-when the source or the flags change). The matrix products stay with torch's own BLAS, whose
-``sgemm_`` the recurrences call by address. Where there is no compiler or the build fails,
-``load`` returns None and a warning says why, once per process.
+``$XDG_CACHE_HOME/sat/kernels`` (default ``~/.cache``), in a folder named by the CPU's features
+and the source, so another machine builds its own; later processes, from any checkout of that
+source, load the built library (ninja rebuilds it when the flags change). The matrix products
+stay with torch's own BLAS, whose ``sgemm_`` the recurrences call by address. Where there is no
+compiler or the build fails, ``load`` returns None and a warning says why, once per process.
 """
 
 from __future__ import annotations
@@ -110,21 +110,38 @@ def _build() -> Path:
     finally:
         quiet.setLevel(level)
     # named by the CPU and the source: checkouts of other versions keep builds of their own
-    key = _cpu_features() + SOURCE.read_text(encoding="utf-8")
-    name = "sat_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    source = SOURCE.read_text(encoding="utf-8")
+    name = "sat_kernels_" + hashlib.sha256((_cpu_features() + source).encode()).hexdigest()[:16]
     directory = cache_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # its compiler checks warn on their own; one warning here
         warnings.simplefilter("ignore")
         path = cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(_source_in(directory, source))],
             extra_cflags=list(COMPILE_FLAGS),
             extra_ldflags=list(LINK_FLAGS),
             build_directory=str(directory),
             is_python_module=False,
         )
     return Path(str(path))
+
+
+def _source_in(directory: Path, source: str) -> Path:
+    """The source's copy in its build folder, written once: ninja's build file names the
+    source's path, so building from each checkout's own file would rebuild the shared library
+    whenever another checkout (a project copy, a worktree) had built it last."""
+    copy = directory / SOURCE.name
+    if not copy.is_file():
+        partial = directory / f".{SOURCE.name}.{os.getpid()}"
+        partial.write_text(source, encoding="utf-8")
+        try:
+            os.link(partial, copy)  # never over a copy another process wrote: same text, mtime
+        except FileExistsError:
+            pass
+        finally:
+            partial.unlink()
+    return copy
 
 
 def _cpu_features() -> str:

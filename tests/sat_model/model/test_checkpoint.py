@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -126,6 +128,33 @@ def test_loading_a_model_for_use_unpickles_nothing(
     loaded, _, _ = load_model(path)
     assert torch.equal(loaded.out.weight, model.out.weight)
     assert load_checkpoint(path).training is None  # what resuming needs is read only on request
+
+
+def test_loading_a_model_leaves_pytorchs_compiler_unimported(tmp_path: Path) -> None:
+    """The shape check builds the model on the meta device, where ``normal_`` and ``stack``
+    run Python decompositions whose first call imports ``torch._dynamo`` (and sympy): about
+    1.5 CPU-s in every process that loads a model, a served replica's or a caption's."""
+    vocab = _vocab()
+    config = model_config(
+        vocab_size=len(vocab), annotation_dim=D, num_locations=L, attention_dim=7,
+        attention="hard", coordinates=True, grid_w=3, normalize_features=True,
+    )  # fmt: skip
+    save_checkpoint(
+        tmp_path / "ckpt",
+        model_config=config,
+        vocab=vocab,
+        model_state=ShowAttendTell(config).state_dict(),
+    )
+    script = (
+        "import sys\nfrom sat_model.model.checkpoint import load_model\n"
+        "model, _, _ = load_model(sys.argv[1])\nassert model.coords.shape == (6, 2)\n"
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "ckpt")], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_checkpoint_keeps_criterion_baseline_optimizer_and_scores(tmp_path: Path) -> None:

@@ -49,6 +49,30 @@ def test_the_kernels_build_where_there_is_a_compiler(
     assert [p.stat().st_mtime_ns for p in native.cache_dir().glob("*/*.so")] == [stamp]
 
 
+@pytest.mark.slow
+@needs_compiler
+def test_another_checkout_of_the_same_source_loads_the_built_library(tmp_path: Path) -> None:
+    """A project copy or a worktree holds the same source at another path: its processes load
+    the library that the first checkout's process built instead of building it again."""
+    other = tmp_path / "other-checkout" / native.SOURCE.name
+    other.parent.mkdir()
+    shutil.copy2(native.SOURCE, other)
+    script = (
+        "import sys\nfrom pathlib import Path\nfrom sat_model.model.kernels import native\n"
+        "native.SOURCE = Path(sys.argv[1])\nassert native.load() is not None\n"
+    )
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    built: list[list[tuple[Path, int]]] = []
+    for source in (native.SOURCE, other, native.SOURCE):
+        run = subprocess.run(
+            [sys.executable, "-c", script, str(source)], env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr
+        libraries = (tmp_path / "cache" / "sat" / "kernels").glob("*/*.so")
+        built.append([(p, p.stat().st_mtime_ns) for p in libraries])
+    assert len(built[0]) == 1 and built[1] == built[0] and built[2] == built[0], built
+
+
 @pytest.mark.parametrize("compiler", ["no-such-compiler-here", "false"])
 def test_no_usable_compiler_leaves_one_warning(
     compiler: str,
