@@ -157,8 +157,8 @@ def _required(f: dataclasses.Field[Any]) -> bool:
 
 class _NoNormalInit(TorchFunctionMode):
     """Skips ``normal_`` (``nn.Embedding``'s initialiser): on the meta device it computes nothing,
-    yet runs one of PyTorch's Python decompositions, whose first call imports the compiler (about
-    1.5 CPU-s in every process that loads a model)."""
+    yet runs one of PyTorch's Python decompositions, whose first call imports the compiler and
+    sympy, a second of CPU in every process that loads a model."""
 
     def __torch_function__(
         self,

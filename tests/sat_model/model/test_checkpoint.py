@@ -132,8 +132,8 @@ def test_loading_a_model_for_use_unpickles_nothing(
 
 def test_loading_a_model_leaves_pytorchs_compiler_unimported(tmp_path: Path) -> None:
     """The shape check builds the model on the meta device, where ``normal_`` and ``stack``
-    run Python decompositions whose first call imports ``torch._dynamo`` (and sympy): about
-    1.5 CPU-s in every process that loads a model, a served replica's or a caption's."""
+    run Python decompositions whose first call imports ``torch._dynamo`` (and sympy): a cost in
+    every process that loads a model, a served replica's or a caption's."""
     vocab = _vocab()
     config = model_config(
         vocab_size=len(vocab), annotation_dim=D, num_locations=L, attention_dim=7,
