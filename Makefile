@@ -53,9 +53,10 @@ docs-check: $(VENV)/.installed-dev
 	$(BIN)/mkdocs build --strict --quiet
 
 # two workers, each a whole module at a time (its servers, its cluster, its pipeline run):
-# most tests wait on processes they started, so two share the two cores well
+# most tests wait on processes they started, so two share the two cores well. Modules go out
+# longest first (tests/conftest.py); xdist would otherwise reorder them by their test counts
 all-tests: $(VENV)/.installed-dev
-	$(BIN)/pytest -n 2 --dist loadfile
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # The inner loop: lint, types and every test that is no real-path integration (tests/conftest.py:
 # `--fast` leaves out the marked ones and fails a test over 5 CPU-seconds); mypy and the tests

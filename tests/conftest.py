@@ -97,8 +97,9 @@ WEIGHTS = {"cluster": 0, "slow": 1, "ray": 1, "mlflow": 1, "java": 2}
 
 def _heaviest_modules_first(items: list[pytest.Item]) -> None:
     """Order whole modules by weight, keeping each module's tests in their order: xdist's
-    ``--dist loadfile`` hands modules out in this order, so the long ones start first and the
-    short ones fill the gaps at the end instead of leaving one worker waiting on a cluster."""
+    ``--dist loadfile --no-loadscope-reorder`` hands modules out in this order (without the
+    flag it sorts them by their number of tests), so the long ones start first and the short
+    ones fill the gaps at the end instead of leaving one worker waiting on a cluster."""
     heaviest: dict[str, int] = {}
     tests: dict[str, list[bool]] = {}
     for item in items:
